@@ -1,0 +1,58 @@
+#include "shardtrain/core/units.h"
+
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+
+#include "shardtrain/core/error.h"
+
+namespace shardtrain {
+
+std::string format_bytes(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (std::fabs(v) >= 1024.0 && u < 4) {
+    v /= 1024.0;
+    ++u;
+  }
+  char buf[64];
+  if (u == 0)
+    std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(bytes));
+  else
+    std::snprintf(buf, sizeof buf, "%.2f %s", v, units[u]);
+  return buf;
+}
+
+int64_t parse_bytes(const std::string& text) {
+  size_t i = 0;
+  while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.'))
+    ++i;
+  std::string number = text.substr(0, i);
+  std::string unit = text.substr(i);
+  while (!unit.empty() && unit.front() == ' ') unit.erase(0, 1);
+  double v = 0;
+  try {
+    size_t used = 0;
+    v = std::stod(number, &used);
+    if (used != number.size()) throw std::invalid_argument("x");
+  } catch (const std::exception&) {
+    throw ConfigError("cannot read '" + text + "' as a byte size: write e.g. 80GiB, 512MiB, 24GB");
+  }
+  double mult = 1;
+  if (unit.empty() || unit == "B") mult = 1;
+  else if (unit == "KiB" || unit == "K") mult = 1024.0;
+  else if (unit == "MiB" || unit == "M") mult = 1024.0 * 1024;
+  else if (unit == "GiB" || unit == "G") mult = 1024.0 * 1024 * 1024;
+  else if (unit == "TiB" || unit == "T") mult = 1024.0 * 1024 * 1024 * 1024;
+  else if (unit == "KB") mult = 1e3;
+  else if (unit == "MB") mult = 1e6;
+  else if (unit == "GB") mult = 1e9;
+  else if (unit == "TB") mult = 1e12;
+  else
+    throw ConfigError("unknown byte unit '" + unit + "' in '" + text +
+                      "': use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB");
+  return static_cast<int64_t>(v * mult);
+}
+
+}  // namespace shardtrain
