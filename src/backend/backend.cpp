@@ -2,13 +2,32 @@
 
 #include <array>
 
+#include "builtin.h"
+
 namespace shardtrain {
 
 namespace {
-std::array<Backend*, 3>& backends() {
-  static std::array<Backend*, 3> b{};
+
+using BackendTable = std::array<Backend*, 3>;
+
+BackendTable& backends() {
+  static BackendTable b{};
   return b;
 }
+
+// Registers the built-in backends on first use (thread-safe through the function-local static).
+// Backends registered explicitly before that keep their slot.
+void ensure_builtin_backends() {
+  static const bool registered = [] {
+    const BackendTable explicit_backends = backends();
+    detail::register_builtin_backends();
+    for (size_t i = 0; i < explicit_backends.size(); ++i)
+      if (explicit_backends[i] != nullptr) backends()[i] = explicit_backends[i];
+    return true;
+  }();
+  (void)registered;
+}
+
 }  // namespace
 
 void register_backend(DeviceKind kind, Backend* backend) {
@@ -16,6 +35,7 @@ void register_backend(DeviceKind kind, Backend* backend) {
 }
 
 Backend& backend_for(Device device) {
+  ensure_builtin_backends();
   DeviceKind kind = device.is_host() ? DeviceKind::CPU : device.kind;
   Backend* b = backends()[static_cast<size_t>(kind)];
   if (b == nullptr)
@@ -25,6 +45,9 @@ Backend& backend_for(Device device) {
   return *b;
 }
 
-bool cuda_backend_available() { return backends()[static_cast<size_t>(DeviceKind::CUDA)] != nullptr; }
+bool cuda_backend_available() {
+  ensure_builtin_backends();
+  return backends()[static_cast<size_t>(DeviceKind::CUDA)] != nullptr;
+}
 
 }  // namespace shardtrain

@@ -1,12 +1,120 @@
 #include "shardtrain/cli/cli.h"
 
-#include <cstdio>
+#include <algorithm>
+#include <iostream>
+
+#include "shardtrain/cli/command.h"
+#include "shardtrain/core/suggest.h"
 
 namespace shardtrain::cli {
 
+// Each subcommand lives in its own file in this folder; adding one means writing that file and
+// adding its line here (and to the list below, in the order --help shows them).
+Command config_command();
+Command train_command();
+Command check_command();
+
+const std::vector<Command>& commands() {
+  static const std::vector<Command> all = {
+      train_command(),
+      check_command(),
+      config_command(),
+  };
+  return all;
+}
+
+namespace {
+
+std::string overview() {
+  std::string out =
+      "usage: shardtrain <command> [flags]\n\n"
+      "Train transformer language models with sharded data parallelism, activation\n"
+      "checkpointing/offload, mixed precision and QLoRA.\n\ncommands:\n";
+  size_t width = 0;
+  for (const Command& c : commands()) width = std::max(width, c.name.size());
+  for (const Command& c : commands())
+    out += "  " + c.name + std::string(width - c.name.size() + 2, ' ') + c.summary + "\n";
+  out += "\nRun 'shardtrain <command> --help' for a command's flags.\n";
+  return out;
+}
+
+const Command* find_command(const std::string& name) {
+  for (const Command& c : commands())
+    if (c.name == name) return &c;
+  return nullptr;
+}
+
+[[noreturn]] void unknown_command(const std::string& name) {
+  std::vector<std::string> names;
+  for (const Command& c : commands()) names.push_back(c.name);
+  std::string message = "unknown command '" + name + "'";
+  std::string near = closest_match(name, names);
+  if (!near.empty()) message += ": did you mean '" + near + "'?";
+  throw UsageError(message);
+}
+
+bool asks_for_help(const std::vector<std::string>& args) {
+  for (const std::string& a : args) {
+    if (a == "--") return false;
+    if (a == "-h" || a == "--help") return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+int run(const std::vector<std::string>& args) {
+  std::string hint = "run 'shardtrain --help' for usage";
+  try {
+    if (args.empty()) {
+      std::cerr << overview();
+      return 2;
+    }
+    const std::string& first = args[0];
+    if (first == "-h" || first == "--help" || first == "help") {
+      if (first == "help" && args.size() > 1) {
+        const Command* c = find_command(args[1]);
+        if (!c) unknown_command(args[1]);
+        std::cout << command_help(*c);
+      } else {
+        std::cout << overview();
+      }
+      return 0;
+    }
+    if (first.rfind("-", 0) == 0)
+      throw UsageError("unknown option '" + first + "': give a command first");
+    const Command* command = find_command(first);
+    if (!command) unknown_command(first);
+    hint = "run 'shardtrain " + command->name + " --help' for usage";
+
+    std::vector<std::string> rest(args.begin() + 1, args.end());
+    if (asks_for_help(rest)) {
+      std::cout << command_help(*command);
+      return 0;
+    }
+    Args parsed = parse_args(*command, rest);
+    int code = command->run(parsed);
+    std::cout.flush();
+    return code;
+  } catch (const UsageError& e) {
+    std::cerr << "error: " << e.what() << "\n" << hint << "\n";
+    return 2;
+  } catch (const Error& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "internal error: " << e.what() << "\n";
+    return 3;
+  } catch (...) {
+    std::cerr << "internal error: unknown exception\n";
+    return 3;
+  }
+}
+
 int main(int argc, char** argv) {
-  std::fprintf(stderr, "shardtrain: no subcommands yet\n");
-  return 2;
+  std::vector<std::string> args;
+  for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
+  return run(args);
 }
 
 }  // namespace shardtrain::cli

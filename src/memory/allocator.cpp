@@ -70,6 +70,14 @@ void Allocator::deallocate(void* ptr, size_t bytes, MemoryCategory category) {
   ledger_.set_reserved(reserved_bytes());
 }
 
+void Allocator::recategorize(size_t bytes, MemoryCategory from, MemoryCategory to) {
+  if (from == to) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t counted = static_cast<int64_t>(round_up(bytes));
+  ledger_.release(counted, from);
+  ledger_.charge_unchecked(counted, to);
+}
+
 MemoryStats Allocator::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return ledger_.stats();
@@ -154,6 +162,11 @@ DataPtr& DataPtr::operator=(DataPtr&& o) noexcept {
     o.owned_ = false;
   }
   return *this;
+}
+
+void DataPtr::set_category(MemoryCategory category) {
+  if (owned_ && ptr_ != nullptr) allocator_for(device_).recategorize(bytes_, category_, category);
+  category_ = category;
 }
 
 void DataPtr::reset() {

@@ -27,6 +27,10 @@ void MemoryLedger::charge(int64_t bytes, MemoryCategory c, const std::string& wh
                        "scale-up recipe (shardtrain plan lists which step fits)."),
         bytes);
   }
+  charge_unchecked(bytes, c);
+}
+
+void MemoryLedger::charge_unchecked(int64_t bytes, MemoryCategory c) {
   int i = static_cast<int>(c);
   stats_.in_use[i] += bytes;
   stats_.peak[i] = std::max(stats_.peak[i], stats_.in_use[i]);

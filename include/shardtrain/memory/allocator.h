@@ -22,6 +22,9 @@ class Allocator {
   void* allocate(size_t bytes, MemoryCategory category);
   void deallocate(void* ptr, size_t bytes, MemoryCategory category);
 
+  // Moves counted bytes from one category to another (a buffer handed to a new owner).
+  void recategorize(size_t bytes, MemoryCategory from, MemoryCategory to);
+
   MemoryStats stats() const;
   void reset_peak();
   // Caps the bytes in use (0 = no cap). On a GPU the physical memory is a cap as well.
@@ -67,6 +70,8 @@ class DataPtr {
   size_t bytes() const { return bytes_; }
   Device device() const { return device_; }
   MemoryCategory category() const { return category_; }
+  // Counts this allocation under another category from now on.
+  void set_category(MemoryCategory category);
 
  private:
   void reset();

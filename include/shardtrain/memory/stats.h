@@ -31,6 +31,8 @@ class MemoryLedger {
   // Throws OutOfMemoryError (naming `where`, the request and the in-use breakdown) when the
   // capacity would be exceeded.
   void charge(int64_t bytes, MemoryCategory c, const std::string& where);
+  // Counts bytes without the capacity check (bytes that are already allocated).
+  void charge_unchecked(int64_t bytes, MemoryCategory c);
   void release(int64_t bytes, MemoryCategory c);
   void reset_peak();
   void set_capacity(int64_t bytes) { stats_.capacity = bytes; }

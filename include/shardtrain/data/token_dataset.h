@@ -1,0 +1,68 @@
+// Token datasets: a token stream stored in HDF5 as a 1-D dataset `tokens` (uint16 when the
+// vocabulary fits, else uint32) with attributes `vocab_size` (int64) and `tokenizer` (string).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardtrain/data/hdf5.h"
+
+namespace shardtrain {
+
+// Streams tokens into a new token dataset. The file is built under `path.tmp.<pid>` and renamed
+// over `path` only by commit(), so an interrupted write never leaves a partial dataset behind.
+class TokenDatasetWriter {
+ public:
+  TokenDatasetWriter(const std::string& path, int64_t vocab_size, const std::string& tokenizer);
+  ~TokenDatasetWriter();
+  TokenDatasetWriter(const TokenDatasetWriter&) = delete;
+  TokenDatasetWriter& operator=(const TokenDatasetWriter&) = delete;
+
+  // Throws ConfigError naming the position of a token >= vocab_size.
+  void append(const uint32_t* tokens, size_t count);
+  void append(const std::vector<uint32_t>& tokens) { append(tokens.data(), tokens.size()); }
+  int64_t size() const { return size_; }
+  void commit();
+
+ private:
+  std::string path_;
+  std::string tmp_path_;
+  int64_t vocab_size_;
+  bool narrow_;  // stored as uint16
+  int64_t size_ = 0;
+  std::unique_ptr<h5::File> file_;
+  std::unique_ptr<h5::Dataset> dataset_;
+  bool committed_ = false;
+};
+
+// Writes a whole token stream at once (atomically, as TokenDatasetWriter).
+void write_token_dataset(const std::string& path, const std::vector<uint32_t>& tokens,
+                         int64_t vocab_size, const std::string& tokenizer);
+
+// A token stream held in memory, shared cheaply between samplers.
+class TokenDataset {
+ public:
+  // Reads and validates a token dataset; throws ConfigError when the file is missing and
+  // FormatError (naming the file and the problem) when it is not a valid token dataset, including
+  // any token >= vocab_size.
+  static TokenDataset open(const std::string& path);
+  // A dataset over tokens already in memory; `source` names it in messages.
+  static TokenDataset from_tokens(std::vector<uint32_t> tokens, int64_t vocab_size,
+                                  std::string tokenizer, std::string source = "<memory>");
+
+  const std::string& source() const { return source_; }
+  int64_t vocab_size() const { return vocab_size_; }
+  const std::string& tokenizer() const { return tokenizer_; }
+  int64_t size() const { return static_cast<int64_t>(tokens_->size()); }
+  const std::vector<uint32_t>& tokens() const { return *tokens_; }
+  const std::shared_ptr<const std::vector<uint32_t>>& shared_tokens() const { return tokens_; }
+
+ private:
+  std::string source_;
+  int64_t vocab_size_ = 0;
+  std::string tokenizer_;
+  std::shared_ptr<const std::vector<uint32_t>> tokens_;
+};
+
+}  // namespace shardtrain

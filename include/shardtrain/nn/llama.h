@@ -1,0 +1,125 @@
+// The Llama decoder (Hugging Face LlamaForCausalLM semantics and parameter names).
+#pragma once
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardtrain/nn/layers.h"
+#include "shardtrain/ops/ops.h"
+
+namespace shardtrain::nn {
+
+struct LlamaConfig {
+  int64_t vocab_size = 256;
+  int64_t hidden_size = 64;
+  int64_t intermediate_size = 176;
+  int64_t num_layers = 2;
+  int64_t num_heads = 4;
+  int64_t num_kv_heads = 4;
+  float rms_norm_eps = 1e-5f;
+  float rope_theta = 10000.0f;
+  bool tie_embeddings = false;
+  int64_t max_seq_len = 2048;
+  float init_std = 0.02f;
+
+  int64_t head_dim() const { return hidden_size / num_heads; }
+  // Checks the shape is consistent (heads divide hidden, kv heads divide heads, ...).
+  void validate() const;
+  // Reads a Hugging Face config.json (LlamaConfig fields); errors name the file and field.
+  static LlamaConfig from_hf_json(const std::string& path);
+  std::string to_hf_json() const;
+  int64_t num_parameters() const;
+};
+
+// A function of one tensor (a decoder layer's forward, the attention core, ...).
+using TensorFn = std::function<Tensor(const Tensor&)>;
+
+// Wraps how a decoder layer runs: activation checkpointing puts it in a recompute region, FSDP
+// gathers its parameters around it, mixed precision swaps in compute copies. Wrappers compose:
+// the first one added is the outermost.
+using LayerWrapper = std::function<Tensor(int layer, const TensorFn& inner, const Tensor& x)>;
+// Wraps the attention core (scores, softmax, weighted sum) of a layer: selective recompute.
+using AttentionCoreFn = std::function<Tensor(const Tensor& q, const Tensor& k, const Tensor& v)>;
+using AttentionCoreWrapper =
+    std::function<Tensor(int layer, const AttentionCoreFn& inner, const Tensor& q,
+                         const Tensor& k, const Tensor& v)>;
+// Wraps the whole forward (the root unit: embeddings, final norm, head).
+using ModelWrapper = std::function<Tensor(const TensorFn& inner, const Tensor& ids)>;
+
+class Attention : public Module {
+ public:
+  Attention(const LlamaConfig& config, int layer_index, Device device);
+  Tensor forward(const Tensor& x);  // x [B, S, H]
+  void replace_projection(const std::string& name, std::unique_ptr<Linear> linear);
+  Linear& projection(const std::string& name);
+
+  std::unique_ptr<Linear> q_proj, k_proj, v_proj, o_proj;
+  const std::vector<AttentionCoreWrapper>* core_wrappers = nullptr;
+  ops::AttentionImpl impl = ops::AttentionImpl::Plain;
+
+ private:
+  LlamaConfig config_;
+  int layer_;
+};
+
+class MLP : public Module {
+ public:
+  MLP(const LlamaConfig& config, Device device);
+  Tensor forward(const Tensor& x);
+  void replace_projection(const std::string& name, std::unique_ptr<Linear> linear);
+  Linear& projection(const std::string& name);
+  std::unique_ptr<Linear> gate_proj, up_proj, down_proj;
+};
+
+class DecoderLayer : public Module {
+ public:
+  DecoderLayer(const LlamaConfig& config, int layer_index, Device device);
+  Tensor forward(const Tensor& x);
+  RMSNorm input_layernorm;
+  Attention self_attn;
+  RMSNorm post_attention_layernorm;
+  MLP mlp;
+};
+
+class LlamaModel : public Module {
+ public:
+  LlamaModel(const LlamaConfig& config, Device device);
+
+  // ids I64 [B, S] -> logits [B*S, V] in the dtype of the parameters used.
+  Tensor forward(const Tensor& ids);
+  // Summed cross-entropy over counted targets (-100 ignored); `counted` gets their number.
+  Tensor loss_sum(const Tensor& ids, const Tensor& targets, int64_t* counted = nullptr);
+
+  // Normal(0, init_std) for projections and embeddings, ones for norms; deterministic per seed
+  // and independent of the device.
+  void init_weights(uint64_t seed);
+
+  void add_layer_wrapper(LayerWrapper w) { layer_wrappers_.push_back(std::move(w)); }
+  void add_attention_core_wrapper(AttentionCoreWrapper w) { core_wrappers_.push_back(std::move(w)); }
+  void add_model_wrapper(ModelWrapper w) { model_wrappers_.push_back(std::move(w)); }
+  void set_attention_impl(ops::AttentionImpl impl);
+
+  const LlamaConfig& config() const { return config_; }
+  Device device() const { return device_; }
+  int num_layers() const { return static_cast<int>(layers.size()); }
+  // Parameters of one decoder layer (HF names) and of the root (embeddings, final norm, head).
+  std::vector<std::pair<std::string, Tensor*>> layer_parameters(int layer);
+  std::vector<std::pair<std::string, Tensor*>> root_parameters();
+
+  Embedding embed_tokens;
+  std::vector<std::unique_ptr<DecoderLayer>> layers;
+  RMSNorm norm;
+  std::unique_ptr<Linear> lm_head;  // null when tied to embed_tokens
+
+ private:
+  Tensor forward_unwrapped(const Tensor& ids);
+  Tensor run_layer(int i, const Tensor& x);
+  LlamaConfig config_;
+  Device device_;
+  std::vector<LayerWrapper> layer_wrappers_;
+  std::vector<AttentionCoreWrapper> core_wrappers_;
+  std::vector<ModelWrapper> model_wrappers_;
+};
+
+}  // namespace shardtrain::nn

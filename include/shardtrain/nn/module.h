@@ -1,0 +1,42 @@
+// Module: a named tree of parameters, like torch.nn.Module without the magic.
+//
+// Parameters are Tensor members registered by pointer, so code above (mixed precision, FSDP)
+// can swap a parameter's tensor for a compute copy around a forward and put it back after.
+#pragma once
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "shardtrain/tensor/tensor.h"
+
+namespace shardtrain::nn {
+
+class Module {
+ public:
+  virtual ~Module() = default;
+  Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  // (full name, slot) for this module's parameters and its children's, in registration order.
+  // Names follow Hugging Face (e.g. "model.layers.0.self_attn.q_proj.weight").
+  std::vector<std::pair<std::string, Tensor*>> named_parameters(const std::string& prefix = "");
+  std::vector<Tensor*> parameters();
+  int64_t num_parameters();
+
+  void train(bool on = true);
+  bool is_training() const { return training_; }
+
+ protected:
+  void register_parameter(std::string name, Tensor* slot);
+  void register_child(std::string name, Module* child);
+  // Replaces a registered child (e.g. a Linear by a LoRA linear) keeping its name and order.
+  void replace_child(const std::string& name, Module* child);
+
+ private:
+  std::vector<std::pair<std::string, Tensor*>> params_;
+  std::vector<std::pair<std::string, Module*>> children_;
+  bool training_ = true;
+};
+
+}  // namespace shardtrain::nn

@@ -1,0 +1,92 @@
+// Optimizers (AdamW, SGD), the learning-rate schedule and global-norm gradient clipping.
+//
+// An optimizer updates a list of named fp32 parameters from their .grad. What a "parameter" is
+// depends on the layer above: a model weight in single-process training, a rank's shard of a
+// flat parameter under FSDP.
+#pragma once
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardtrain/tensor/tensor.h"
+
+namespace shardtrain::optim {
+
+struct NamedParam {
+  std::string name;
+  Tensor* param;
+};
+
+// Which parameters get weight decay. Default (LLM practice): projections only, not norms or
+// embeddings; with `decay_all` every parameter (what the reference AdamW step does).
+bool default_decay_filter(const std::string& name);
+
+struct AdamWOptions {
+  float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.1f;
+  bool decay_all = false;
+};
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  // One update at learning rate `lr` using each parameter's .grad (parameters without a
+  // gradient are skipped).
+  virtual void step(float lr) = 0;
+  void zero_grad();
+  int64_t steps_taken() const { return steps_; }
+  void set_steps_taken(int64_t s) { steps_ = s; }
+  // Named state tensors (e.g. "exp_avg.<param>") for checkpoints.
+  virtual std::vector<std::pair<std::string, Tensor*>> state() { return {}; }
+  const std::vector<NamedParam>& params() const { return params_; }
+
+ protected:
+  explicit Optimizer(std::vector<NamedParam> params) : params_(std::move(params)) {}
+  std::vector<NamedParam> params_;
+  int64_t steps_ = 0;
+};
+
+class AdamW : public Optimizer {
+ public:
+  AdamW(std::vector<NamedParam> params, AdamWOptions options);
+  void step(float lr) override;
+  std::vector<std::pair<std::string, Tensor*>> state() override;
+
+ private:
+  AdamWOptions options_;
+  std::vector<Tensor> exp_avg_, exp_avg_sq_;
+  std::vector<bool> decay_;
+};
+
+class SGD : public Optimizer {
+ public:
+  SGD(std::vector<NamedParam> params, float momentum, float weight_decay);
+  void step(float lr) override;
+  std::vector<std::pair<std::string, Tensor*>> state() override;
+
+ private:
+  float momentum_, weight_decay_;
+  std::vector<Tensor> buffers_;
+};
+
+// Linear warmup from 0 to peak over `warmup_steps`, then cosine (or linear, or constant) decay
+// to `min_lr` at `total_steps`.
+struct LrSchedule {
+  enum class Kind { Cosine, Linear, Constant };
+  Kind kind = Kind::Cosine;
+  float peak = 3e-3f, min_lr = 3e-4f;
+  int64_t warmup_steps = 0, total_steps = 1;
+  // Learning rate of 0-based step `step`.
+  float at(int64_t step) const;
+};
+
+// Sum of squared gradient elements of `params` (fp64), the building block of global norms.
+double grad_sum_squares(const std::vector<NamedParam>& params);
+// Scales every gradient by `factor`.
+void scale_grads(const std::vector<NamedParam>& params, float factor);
+// Clips the global gradient norm to `max_norm` (0 = no clipping) and returns the norm before
+// clipping. `sum_squares` may be given (e.g. already reduced across ranks).
+double clip_grad_norm(const std::vector<NamedParam>& params, double max_norm,
+                      double sum_squares = -1.0);
+
+}  // namespace shardtrain::optim

@@ -1,0 +1,26 @@
+// Progress reporting on stderr: a redrawn bar on a terminal, plain lines otherwise.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+namespace shardtrain::train {
+
+class Progress {
+ public:
+  // mode: auto (bar when stderr is a terminal) | bar | lines | none
+  Progress(std::string mode, int64_t total_steps, std::string label);
+  // Called after each step; `text` is the status (loss, tokens/s, memory).
+  void update(int64_t step, const std::string& text);
+  // A line that must not be overwritten by the bar (evaluations, checkpoints).
+  void message(const std::string& text);
+  void finish();
+
+ private:
+  bool bar_ = false, quiet_ = false, open_line_ = false;
+  int64_t total_;
+  std::string label_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+}  // namespace shardtrain::train

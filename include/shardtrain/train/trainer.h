@@ -1,0 +1,23 @@
+// The training loop: data, steps, evaluation, progress, metrics and the final export.
+#pragma once
+#include <string>
+
+#include "shardtrain/train/config.h"
+
+namespace shardtrain::train {
+
+struct TrainSummary {
+  int64_t steps = 0;
+  double first_loss = 0, final_loss = 0;
+  double final_eval_loss = -1;  // < 0: never evaluated
+  double unigram_entropy_nats = 0;
+  double tokens_per_second = 0;
+  std::string metrics_path, export_dir;
+};
+
+// Runs `config` to completion. Writes <out_dir>/metrics.jsonl (one JSON object per step and per
+// evaluation, losses at full precision), <out_dir>/config.yaml (the resolved config) and, when
+// train.export is on, the model in Hugging Face layout under <out_dir>/export.
+TrainSummary run_training(const Config& config);
+
+}  // namespace shardtrain::train

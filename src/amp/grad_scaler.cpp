@@ -1,0 +1,69 @@
+#include "shardtrain/amp/grad_scaler.h"
+
+#include <cmath>
+
+#include "shardtrain/autograd/node.h"
+#include "shardtrain/backend/backend.h"
+
+namespace shardtrain::amp {
+
+GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
+  ST_CHECK_AS(ConfigError, std::isfinite(options.init_scale) && options.init_scale > 0.0f,
+              "loss scaling: init_scale must be a positive finite number, got ",
+              options.init_scale);
+  ST_CHECK_AS(ConfigError, std::isfinite(options.growth_factor) && options.growth_factor > 1.0f,
+              "loss scaling: growth_factor must be greater than 1, got ", options.growth_factor);
+  ST_CHECK_AS(ConfigError, options.backoff_factor > 0.0f && options.backoff_factor < 1.0f,
+              "loss scaling: backoff_factor must be in (0, 1), got ", options.backoff_factor);
+  ST_CHECK_AS(ConfigError, options.growth_interval >= 1,
+              "loss scaling: growth_interval must be at least 1 step, got ",
+              options.growth_interval);
+  state_.scale = options.init_scale;
+}
+
+bool GradScaler::unscale_and_check(const std::vector<Tensor*>& params) {
+  if (!options_.enabled) return false;
+  ST_CHECK(!unscaled_this_step_,
+           "GradScaler::unscale_and_check called twice in one step: the gradients are already "
+           "unscaled; call update() to end the step first");
+  unscaled_this_step_ = true;
+  // As torch.amp does: the reciprocal is formed in double and rounded once to float.
+  const float inv_scale = static_cast<float>(1.0 / static_cast<double>(state_.scale));
+  bool found_inf = false;
+  for (Tensor* param : params) {
+    Tensor g = autograd::grad(*param);
+    if (!g.defined()) continue;
+    // Every gradient is unscaled even after an overflow was seen, so they stay consistent.
+    found_inf = backend_for(g.device()).unscale_and_check(g, inv_scale) || found_inf;
+  }
+  return found_inf;
+}
+
+void GradScaler::update(bool found_inf) {
+  unscaled_this_step_ = false;
+  if (!options_.enabled) return;
+  if (found_inf) {
+    state_.scale *= options_.backoff_factor;
+    state_.growth_tracker = 0;
+    state_.skipped_steps += 1;
+    return;
+  }
+  state_.growth_tracker += 1;
+  if (state_.growth_tracker >= options_.growth_interval) {
+    float grown = state_.scale * options_.growth_factor;
+    if (std::isfinite(grown)) state_.scale = grown;
+    state_.growth_tracker = 0;
+  }
+}
+
+void GradScaler::set_state(const GradScalerState& state) {
+  ST_CHECK_AS(FormatError, std::isfinite(state.scale) && state.scale > 0.0f,
+              "loss-scaler state: scale must be a positive finite number, got ", state.scale);
+  ST_CHECK_AS(FormatError, state.growth_tracker >= 0 && state.skipped_steps >= 0,
+              "loss-scaler state: growth_tracker (", state.growth_tracker, ") and skipped_steps (",
+              state.skipped_steps, ") must not be negative");
+  state_ = state;
+  unscaled_this_step_ = false;
+}
+
+}  // namespace shardtrain::amp

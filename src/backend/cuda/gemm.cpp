@@ -1,0 +1,240 @@
+// Matrix products through cuBLASLt.
+//
+// Row-major C = op(A) op(B) is computed as the column-major product C^T = op(B)^T op(A)^T: a
+// row-major matrix is its transpose in column-major order, so cuBLASLt is handed B as its first
+// operand and A as its second, with the dimensions m and n swapped and the transposes kept.
+// Batches use cuBLASLt's strided-batch layout attributes (stride 0 broadcasts one matrix).
+// Compute is fp32 throughout (CUBLAS_COMPUTE_32F: no TF32 for f32 inputs, so results match the
+// CPU backend closely); 16-bit inputs run on tensor cores with fp32 accumulation.
+#include <cublasLt.h>
+
+#include <array>
+
+#include "cuda_backend.h"
+#include "shardtrain/core/error.h"
+
+namespace shardtrain::cuda {
+
+namespace {
+
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+
+void check_cublas(cublasStatus_t status, const char* call) {
+  if (status == CUBLAS_STATUS_SUCCESS) return;
+  throw Error(shardtrain::detail::concat("cuBLASLt call ", call, " failed: ",
+                                         cublasGetStatusString(status)));
+}
+#define ST_CUBLAS_CHECK(call) check_cublas((call), #call)
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::F32: return CUDA_R_32F;
+    case DType::BF16: return CUDA_R_16BF;
+    case DType::F16: return CUDA_R_16F;
+    default:
+      throw ShapeError(shardtrain::detail::concat("gemm needs float operands, got ",
+                                                  dtype_name(t)));
+  }
+}
+
+// Largest power of two (up to 256) dividing the address: cuBLASLt picks kernels by alignment.
+int64_t alignment_of(const void* p) {
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  int64_t a = 1;
+  while (a < 256 && address % static_cast<uintptr_t>(2 * a) == 0) a *= 2;
+  return a;
+}
+
+cublasLtMatrixLayout_t make_layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld,
+                                   int64_t batch, int64_t stride) {
+  cublasLtMatrixLayout_t layout = nullptr;
+  ST_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout, type, static_cast<uint64_t>(rows),
+                                             static_cast<uint64_t>(cols), ld));
+  if (batch > 1) {
+    const int32_t count = static_cast<int32_t>(batch);
+    ST_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                     &count, sizeof(count)));
+    ST_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
+        layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
+  }
+  return layout;
+}
+
+}  // namespace
+
+struct CublasLtGemm::Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  size_t workspace = 0;
+
+  ~Plan() {
+    if (a != nullptr) cublasLtMatrixLayoutDestroy(a);
+    if (b != nullptr) cublasLtMatrixLayoutDestroy(b);
+    if (c != nullptr) cublasLtMatrixLayoutDestroy(c);
+    if (desc != nullptr) cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+CublasLtGemm::CublasLtGemm() = default;
+
+CublasLtGemm::~CublasLtGemm() {
+  plans_.clear();
+  for (auto& [device, h] : handles_) cublasLtDestroy(static_cast<cublasLtHandle_t>(h));
+}
+
+void* CublasLtGemm::handle(int device) {
+  auto it = handles_.find(device);
+  if (it != handles_.end()) return it->second;
+  cublasLtHandle_t h = nullptr;
+  ST_CUBLAS_CHECK(cublasLtCreate(&h));
+  handles_[device] = h;
+  return h;
+}
+
+std::pair<void*, size_t> CublasLtGemm::workspace(int device, cudaStream_t stream) {
+  auto key = std::make_pair(device, stream);
+  auto it = workspaces_.find(key);
+  if (it == workspaces_.end()) {
+    DataPtr buffer;
+    try {
+      buffer = DataPtr(kWorkspaceBytes, Device::cuda(device), MemoryCategory::Workspace);
+    } catch (const OutOfMemoryError&) {
+      // Under a tight memory cap, run the algorithms that need no workspace.
+    }
+    it = workspaces_.emplace(key, std::move(buffer)).first;
+  }
+  return {it->second.get(), it->second.bytes()};
+}
+
+void CublasLtGemm::run(int device, cudaStream_t stream, const Problem& p) {
+  // Column-major operands: first = B (n x k after op), second = A (k x m after op).
+  const cudaDataType_t in = cuda_type(p.in_type), out = cuda_type(p.out_type);
+  const int64_t first_rows = p.trans_b ? p.k : p.n, first_cols = p.trans_b ? p.n : p.k;
+  const int64_t second_rows = p.trans_a ? p.m : p.k, second_cols = p.trans_a ? p.k : p.m;
+
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto [ws, ws_bytes] = workspace(device, stream);
+  const std::vector<int64_t> key = {device,
+                                    static_cast<int64_t>(p.in_type),
+                                    static_cast<int64_t>(p.out_type),
+                                    p.trans_a,
+                                    p.trans_b,
+                                    p.m,
+                                    p.n,
+                                    p.k,
+                                    p.batch,
+                                    p.batch > 1 ? p.stride_a : 0,
+                                    p.batch > 1 ? p.stride_b : 0,
+                                    p.batch > 1 ? p.stride_c : 0,
+                                    alignment_of(p.a),
+                                    alignment_of(p.b),
+                                    alignment_of(p.c),
+                                    static_cast<int64_t>(ws_bytes),
+                                    p.beta == 0.0f};
+  auto it = plans_.find(key);
+  if (it == plans_.end()) {
+    auto plan = std::make_unique<Plan>();
+    ST_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t op_first = p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t op_second = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    ST_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA,
+                                                   &op_first, sizeof(op_first)));
+    ST_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB,
+                                                   &op_second, sizeof(op_second)));
+    plan->a = make_layout(in, first_rows, first_cols, first_rows, p.batch, p.stride_b);
+    plan->b = make_layout(in, second_rows, second_cols, second_rows, p.batch, p.stride_a);
+    plan->c = make_layout(out, p.n, p.m, p.n, p.batch, p.stride_c);
+
+    cublasLtMatmulPreference_t pref = nullptr;
+    ST_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t max_ws = ws_bytes;
+    ST_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_ws, sizeof(max_ws)));
+    const std::array<std::pair<cublasLtMatmulPreferenceAttributes_t, const void*>, 4> aligns = {
+        {{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, p.b},
+         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, p.a},
+         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, p.c},
+         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, p.c}}};
+    for (const auto& [attr, ptr] : aligns) {
+      const uint32_t bytes = static_cast<uint32_t>(alignment_of(ptr));
+      ST_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &bytes, sizeof(bytes)));
+    }
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    const cublasStatus_t status =
+        cublasLtMatmulAlgoGetHeuristic(static_cast<cublasLtHandle_t>(handle(device)), plan->desc,
+                                       plan->a, plan->b, plan->c, plan->c, pref, 1, &result,
+                                       &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    ST_CHECK(status == CUBLAS_STATUS_SUCCESS && found > 0,
+             "cuBLASLt has no algorithm for gemm m=", p.m, " n=", p.n, " k=", p.k,
+             " batch=", p.batch, " (", dtype_name(p.in_type), " -> ", dtype_name(p.out_type),
+             ", trans_a=", p.trans_a, ", trans_b=", p.trans_b,
+             "): ", cublasGetStatusString(status));
+    plan->algo = result.algo;
+    plan->workspace = result.workspaceSize;
+    it = plans_.emplace(key, std::move(plan)).first;
+  }
+  const Plan& plan = *it->second;
+  ST_CUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle(device)), plan.desc,
+                                 &p.alpha, p.b, plan.a, p.a, plan.b, &p.beta, p.c, plan.c, p.c,
+                                 plan.c, &plan.algo, ws, plan.workspace, stream));
+}
+
+// ---- Backend::gemm --------------------------------------------------------------------------
+
+void CudaBackend::gemm(const GemmArgs& g, const Tensor& a, const Tensor& b, Tensor& c) {
+  if (g.m <= 0 || g.n <= 0 || g.batch <= 0) return;
+  const int device = c.device().index;
+  ST_CHECK(a.device().is_cuda() && b.device().is_cuda() && c.device().is_cuda() &&
+               a.device() == c.device() && b.device() == c.device(),
+           "CUDA gemm: operands ", a.describe(), ", ", b.describe(), ", ", c.describe(),
+           " must be on one GPU");
+  DeviceGuard guard(device);
+  const auto stream = static_cast<cudaStream_t>(current_stream(device).handle());
+  const int64_t c_elems = g.m * g.n;
+
+  if (g.k <= 0 || g.alpha == 0.0f) {
+    // Nothing to multiply: C = beta * C (C is not read when beta is 0, as in BLAS).
+    for (int64_t i = 0; i < g.batch; ++i) {
+      char* ci = static_cast<char*>(c.data_ptr()) +
+                 (g.offset_c + i * g.stride_c) * static_cast<int64_t>(dtype_size(c.dtype()));
+      if (g.beta == 0.0f)
+        kernels::fill(ci, c.dtype(), c_elems, 0.0f, stream);
+      else
+        kernels::scale(ci, c.dtype(), ci, c.dtype(), c_elems, g.beta, stream);
+      if (g.stride_c == 0) break;
+    }
+    return;
+  }
+
+  // Operands in one input type; C in that type or, for 16-bit inputs, F32. Other combinations
+  // are converted through workspace copies (whole tensors, so offsets keep their meaning).
+  const DType in_type = a.dtype() == b.dtype() ? a.dtype() : DType::F32;
+  const bool direct_c = c.dtype() == in_type || (in_type != DType::F32 && c.dtype() == DType::F32);
+  const DType out_type = direct_c ? c.dtype() : DType::F32;
+  CategoryScope workspace(MemoryCategory::Workspace);
+  auto converted = [&](const Tensor& t, DType type) {
+    if (t.dtype() == type) return t;
+    Tensor copy = empty(t.shape(), type, t.device());
+    kernels::cast(t.data_ptr(), t.dtype(), copy.data_ptr(), type, t.numel(), stream);
+    return copy;
+  };
+  const Tensor a_in = converted(a, in_type), b_in = converted(b, in_type);
+  // A staged C starts as a copy of C so that elements outside the product keep their values.
+  Tensor c_out = converted(c, out_type);
+
+  auto at = [](const Tensor& t, int64_t offset) {
+    return static_cast<char*>(t.data_ptr()) + offset * static_cast<int64_t>(dtype_size(t.dtype()));
+  };
+  CublasLtGemm::Problem p{g.trans_a, g.trans_b, g.m,        g.n,        g.k,
+                          g.batch,   g.stride_a, g.stride_b, g.stride_c, g.alpha,
+                          g.beta,    in_type,   out_type,   at(a_in, g.offset_a),
+                          at(b_in, g.offset_b), at(c_out, g.offset_c)};
+  gemm_.run(device, stream, p);
+  if (!c_out.is_same(c))
+    kernels::cast(c_out.data_ptr(), out_type, c.data_ptr(), c.dtype(), c.numel(), stream);
+}
+
+}  // namespace shardtrain::cuda

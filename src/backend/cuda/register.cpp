@@ -1,0 +1,82 @@
+// Registration of the CUDA backend, its allocators and its copy and cast functions.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+
+#include "../builtin.h"
+#include "allocators.h"
+#include "cuda_backend.h"
+#include "shardtrain/core/error.h"
+
+namespace shardtrain {
+
+namespace cuda {
+
+namespace {
+
+constexpr int kMaxDevices = 16;
+std::array<CudaCachingAllocator*, kMaxDevices> g_allocators{};
+
+// A device the kernels can run on: it answers, and it is Ampere or newer (the build carries
+// sm_80/sm_90 code, and the attention kernels use bf16 tensor-core instructions).
+bool usable(int device) {
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      major < 8) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  if (cudaSetDevice(device) != cudaSuccess || cudaFree(nullptr) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+CudaCachingAllocator& device_allocator(int device) {
+  ST_CHECK(device >= 0 && device < kMaxDevices && g_allocators[device] != nullptr,
+           "no CUDA caching allocator for cuda:", device,
+           ": the device does not exist or the CUDA backend is not registered");
+  return *g_allocators[device];
+}
+
+void record_stream(const void* ptr, StreamView stream) {
+  device_allocator(stream.device()).record_stream(ptr, stream);
+}
+
+}  // namespace cuda
+
+namespace detail {
+
+void register_cuda_backend() {
+  // Any error (no driver: "CUDA driver version is insufficient"; no device; a device that cannot
+  // run this build) means no GPU: register nothing and let the CPU backend serve alone.
+  const int count = std::min(cuda::device_count(), cuda::kMaxDevices);
+  int registered = 0;
+  for (int i = 0; i < count; ++i) {
+    if (!cuda::usable(i)) {
+      std::fprintf(stderr, "shardtrain: ignoring CUDA device %d (needs compute capability 8.0 "
+                   "or newer and a working driver)\n", i);
+      continue;
+    }
+    // Allocators and the backend live until the process exits: destroying them during static
+    // destruction would race with the CUDA runtime's own teardown.
+    cuda::g_allocators[i] = new cuda::CudaCachingAllocator(i);
+    register_allocator(Device::cuda(i), cuda::g_allocators[i]);
+    ++registered;
+  }
+  if (registered == 0) return;
+  (void)cudaSetDevice(0);
+  register_allocator(Device::host(), new cuda::PinnedHostAllocator(&allocator_for(Device::host())));
+  register_cuda_copy(&cuda::copy_between_devices);
+  register_device_cast(&cuda::cast_on_device);
+  register_backend(DeviceKind::CUDA, new cuda::CudaBackend());
+}
+
+}  // namespace detail
+
+}  // namespace shardtrain

@@ -1,0 +1,44 @@
+// `shardtrain check`: reproduces a reference case under any training configuration.
+#include <cstdio>
+#include <string>
+
+#include "shardtrain/cli/command.h"
+#include "shardtrain/train/check.h"
+
+namespace shardtrain::cli {
+
+Command check_command() {
+  Command c;
+  c.name = "check";
+  c.summary = "compare loss, logits, gradients and one AdamW step against a reference case";
+  c.description =
+      "Loads a Hugging Face-layout model, runs forward and backward on --batch and one AdamW\n"
+      "step with the hyper-parameters in --expected's metadata, under the configuration given\n"
+      "by --config/--set (activation strategy, precision, sharding, micro-batches), and prints\n"
+      "the error of every tensor. Exits 1 when any tensor is beyond tolerance.";
+  c.flags = {Flag("model", "DIR", "model directory (config.json + model.safetensors)").mandatory(),
+             Flag("batch", "FILE", "safetensors with input_ids and targets [batch, seq]").mandatory(),
+             Flag("expected", "FILE", "safetensors with loss, logits, grad.*, step1.*").mandatory(),
+             Flag("rtol", "X", "relative tolerance (default 1e-4 in fp32, 3e-2 in bf16/fp16)"),
+             Flag("atol", "X", "absolute tolerance (default rtol x the reference tensor's RMS)")};
+  for (Flag& f : config_flags()) {
+    if (f.name == "config") f.required = false;
+    c.flags.push_back(f);
+  }
+  c.run = [](const Args& args) {
+    train::Config config = args.has("config") ? config_from_args(args)
+                                              : train::Config::parse("{}", args.all("set"), "defaults");
+    train::CheckOptions o;
+    o.model_dir = args.get("model");
+    o.batch_file = args.get("batch");
+    o.expected_file = args.get("expected");
+    if (args.has("rtol")) o.rtol = std::stod(args.get("rtol"));
+    if (args.has("atol")) o.atol = std::stod(args.get("atol"));
+    train::CheckReport report = train::run_check(config, o);
+    std::printf("%s", report.table().c_str());
+    return report.ok() ? 0 : 1;
+  };
+  return c;
+}
+
+}  // namespace shardtrain::cli

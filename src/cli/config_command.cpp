@@ -1,0 +1,32 @@
+// `shardtrain config`: prints the resolved run config (file + --set overrides + defaults), or the
+// list of every key.
+#include <iostream>
+
+#include "shardtrain/cli/command.h"
+
+namespace shardtrain::cli {
+
+Command config_command() {
+  Command c;
+  c.name = "config";
+  c.summary = "print the resolved run config (every key, defaults included)";
+  c.description =
+      "Reads --config, applies each --set, validates every key and prints the result as YAML\n"
+      "that can be saved and passed back to --config. --keys lists every key instead.";
+  c.flags = config_flags();
+  c.flags.push_back(Flag("keys", "", "list every key with its type, default and help"));
+  c.run = [](const Args& args) {
+    if (args.has("keys")) {
+      std::cout << train::describe_config_keys();
+      return 0;
+    }
+    train::Config config = config_from_args(args);
+    std::cout << "# resolved from " << args.get("config");
+    for (const std::string& s : args.all("set")) std::cout << " --set " << s;
+    std::cout << "\n" << config.to_yaml();
+    return 0;
+  };
+  return c;
+}
+
+}  // namespace shardtrain::cli

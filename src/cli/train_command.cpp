@@ -1,0 +1,33 @@
+// `shardtrain train`: runs a training config to completion.
+#include <cstdio>
+
+#include "shardtrain/cli/command.h"
+#include "shardtrain/train/trainer.h"
+
+namespace shardtrain::cli {
+
+Command train_command() {
+  Command c;
+  c.name = "train";
+  c.summary = "train a model from a YAML config";
+  c.description =
+      "Trains the model of --config on its data, printing progress on stderr and writing\n"
+      "<train.out_dir>/metrics.jsonl, config.yaml and (train.export) the model in Hugging Face\n"
+      "layout. Under mpirun every rank runs this same command.";
+  c.flags = config_flags();
+  c.run = [](const Args& args) {
+    train::Config config = config_from_args(args);
+    train::TrainSummary s = train::run_training(config);
+    std::printf("trained %lld steps: loss %.4f -> %.4f", static_cast<long long>(s.steps),
+                s.first_loss, s.final_loss);
+    if (s.final_eval_loss >= 0)
+      std::printf(", eval loss %.4f (unigram entropy of the data %.4f nats)", s.final_eval_loss,
+                  s.unigram_entropy_nats);
+    std::printf(", %.0f tokens/s\nmetrics: %s\n", s.tokens_per_second, s.metrics_path.c_str());
+    if (!s.export_dir.empty()) std::printf("model: %s\n", s.export_dir.c_str());
+    return 0;
+  };
+  return c;
+}
+
+}  // namespace shardtrain::cli

@@ -1,0 +1,444 @@
+#include "shardtrain/data/hdf5.h"
+
+#include <cstring>
+#include <filesystem>
+
+#include "shardtrain/core/error.h"
+
+namespace shardtrain::h5 {
+
+using detail::concat;
+
+namespace {
+
+// The innermost message of HDF5's error stack ("unable to open file", ...), then clears it.
+std::string library_message() {
+  std::string message;
+  H5Ewalk2(
+      H5E_DEFAULT, H5E_WALK_DOWNWARD,
+      [](unsigned n, const H5E_error2_t* err, void* out) -> herr_t {
+        if (n == 0 && err->desc != nullptr) *static_cast<std::string*>(out) = err->desc;
+        return 0;
+      },
+      &message);
+  H5Eclear2(H5E_DEFAULT);
+  return message.empty() ? std::string("HDF5 reported an error") : message;
+}
+
+[[noreturn]] void fail(const std::string& what) {
+  throw FormatError(concat(what, " (", library_message(), ")"));
+}
+
+hid_t checked(hid_t id, const std::string& what) {
+  if (id < 0) fail(what);
+  return id;
+}
+
+void checked_status(herr_t status, const std::string& what) {
+  if (status < 0) fail(what);
+}
+
+TypeInfo describe_type(hid_t type) {
+  TypeInfo info;
+  info.type_class = H5Tget_class(type);
+  info.size = H5Tget_size(type);
+  if (info.type_class == H5T_INTEGER) info.is_signed = H5Tget_sign(type) == H5T_SGN_2;
+  if (info.type_class == H5T_FLOAT) info.is_signed = true;
+  return info;
+}
+
+}  // namespace
+
+void silence_library_errors() {
+  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+}
+
+// ---- Handle -----------------------------------------------------------------------------------
+
+Handle& Handle::operator=(Handle&& other) noexcept {
+  if (this != &other) {
+    reset();
+    id_ = other.id_;
+    close_ = other.close_;
+    other.id_ = -1;
+  }
+  return *this;
+}
+
+void Handle::reset() {
+  if (id_ >= 0 && close_ != nullptr) close_(id_);
+  id_ = -1;
+}
+
+bool Handle::close() {
+  if (id_ < 0) return true;
+  herr_t status = close_ != nullptr ? close_(id_) : 0;
+  id_ = -1;
+  return status >= 0;
+}
+
+Handle dataspace(hid_t id) {
+  return Handle(id, H5Sclose);
+}
+Handle datatype(hid_t id) {
+  return Handle(id, H5Tclose);
+}
+Handle plist(hid_t id) {
+  return Handle(id, H5Pclose);
+}
+
+std::string TypeInfo::describe() const {
+  switch (type_class) {
+    case H5T_INTEGER:
+      return concat(is_signed ? "int" : "uint", size * 8);
+    case H5T_FLOAT:
+      return concat("float", size * 8);
+    case H5T_STRING:
+      return "string";
+    case H5T_COMPOUND:
+      return "compound";
+    case H5T_ARRAY:
+      return "array";
+    case H5T_ENUM:
+      return "enum";
+    default:
+      return concat("HDF5 type class ", static_cast<int>(type_class));
+  }
+}
+
+// ---- attributes -------------------------------------------------------------------------------
+
+bool Object::has_attribute(const std::string& name) const {
+  silence_library_errors();
+  htri_t exists = H5Aexists(id(), name.c_str());
+  if (exists < 0) fail(concat(where_, ": cannot look up attribute '", name, "'"));
+  return exists > 0;
+}
+
+Handle Object::open_attribute(const std::string& name) const {
+  if (!has_attribute(name)) throw FormatError(concat(where_, ": missing attribute '", name, "'"));
+  Handle attr(checked(H5Aopen(id(), name.c_str(), H5P_DEFAULT),
+                      concat(where_, ": cannot open attribute '", name, "'")),
+              H5Aclose);
+  Handle space = dataspace(H5Aget_space(attr.get()));
+  if (H5Sget_simple_extent_npoints(space.get()) != 1)
+    throw FormatError(concat(where_, ": attribute '", name, "' must hold a single value"));
+  return attr;
+}
+
+TypeInfo Object::attribute_type(const std::string& name) const {
+  Handle attr = open_attribute(name);
+  Handle type = datatype(H5Aget_type(attr.get()));
+  return describe_type(type.get());
+}
+
+int64_t Object::read_int64_attribute(const std::string& name) const {
+  Handle attr = open_attribute(name);
+  Handle type = datatype(H5Aget_type(attr.get()));
+  TypeInfo info = describe_type(type.get());
+  if (info.type_class != H5T_INTEGER)
+    throw FormatError(
+        concat(where_, ": attribute '", name, "' is a ", info.describe(), ", expected an integer"));
+  int64_t value = 0;
+  checked_status(H5Aread(attr.get(), H5T_NATIVE_INT64, &value),
+                 concat(where_, ": cannot read attribute '", name, "'"));
+  return value;
+}
+
+double Object::read_double_attribute(const std::string& name) const {
+  Handle attr = open_attribute(name);
+  Handle type = datatype(H5Aget_type(attr.get()));
+  TypeInfo info = describe_type(type.get());
+  if (info.type_class != H5T_INTEGER && info.type_class != H5T_FLOAT)
+    throw FormatError(
+        concat(where_, ": attribute '", name, "' is a ", info.describe(), ", expected a number"));
+  double value = 0;
+  checked_status(H5Aread(attr.get(), H5T_NATIVE_DOUBLE, &value),
+                 concat(where_, ": cannot read attribute '", name, "'"));
+  return value;
+}
+
+std::string Object::read_string_attribute(const std::string& name) const {
+  Handle attr = open_attribute(name);
+  Handle type = datatype(H5Aget_type(attr.get()));
+  if (H5Tget_class(type.get()) != H5T_STRING)
+    throw FormatError(concat(where_, ": attribute '", name, "' is a ",
+                             describe_type(type.get()).describe(), ", expected a string"));
+  const std::string what = concat(where_, ": cannot read attribute '", name, "'");
+  if (H5Tis_variable_str(type.get()) > 0) {
+    Handle mem = datatype(H5Tcopy(H5T_C_S1));
+    H5Tset_size(mem.get(), H5T_VARIABLE);
+    H5Tset_cset(mem.get(), H5Tget_cset(type.get()));
+    char* text = nullptr;
+    checked_status(H5Aread(attr.get(), mem.get(), &text), what);
+    std::string out = text != nullptr ? text : "";
+    H5free_memory(text);
+    return out;
+  }
+  const size_t size = H5Tget_size(type.get());
+  Handle mem = datatype(H5Tcopy(H5T_C_S1));
+  H5Tset_size(mem.get(), size + 1);  // room for the terminator HDF5 writes on conversion
+  H5Tset_strpad(mem.get(), H5T_STR_NULLTERM);
+  std::string out(size + 1, '\0');
+  checked_status(H5Aread(attr.get(), mem.get(), out.data()), what);
+  out.resize(std::strlen(out.c_str()));
+  while (!out.empty() && out.back() == ' ' && H5Tget_strpad(type.get()) == H5T_STR_SPACEPAD)
+    out.pop_back();
+  return out;
+}
+
+void Object::write_attribute(const std::string& name, hid_t file_type, hid_t mem_type,
+                             const void* value) {
+  silence_library_errors();
+  const std::string what = concat(where_, ": cannot write attribute '", name, "'");
+  if (has_attribute(name)) checked_status(H5Adelete(id(), name.c_str()), what);
+  Handle space = dataspace(checked(H5Screate(H5S_SCALAR), what));
+  Handle attr(
+      checked(H5Acreate2(id(), name.c_str(), file_type, space.get(), H5P_DEFAULT, H5P_DEFAULT),
+              what),
+      H5Aclose);
+  checked_status(H5Awrite(attr.get(), mem_type, value), what);
+}
+
+void Object::write_int64_attribute(const std::string& name, int64_t value) {
+  write_attribute(name, H5T_STD_I64LE, H5T_NATIVE_INT64, &value);
+}
+
+void Object::write_double_attribute(const std::string& name, double value) {
+  write_attribute(name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &value);
+}
+
+void Object::write_string_attribute(const std::string& name, const std::string& value) {
+  // Variable-length UTF-8, which h5py reads back as a str.
+  Handle type = datatype(H5Tcopy(H5T_C_S1));
+  H5Tset_size(type.get(), H5T_VARIABLE);
+  H5Tset_cset(type.get(), H5T_CSET_UTF8);
+  const char* text = value.c_str();
+  write_attribute(name, type.get(), type.get(), &text);
+}
+
+// ---- Dataset ----------------------------------------------------------------------------------
+
+Dataset::Dataset(Handle handle, std::string where) : Object(std::move(handle), std::move(where)) {
+  Handle space = dataspace(checked(H5Dget_space(id()), where_ + ": cannot read the dataspace"));
+  int rank = H5Sget_simple_extent_ndims(space.get());
+  if (rank < 0) fail(where_ + ": cannot read the dataspace rank");
+  dims_.resize(static_cast<size_t>(rank));
+  if (rank > 0) H5Sget_simple_extent_dims(space.get(), dims_.data(), nullptr);
+}
+
+int64_t Dataset::num_elements() const {
+  int64_t n = 1;
+  for (hsize_t d : dims_) n *= static_cast<int64_t>(d);
+  return n;
+}
+
+TypeInfo Dataset::type() const {
+  Handle type = datatype(checked(H5Dget_type(id()), where_ + ": cannot read the element type"));
+  return describe_type(type.get());
+}
+
+void Dataset::read(void* out, hid_t mem_type) const {
+  silence_library_errors();
+  if (num_elements() == 0) return;
+  checked_status(H5Dread(id(), mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, out),
+                 where_ + ": cannot read the data");
+}
+
+void Dataset::read_range(void* out, hid_t mem_type, hsize_t start, hsize_t count) const {
+  silence_library_errors();
+  if (rank() != 1 || start + count > dims_[0])
+    throw ConfigError(concat(where_, ": cannot read elements [", start, ", ", start + count,
+                             ") of a dataset of shape ", dims_.empty() ? 0 : dims_[0]));
+  if (count == 0) return;
+  const std::string what =
+      concat(where_, ": cannot read elements [", start, ", ", start + count, ")");
+  Handle file_space = dataspace(checked(H5Dget_space(id()), what));
+  checked_status(
+      H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, &start, nullptr, &count, nullptr),
+      what);
+  Handle mem_space = dataspace(checked(H5Screate_simple(1, &count, nullptr), what));
+  checked_status(H5Dread(id(), mem_type, mem_space.get(), file_space.get(), H5P_DEFAULT, out),
+                 what);
+}
+
+void Dataset::write(const void* data, hid_t mem_type) {
+  silence_library_errors();
+  if (num_elements() == 0) return;
+  checked_status(H5Dwrite(id(), mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data),
+                 where_ + ": cannot write the data");
+}
+
+void Dataset::append(const void* data, hid_t mem_type, hsize_t count) {
+  silence_library_errors();
+  if (rank() != 1) throw ConfigError(where_ + ": append needs a 1-D dataset");
+  if (count == 0) return;
+  const std::string what = concat(where_, ": cannot append ", count, " elements");
+  hsize_t start = dims_[0];
+  hsize_t new_size = start + count;
+  checked_status(H5Dset_extent(id(), &new_size), what);
+  Handle file_space = dataspace(checked(H5Dget_space(id()), what));
+  checked_status(
+      H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, &start, nullptr, &count, nullptr),
+      what);
+  Handle mem_space = dataspace(checked(H5Screate_simple(1, &count, nullptr), what));
+  checked_status(H5Dwrite(id(), mem_type, mem_space.get(), file_space.get(), H5P_DEFAULT, data),
+                 what);
+  dims_[0] = new_size;
+}
+
+// ---- File -------------------------------------------------------------------------------------
+
+File::File(Handle handle, std::string path)
+    : Object(std::move(handle), path + ":/"), path_(std::move(path)) {}
+
+File File::create(const std::string& path) {
+  silence_library_errors();
+  hid_t id = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+  if (id < 0)
+    throw ConfigError(concat("cannot create HDF5 file '", path, "' (", library_message(), ")"));
+  return File(Handle(id, H5Fclose), path);
+}
+
+File File::open(const std::string& path, bool writable) {
+  silence_library_errors();
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec))
+    throw ConfigError(concat("HDF5 file '", path, "' does not exist"));
+  if (!std::filesystem::is_regular_file(path, ec))
+    throw ConfigError(concat("'", path, "' is not a regular file"));
+  htri_t is_hdf5 = H5Fis_hdf5(path.c_str());
+  if (is_hdf5 <= 0) {
+    H5Eclear2(H5E_DEFAULT);
+    throw FormatError(concat("'", path, "' is not an HDF5 file"));
+  }
+  hid_t id = H5Fopen(path.c_str(), writable ? H5F_ACC_RDWR : H5F_ACC_RDONLY, H5P_DEFAULT);
+  if (id < 0)
+    throw FormatError(concat("cannot open HDF5 file '", path, "' (", library_message(), ")"));
+  return File(Handle(id, H5Fclose), path);
+}
+
+bool File::has(const std::string& name) const {
+  silence_library_errors();
+  htri_t exists = H5Lexists(id(), name.c_str(), H5P_DEFAULT);
+  if (exists < 0) {
+    H5Eclear2(H5E_DEFAULT);
+    return false;
+  }
+  return exists > 0;
+}
+
+Dataset File::open_dataset(const std::string& name) const {
+  if (!has(name)) throw FormatError(concat(path_, ": no dataset '", name, "'"));
+  hid_t id = H5Dopen2(this->id(), name.c_str(), H5P_DEFAULT);
+  if (id < 0) fail(concat(path_, ": '", name, "' is not a dataset"));
+  return Dataset(Handle(id, H5Dclose), concat(path_, ":/", name));
+}
+
+Dataset File::create_dataset(const std::string& name, hid_t file_type,
+                             const std::vector<hsize_t>& dims) {
+  silence_library_errors();
+  const std::string what = concat(path_, ": cannot create dataset '", name, "'");
+  Handle space = dataspace(
+      checked(dims.empty() ? H5Screate(H5S_SCALAR)
+                           : H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr),
+              what));
+  hid_t id = checked(H5Dcreate2(this->id(), name.c_str(), file_type, space.get(), H5P_DEFAULT,
+                                H5P_DEFAULT, H5P_DEFAULT),
+                     what);
+  return Dataset(Handle(id, H5Dclose), concat(path_, ":/", name));
+}
+
+Dataset File::create_extendible_1d(const std::string& name, hid_t file_type, hsize_t chunk) {
+  silence_library_errors();
+  const std::string what = concat(path_, ": cannot create dataset '", name, "'");
+  hsize_t initial = 0;
+  hsize_t max = H5S_UNLIMITED;
+  Handle space = dataspace(checked(H5Screate_simple(1, &initial, &max), what));
+  Handle props = plist(checked(H5Pcreate(H5P_DATASET_CREATE), what));
+  checked_status(H5Pset_chunk(props.get(), 1, &chunk), what);
+  hid_t id = checked(H5Dcreate2(this->id(), name.c_str(), file_type, space.get(), H5P_DEFAULT,
+                                props.get(), H5P_DEFAULT),
+                     what);
+  return Dataset(Handle(id, H5Dclose), concat(path_, ":/", name));
+}
+
+void File::flush() {
+  silence_library_errors();
+  checked_status(H5Fflush(id(), H5F_SCOPE_GLOBAL), path_ + ": cannot flush");
+}
+
+void File::close() {
+  silence_library_errors();
+  if (!handle_.close()) fail(path_ + ": closing the file failed");
+}
+
+// ---- tensors ----------------------------------------------------------------------------------
+
+namespace {
+
+struct TensorTypes {
+  hid_t file;
+  hid_t mem;
+};
+
+TensorTypes types_for(DType dtype) {
+  switch (dtype) {
+    case DType::F32:
+      return {H5T_IEEE_F32LE, H5T_NATIVE_FLOAT};
+    case DType::BF16:
+    case DType::F16:
+      return {H5T_STD_U16LE, H5T_NATIVE_UINT16};
+    case DType::I32:
+      return {H5T_STD_I32LE, H5T_NATIVE_INT32};
+    case DType::I64:
+      return {H5T_STD_I64LE, H5T_NATIVE_INT64};
+    case DType::U8:
+      return {H5T_STD_U8LE, H5T_NATIVE_UINT8};
+  }
+  throw ConfigError("unknown dtype");
+}
+
+}  // namespace
+
+void File::write_tensor(const std::string& name, const Tensor& tensor) {
+  ST_CHECK_AS(ConfigError, tensor.defined(), path_, ": cannot write undefined tensor '", name, "'");
+  Tensor host = tensor.device().cpu_addressable() ? tensor : tensor.to(Device::host());
+  std::vector<hsize_t> dims(host.shape().begin(), host.shape().end());
+  TensorTypes types = types_for(host.dtype());
+  Dataset ds = create_dataset(name, types.file, dims);
+  ds.write(host.data_ptr(), types.mem);
+  ds.write_string_attribute("dtype", std::string(dtype_name(host.dtype())));
+}
+
+Tensor File::read_tensor(const std::string& name, Device device) const {
+  Dataset ds = open_dataset(name);
+  DType dtype;
+  if (ds.has_attribute("dtype")) {
+    const std::string text = ds.read_string_attribute("dtype");
+    try {
+      dtype = dtype_from_name(text);
+    } catch (const ConfigError&) {
+      throw FormatError(concat(ds.where(), ": unknown dtype attribute '", text, "'"));
+    }
+  } else {
+    TypeInfo t = ds.type();
+    if (t.type_class == H5T_FLOAT)
+      dtype = DType::F32;  // float64 data is narrowed on read
+    else if (t.type_class == H5T_INTEGER && t.size == 1 && !t.is_signed)
+      dtype = DType::U8;
+    else if (t.type_class == H5T_INTEGER && t.size <= 4 && t.is_signed)
+      dtype = DType::I32;
+    else if (t.type_class == H5T_INTEGER)
+      dtype = DType::I64;
+    else
+      throw FormatError(
+          concat(ds.where(), ": a ", t.describe(), " dataset cannot be read as a tensor"));
+  }
+  Shape shape(ds.dims().begin(), ds.dims().end());
+  std::vector<char> buf(static_cast<size_t>(numel(shape)) * dtype_size(dtype));
+  ds.read(buf.data(), types_for(dtype).mem);
+  return from_buffer(buf.data(), shape, dtype, device);
+}
+
+}  // namespace shardtrain::h5

@@ -1,0 +1,159 @@
+#include "shardtrain/data/token_dataset.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include "shardtrain/core/error.h"
+
+namespace shardtrain {
+
+using detail::concat;
+
+namespace {
+
+constexpr const char* kTokensName = "tokens";
+constexpr int64_t kMaxVocab = int64_t{1} << 32;
+constexpr hsize_t kChunkElements = 1 << 16;
+
+void fsync_path(const std::string& path, bool directory) {
+  int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+  if (fd < 0) {
+    if (directory) return;  // best effort for the directory entry
+    throw ConfigError(concat("cannot reopen '", path, "' to sync it: ", std::strerror(errno)));
+  }
+  int status = ::fsync(fd);
+  int err = errno;
+  ::close(fd);
+  if (status != 0 && !directory)
+    throw ConfigError(concat("cannot sync '", path, "' to disk: ", std::strerror(err)));
+}
+
+}  // namespace
+
+// ---- writing ----------------------------------------------------------------------------------
+
+TokenDatasetWriter::TokenDatasetWriter(const std::string& path, int64_t vocab_size,
+                                       const std::string& tokenizer)
+    : path_(path),
+      tmp_path_(concat(path, ".tmp.", ::getpid())),
+      vocab_size_(vocab_size),
+      narrow_(vocab_size <= 65536) {
+  ST_CHECK_AS(ConfigError, vocab_size >= 1 && vocab_size <= kMaxVocab, "cannot write '", path,
+              "': vocab_size ", vocab_size, " is outside [1, 2^32]");
+  file_ = std::make_unique<h5::File>(h5::File::create(tmp_path_));
+  dataset_ = std::make_unique<h5::Dataset>(file_->create_extendible_1d(
+      kTokensName, narrow_ ? H5T_STD_U16LE : H5T_STD_U32LE, kChunkElements));
+  dataset_->write_int64_attribute("vocab_size", vocab_size);
+  dataset_->write_string_attribute("tokenizer", tokenizer);
+}
+
+TokenDatasetWriter::~TokenDatasetWriter() {
+  if (committed_) return;
+  dataset_.reset();
+  file_.reset();
+  std::remove(tmp_path_.c_str());
+}
+
+void TokenDatasetWriter::append(const uint32_t* tokens, size_t count) {
+  ST_CHECK_AS(ConfigError, !committed_, "cannot append to '", path_, "' after commit()");
+  for (size_t i = 0; i < count; ++i)
+    ST_CHECK_AS(ConfigError, tokens[i] < vocab_size_, "cannot write '", path_, "': token ",
+                tokens[i], " at position ", size_ + static_cast<int64_t>(i), " is >= vocab_size ",
+                vocab_size_);
+  if (narrow_) {
+    std::vector<uint16_t> narrow(tokens, tokens + count);
+    dataset_->append(narrow.data(), H5T_NATIVE_UINT16, count);
+  } else {
+    dataset_->append(tokens, H5T_NATIVE_UINT32, count);
+  }
+  size_ += static_cast<int64_t>(count);
+}
+
+void TokenDatasetWriter::commit() {
+  ST_CHECK_AS(ConfigError, !committed_, "'", path_, "' was already committed");
+  dataset_.reset();
+  file_->close();
+  file_.reset();
+  fsync_path(tmp_path_, false);
+  if (std::rename(tmp_path_.c_str(), path_.c_str()) != 0)
+    throw ConfigError(
+        concat("cannot rename '", tmp_path_, "' to '", path_, "': ", std::strerror(errno)));
+  committed_ = true;
+  std::string dir = std::filesystem::path(path_).parent_path().string();
+  fsync_path(dir.empty() ? "." : dir, true);
+}
+
+void write_token_dataset(const std::string& path, const std::vector<uint32_t>& tokens,
+                         int64_t vocab_size, const std::string& tokenizer) {
+  TokenDatasetWriter writer(path, vocab_size, tokenizer);
+  writer.append(tokens);
+  writer.commit();
+}
+
+// ---- reading ----------------------------------------------------------------------------------
+
+TokenDataset TokenDataset::open(const std::string& path) {
+  h5::File file = h5::File::open(path);
+  if (!file.has(kTokensName))
+    throw FormatError(concat(path,
+                             ": no dataset 'tokens'; a token dataset holds a 1-D uint16 or "
+                             "uint32 dataset 'tokens' with attributes 'vocab_size' and "
+                             "'tokenizer' (`shardtrain prepare-data` writes one)"));
+  h5::Dataset ds = file.open_dataset(kTokensName);
+  if (ds.rank() != 1)
+    throw FormatError(
+        concat(path, ": dataset 'tokens' has rank ", ds.rank(), ", expected a 1-D token stream"));
+  const h5::TypeInfo type = ds.type();
+  if (type.type_class != H5T_INTEGER || type.is_signed || (type.size != 2 && type.size != 4))
+    throw FormatError(concat(path, ": dataset 'tokens' holds ", type.describe(),
+                             " elements, expected uint16 or uint32"));
+
+  // Attributes belong on the dataset; the file's root is accepted too, as other writers do that.
+  auto owner = [&](const char* name) -> const h5::Object& {
+    if (ds.has_attribute(name)) return ds;
+    if (file.has_attribute(name)) return file;
+    throw FormatError(concat(path, ": dataset 'tokens' has no attribute '", name, "' (",
+                             std::string(name) == "vocab_size" ? "the vocabulary size, int64"
+                                                               : "the tokenizer name, string",
+                             ")"));
+  };
+  TokenDataset out;
+  out.source_ = path;
+  out.vocab_size_ = owner("vocab_size").read_int64_attribute("vocab_size");
+  if (out.vocab_size_ < 1 || out.vocab_size_ > kMaxVocab)
+    throw FormatError(concat(path, ": vocab_size ", out.vocab_size_, " is outside [1, 2^32]"));
+  out.tokenizer_ = owner("tokenizer").read_string_attribute("tokenizer");
+
+  auto tokens = std::make_shared<std::vector<uint32_t>>(static_cast<size_t>(ds.num_elements()));
+  if (tokens->empty()) throw FormatError(concat(path, ": dataset 'tokens' holds no tokens"));
+  ds.read(tokens->data(), H5T_NATIVE_UINT32);
+  for (size_t i = 0; i < tokens->size(); ++i)
+    if ((*tokens)[i] >= out.vocab_size_)
+      throw FormatError(concat(path, ": token ", (*tokens)[i], " at position ", i,
+                               " is >= vocab_size ", out.vocab_size_,
+                               " (the data does not match its vocab_size attribute)"));
+  out.tokens_ = std::move(tokens);
+  return out;
+}
+
+TokenDataset TokenDataset::from_tokens(std::vector<uint32_t> tokens, int64_t vocab_size,
+                                       std::string tokenizer, std::string source) {
+  ST_CHECK_AS(ConfigError, vocab_size >= 1 && vocab_size <= kMaxVocab, source, ": vocab_size ",
+              vocab_size, " is outside [1, 2^32]");
+  for (size_t i = 0; i < tokens.size(); ++i)
+    ST_CHECK_AS(ConfigError, tokens[i] < vocab_size, source, ": token ", tokens[i], " at position ",
+                i, " is >= vocab_size ", vocab_size);
+  TokenDataset out;
+  out.source_ = std::move(source);
+  out.vocab_size_ = vocab_size;
+  out.tokenizer_ = std::move(tokenizer);
+  out.tokens_ = std::make_shared<const std::vector<uint32_t>>(std::move(tokens));
+  return out;
+}
+
+}  // namespace shardtrain

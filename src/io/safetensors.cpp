@@ -1,0 +1,629 @@
+#include "shardtrain/io/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <set>
+
+#include "shardtrain/core/error.h"
+#include "shardtrain/core/suggest.h"
+
+namespace shardtrain {
+
+namespace fs = std::filesystem;
+using detail::concat;
+
+// ---- memory mapping ---------------------------------------------------------------------------
+
+// A whole file mapped copy-on-write: reads come from the page cache, and writes through a
+// zero-copy view stay private to the process and never reach the file.
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path) {
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+      throw ConfigError(
+          concat("cannot open safetensors file '", path, "': ", std::strerror(errno)));
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) {
+      int err = errno;
+      ::close(fd);
+      throw ConfigError(concat("cannot stat '", path, "': ", std::strerror(err)));
+    }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd);
+      throw ConfigError(concat("'", path, "' is not a regular file"));
+    }
+    size_ = static_cast<size_t>(st.st_size);
+    if (size_ > 0) {
+      void* p = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+      if (p == MAP_FAILED) {
+        int err = errno;
+        ::close(fd);
+        throw ConfigError(concat("cannot memory-map '", path, "': ", std::strerror(err)));
+      }
+      data_ = static_cast<char*>(p);
+    }
+    ::close(fd);  // the mapping keeps the file alive
+  }
+  ~MappedFile() {
+    if (data_ != nullptr) ::munmap(data_, size_);
+  }
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  char* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  char* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+namespace {
+
+// A file written under a temporary name and renamed into place only once complete and on disk,
+// so that a crash never leaves a half-written file under the final name.
+class AtomicFileWriter {
+ public:
+  explicit AtomicFileWriter(std::string path)
+      : path_(std::move(path)), tmp_path_(concat(path_, ".tmp.", ::getpid())) {
+    fd_ = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0)
+      throw ConfigError(concat("cannot create '", tmp_path_, "' (to write '", path_,
+                               "'): ", std::strerror(errno)));
+  }
+  ~AtomicFileWriter() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(tmp_path_.c_str());
+  }
+  AtomicFileWriter(const AtomicFileWriter&) = delete;
+  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
+
+  void write(const void* data, size_t bytes) {
+    const char* p = static_cast<const char*>(data);
+    while (bytes > 0) {
+      ssize_t n = ::write(fd_, p, std::min<size_t>(bytes, size_t{1} << 30));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) fail("write");
+      p += n;
+      bytes -= static_cast<size_t>(n);
+    }
+  }
+
+  void commit() {
+    if (::fsync(fd_) != 0) fail("fsync");
+    int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) fail("close");
+    if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) fail("rename");
+    committed_ = true;
+    // Make the rename itself durable.
+    fs::path dir = fs::path(path_).parent_path();
+    int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+      ::fsync(dfd);
+      ::close(dfd);
+    }
+  }
+
+ private:
+  [[noreturn]] void fail(const char* what) {
+    throw ConfigError(
+        concat("cannot write '", path_, "': ", what, " failed: ", std::strerror(errno)));
+  }
+
+  std::string path_;
+  std::string tmp_path_;
+  int fd_ = -1;
+  bool committed_ = false;
+};
+
+constexpr std::pair<DType, const char*> kDTypeNames[] = {
+    {DType::F32, "F32"}, {DType::BF16, "BF16"}, {DType::F16, "F16"},
+    {DType::I32, "I32"}, {DType::I64, "I64"},   {DType::U8, "U8"},
+};
+
+std::optional<DType> parse_dtype(const std::string& name) {
+  for (const auto& [dtype, text] : kDTypeNames)
+    if (name == text) return dtype;
+  return std::nullopt;
+}
+
+// "did you mean 'x'? " plus a few of the available names, for a missing-tensor message.
+std::string available_names(const std::string& wanted, const std::vector<std::string>& names) {
+  if (names.empty()) return "it holds no tensors";
+  std::string out;
+  const std::string close = closest_match(wanted, names);
+  if (!close.empty()) out = concat("did you mean '", close, "'? ");
+  out += concat("it holds ", names.size(), " tensors: ");
+  for (size_t i = 0; i < names.size() && i < 5; ++i) out += (i == 0 ? "'" : ", '") + names[i] + "'";
+  if (names.size() > 5) out += ", ...";
+  return out;
+}
+
+// Reads a non-negative integer from a header field; FormatError otherwise.
+int64_t header_int(const nlohmann::json& value, const std::string& where) {
+  if (value.is_number_unsigned()) {
+    auto v = value.get<uint64_t>();
+    if (v <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      return static_cast<int64_t>(v);
+  } else if (value.is_number_integer() && value.get<int64_t>() >= 0) {
+    return value.get<int64_t>();
+  }
+  throw FormatError(concat(where, " must be a non-negative integer, got ", value.dump()));
+}
+
+Tensor borrowed_tensor(const TensorInfo& info, const char* bytes,
+                       const std::shared_ptr<MappedFile>& keepalive) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = std::make_shared<Storage>();
+  impl->storage->data = DataPtr::borrowed(const_cast<char*>(bytes),
+                                          static_cast<size_t>(info.nbytes()), Device::cpu());
+  impl->storage->keepalive = keepalive;
+  impl->shape = info.shape;
+  impl->dtype = info.dtype;
+  return Tensor(impl);
+}
+
+bool aligned_for(const void* p, DType dtype) {
+  return reinterpret_cast<uintptr_t>(p) % dtype_size(dtype) == 0;
+}
+
+}  // namespace
+
+std::string_view safetensors_dtype_name(DType dtype) {
+  for (const auto& [d, text] : kDTypeNames)
+    if (d == dtype) return text;
+  throw FormatError(concat("dtype ", dtype_name(dtype), " has no safetensors name"));
+}
+
+// ---- reading ----------------------------------------------------------------------------------
+
+SafetensorsFile SafetensorsFile::open(const std::string& path) {
+  SafetensorsFile f;
+  f.path_ = path;
+  f.mapping_ = std::make_shared<MappedFile>(path);
+  const size_t size = f.mapping_->size();
+  const char* bytes = f.mapping_->data();
+  if (size < 8)
+    throw FormatError(concat(path, ": truncated safetensors file (", size,
+                             " bytes); it must start with an 8-byte header length"));
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i)
+    header_len = (header_len << 8) | static_cast<unsigned char>(bytes[i]);
+  if (header_len > size - 8)
+    throw FormatError(concat(path, ": header length ", header_len, " runs past the end of the ",
+                             size, "-byte file (truncated, or not a safetensors file)"));
+  f.data_start_ = static_cast<int64_t>(8 + header_len);
+  const int64_t data_size = static_cast<int64_t>(size) - f.data_start_;
+
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(bytes + 8, bytes + 8 + header_len);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw FormatError(concat(path, ": invalid JSON header: ", e.what()));
+  }
+  if (!header.is_object())
+    throw FormatError(
+        concat(path, ": the JSON header must be an object, got ", header.type_name()));
+
+  for (const auto& [key, value] : header.items()) {
+    if (key == "__metadata__") {
+      if (!value.is_object())
+        throw FormatError(concat(path, ": __metadata__ must be an object of strings"));
+      for (const auto& [mk, mv] : value.items()) {
+        if (!mv.is_string())
+          throw FormatError(
+              concat(path, ": __metadata__ value of '", mk, "' must be a string, got ", mv.dump()));
+        f.metadata_[mk] = mv.get<std::string>();
+      }
+      continue;
+    }
+    const std::string where = concat(path, ": tensor '", key, "'");
+    if (!value.is_object())
+      throw FormatError(concat(where,
+                               ": entry must be an object with dtype, shape and "
+                               "data_offsets"));
+    for (const char* field : {"dtype", "shape", "data_offsets"})
+      if (!value.contains(field)) throw FormatError(concat(where, ": missing field '", field, "'"));
+
+    TensorInfo info;
+    info.name = key;
+    if (!value["dtype"].is_string())
+      throw FormatError(concat(where, ": dtype must be a string, got ", value["dtype"].dump()));
+    const auto dtype_text = value["dtype"].get<std::string>();
+    auto dtype = parse_dtype(dtype_text);
+    if (!dtype)
+      throw FormatError(concat(where, ": unsupported dtype '", dtype_text,
+                               "' (supported: F32, BF16, F16, I32, I64, U8)"));
+    info.dtype = *dtype;
+
+    if (!value["shape"].is_array())
+      throw FormatError(concat(where, ": shape must be an array, got ", value["shape"].dump()));
+    // Element counts are bounded by the data section, which keeps the product from overflowing.
+    int64_t count = 1;
+    for (const auto& extent : value["shape"]) {
+      int64_t e = header_int(extent, where + ": shape extent");
+      info.shape.push_back(e);
+      if (count != 0 && e > 0 && count > data_size / e + 1)
+        count = data_size + 1;
+      else
+        count *= e;
+    }
+
+    const auto& offsets = value["data_offsets"];
+    if (!offsets.is_array() || offsets.size() != 2)
+      throw FormatError(concat(where, ": data_offsets must be [begin, end], got ", offsets.dump()));
+    info.data_begin = header_int(offsets[0], where + ": data_offsets[0]");
+    info.data_end = header_int(offsets[1], where + ": data_offsets[1]");
+    if (info.data_end < info.data_begin)
+      throw FormatError(concat(where, ": data_offsets [", info.data_begin, ", ", info.data_end,
+                               "] end before they begin"));
+    if (info.data_end > data_size)
+      throw FormatError(concat(where, ": data_offsets [", info.data_begin, ", ", info.data_end,
+                               "] run past the end of the data section (", data_size,
+                               " bytes; is the file truncated?)"));
+    const int64_t expected = count * static_cast<int64_t>(dtype_size(info.dtype));
+    if (count > data_size || expected != info.nbytes())
+      throw FormatError(
+          concat(where, ": data_offsets [", info.data_begin, ", ", info.data_end, "] hold ",
+                 info.nbytes(), " bytes but ", dtype_text, shape_str(info.shape), " needs ",
+                 count > data_size ? std::string("more than the whole file") : concat(expected),
+                 " bytes"));
+    f.tensors_.emplace(key, std::move(info));
+  }
+
+  // No two tensors may share bytes.
+  std::vector<const TensorInfo*> by_offset;
+  for (const auto& entry : f.tensors_)
+    if (entry.second.nbytes() > 0) by_offset.push_back(&entry.second);
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const TensorInfo* a, const TensorInfo* b) { return a->data_begin < b->data_begin; });
+  for (size_t i = 1; i < by_offset.size(); ++i) {
+    const TensorInfo& a = *by_offset[i - 1];
+    const TensorInfo& b = *by_offset[i];
+    if (b.data_begin < a.data_end)
+      throw FormatError(concat(path, ": tensors '", a.name, "' [", a.data_begin, ", ", a.data_end,
+                               ") and '", b.name, "' [", b.data_begin, ", ", b.data_end,
+                               ") overlap"));
+  }
+  return f;
+}
+
+std::vector<std::string> SafetensorsFile::names() const {
+  std::vector<std::string> out;
+  out.reserve(tensors_.size());
+  for (const auto& entry : tensors_) out.push_back(entry.first);
+  return out;
+}
+
+bool SafetensorsFile::contains(const std::string& name) const {
+  return tensors_.count(name) > 0;
+}
+
+const TensorInfo& SafetensorsFile::info(const std::string& name) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end())
+    throw FormatError(
+        concat(path_, ": no tensor '", name, "' (", available_names(name, names()), ")"));
+  return it->second;
+}
+
+const char* SafetensorsFile::data_of(const TensorInfo& info) const {
+  return mapping_->data() + data_start_ + info.data_begin;
+}
+
+Tensor SafetensorsFile::load(const std::string& name, Device device,
+                             std::optional<DType> convert_to) const {
+  const TensorInfo& ti = info(name);
+  const DType out_dtype = convert_to.value_or(ti.dtype);
+  const char* src = data_of(ti);
+  Tensor out = empty(ti.shape, out_dtype, device);
+  if (out_dtype == ti.dtype) {
+    copy_bytes(out.data_ptr(), device, src, Device::cpu(), static_cast<size_t>(ti.nbytes()));
+    return out;
+  }
+  // Conversion reads typed elements, so the source must be aligned for its element type.
+  std::vector<char> staged;
+  if (!aligned_for(src, ti.dtype)) {
+    staged.assign(src, src + ti.nbytes());  // std::vector storage is suitably aligned
+    src = staged.data();
+  }
+  if (device.cpu_addressable()) {
+    convert_elements(src, ti.dtype, out.data_ptr(), out_dtype, out.numel());
+  } else {
+    std::vector<char> converted(out.nbytes());
+    convert_elements(src, ti.dtype, converted.data(), out_dtype, out.numel());
+    copy_bytes(out.data_ptr(), device, converted.data(), Device::cpu(), out.nbytes());
+  }
+  return out;
+}
+
+void SafetensorsFile::load_into(const std::string& name, Tensor& dst) const {
+  const TensorInfo& ti = info(name);
+  if (!dst.defined())
+    throw ConfigError(concat(path_, ": load_into('", name, "') needs a defined destination"));
+  if (dst.shape() != ti.shape)
+    throw FormatError(concat(path_, ": tensor '", name, "' has shape ", shape_str(ti.shape),
+                             " in the file but the destination expects ", shape_str(dst.shape())));
+  const char* src = data_of(ti);
+  std::vector<char> staged;
+  if (!aligned_for(src, ti.dtype)) {
+    staged.assign(src, src + ti.nbytes());
+    src = staged.data();
+  }
+  dst.copy_from(borrowed_tensor(ti, src, mapping_));
+}
+
+Tensor SafetensorsFile::view(const std::string& name) const {
+  const TensorInfo& ti = info(name);
+  const char* src = data_of(ti);
+  if (!aligned_for(src, ti.dtype))
+    throw FormatError(concat(path_, ": tensor '", name,
+                             "' starts at a byte offset that is not a "
+                             "multiple of its ",
+                             dtype_size(ti.dtype),
+                             "-byte element size, so it cannot be viewed in place; use "
+                             "load() to copy it"));
+  return borrowed_tensor(ti, src, mapping_);
+}
+
+// ---- writing ----------------------------------------------------------------------------------
+
+void save_safetensors(const std::string& path, const NamedTensors& tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  std::vector<const std::pair<std::string, Tensor>*> sorted;
+  sorted.reserve(tensors.size());
+  for (const auto& entry : tensors) {
+    if (entry.first.empty() || entry.first == "__metadata__")
+      throw ConfigError(
+          concat("cannot save '", path, "': invalid tensor name '", entry.first, "'"));
+    if (!entry.second.defined())
+      throw ConfigError(
+          concat("cannot save '", path, "': tensor '", entry.first, "' is undefined"));
+    sorted.push_back(&entry);
+  }
+  std::sort(sorted.begin(), sorted.end(),
+            [](const auto* a, const auto* b) { return a->first < b->first; });
+  for (size_t i = 1; i < sorted.size(); ++i)
+    if (sorted[i]->first == sorted[i - 1]->first)
+      throw ConfigError(
+          concat("cannot save '", path, "': tensor name '", sorted[i]->first, "' appears twice"));
+
+  // The reference writer puts __metadata__ first, then the tensors in file order.
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) {
+    nlohmann::ordered_json meta = nlohmann::ordered_json::object();
+    for (const auto& [k, v] : metadata) meta[k] = v;
+    header["__metadata__"] = std::move(meta);
+  }
+  uint64_t offset = 0;
+  for (const auto* entry : sorted) {
+    const Tensor& t = entry->second;
+    nlohmann::ordered_json desc;
+    desc["dtype"] = std::string(safetensors_dtype_name(t.dtype()));
+    desc["shape"] = t.shape();
+    desc["data_offsets"] = {offset, offset + t.nbytes()};
+    header[entry->first] = std::move(desc);
+    offset += t.nbytes();
+  }
+  std::string text = header.dump();
+  // Pad with spaces so the data section starts 8-byte aligned, as the reference writer does.
+  text.append((8 - text.size() % 8) % 8, ' ');
+
+  AtomicFileWriter out(path);
+  unsigned char len[8];
+  uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>((n >> (8 * i)) & 0xffu);
+  out.write(len, 8);
+  out.write(text.data(), text.size());
+  for (const auto* entry : sorted) {
+    const Tensor& t = entry->second;
+    if (t.device().cpu_addressable()) {
+      out.write(t.data_ptr(), t.nbytes());
+    } else {
+      Tensor host = t.to(Device::host());
+      out.write(host.data_ptr(), host.nbytes());
+    }
+  }
+  out.commit();
+}
+
+namespace {
+
+const std::regex& shard_name_pattern() {
+  static const std::regex pattern(R"(model-\d{5}-of-\d{5}\.safetensors)");
+  return pattern;
+}
+
+void remove_quietly(const fs::path& p) {
+  std::error_code ec;
+  fs::remove(p, ec);
+}
+
+}  // namespace
+
+std::vector<std::string> save_sharded(const std::string& dir, const NamedTensors& tensors,
+                                      int64_t max_shard_bytes,
+                                      const std::map<std::string, std::string>& metadata) {
+  if (max_shard_bytes <= 0)
+    throw ConfigError(concat("cannot save checkpoint '", dir,
+                             "': max_shard_bytes must be "
+                             "positive, got ",
+                             max_shard_bytes));
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec)
+    throw ConfigError(concat("cannot create checkpoint directory '", dir, "': ", ec.message()));
+  const fs::path root(dir);
+
+  NamedTensors sorted = tensors;
+  std::sort(sorted.begin(), sorted.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  int64_t total = 0;
+  for (const auto& entry : sorted)
+    if (entry.second.defined()) total += static_cast<int64_t>(entry.second.nbytes());
+
+  std::vector<std::string> written;
+  if (total <= max_shard_bytes) {
+    save_safetensors((root / kSingleCheckpointFile).string(), sorted, metadata);
+    written.push_back(kSingleCheckpointFile);
+    remove_quietly(root / kCheckpointIndexFile);
+    for (const auto& e : fs::directory_iterator(root, ec))
+      if (std::regex_match(e.path().filename().string(), shard_name_pattern()))
+        remove_quietly(e.path());
+    return written;
+  }
+
+  // Greedy packing in name order; a tensor larger than the limit gets a shard of its own.
+  std::vector<NamedTensors> shards(1);
+  int64_t shard_bytes = 0;
+  for (auto& entry : sorted) {
+    const int64_t bytes = entry.second.defined() ? static_cast<int64_t>(entry.second.nbytes()) : 0;
+    if (!shards.back().empty() && shard_bytes + bytes > max_shard_bytes) {
+      shards.emplace_back();
+      shard_bytes = 0;
+    }
+    shards.back().push_back(std::move(entry));
+    shard_bytes += bytes;
+  }
+
+  nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
+  std::set<std::string> shard_files;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    char name[64];
+    std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", i + 1, shards.size());
+    save_safetensors((root / name).string(), shards[i], metadata);
+    for (const auto& entry : shards[i]) weight_map[entry.first] = name;
+    written.push_back(name);
+    shard_files.insert(name);
+  }
+  nlohmann::ordered_json index;
+  index["metadata"] = {{"total_size", total}};
+  index["weight_map"] = std::move(weight_map);
+  const std::string text = index.dump(2) + "\n";
+  AtomicFileWriter out((root / kCheckpointIndexFile).string());
+  out.write(text.data(), text.size());
+  out.commit();
+  written.push_back(kCheckpointIndexFile);
+
+  remove_quietly(root / kSingleCheckpointFile);
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    const std::string fname = e.path().filename().string();
+    if (std::regex_match(fname, shard_name_pattern()) && shard_files.count(fname) == 0)
+      remove_quietly(e.path());
+  }
+  return written;
+}
+
+// ---- checkpoints ------------------------------------------------------------------------------
+
+SafetensorsCheckpoint SafetensorsCheckpoint::open(const std::string& dir_or_file) {
+  SafetensorsCheckpoint ck;
+  ck.path_ = dir_or_file;
+  const fs::path root(dir_or_file);
+  std::error_code ec;
+  if (!fs::exists(root, ec))
+    throw ConfigError(concat("checkpoint '", dir_or_file, "' does not exist"));
+
+  if (!fs::is_directory(root, ec)) {
+    ck.files_.push_back(SafetensorsFile::open(dir_or_file));
+  } else if (fs::exists(root / kCheckpointIndexFile, ec)) {
+    ck.has_index_ = true;
+    const std::string index_path = (root / kCheckpointIndexFile).string();
+    std::map<std::string, std::string> weight_map;
+    {
+      std::ifstream in(index_path, std::ios::binary);
+      if (!in) throw ConfigError(concat("cannot open '", index_path, "': ", std::strerror(errno)));
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      nlohmann::json index;
+      try {
+        index = nlohmann::json::parse(text);
+      } catch (const nlohmann::json::parse_error& e) {
+        throw FormatError(concat(index_path, ": invalid JSON: ", e.what()));
+      }
+      if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+        throw FormatError(concat(index_path, ": missing the \"weight_map\" object"));
+      for (const auto& [name, file] : index["weight_map"].items()) {
+        if (!file.is_string())
+          throw FormatError(concat(index_path, ": weight_map entry '", name,
+                                   "' must be a file name, got ", file.dump()));
+        weight_map[name] = file.get<std::string>();
+      }
+    }
+    std::map<std::string, size_t> file_number;
+    for (const auto& [name, file] : weight_map) {
+      auto it = file_number.find(file);
+      if (it == file_number.end()) {
+        const fs::path shard = root / file;
+        if (!fs::exists(shard, ec))
+          throw FormatError(concat(index_path, ": tensor '", name, "' is mapped to '", file,
+                                   "', which does not exist in ", dir_or_file));
+        it = file_number.emplace(file, ck.files_.size()).first;
+        ck.files_.push_back(SafetensorsFile::open(shard.string()));
+      }
+      if (!ck.files_[it->second].contains(name))
+        throw FormatError(concat(index_path, ": tensor '", name, "' is mapped to '", file,
+                                 "', but that file has no such tensor"));
+      ck.file_index_[name] = it->second;
+    }
+  } else if (fs::exists(root / kSingleCheckpointFile, ec)) {
+    ck.files_.push_back(SafetensorsFile::open((root / kSingleCheckpointFile).string()));
+  } else {
+    throw ConfigError(concat("checkpoint directory '", dir_or_file, "' holds neither ",
+                             kSingleCheckpointFile, " nor ", kCheckpointIndexFile));
+  }
+
+  if (!ck.has_index_)
+    for (const auto& name : ck.files_[0].names()) ck.file_index_[name] = 0;
+  for (const auto& file : ck.files_)
+    for (const auto& [k, v] : file.metadata()) ck.metadata_.emplace(k, v);
+  return ck;
+}
+
+std::vector<std::string> SafetensorsCheckpoint::names() const {
+  std::vector<std::string> out;
+  out.reserve(file_index_.size());
+  for (const auto& entry : file_index_) out.push_back(entry.first);
+  return out;
+}
+
+bool SafetensorsCheckpoint::contains(const std::string& name) const {
+  return file_index_.count(name) > 0;
+}
+
+const SafetensorsFile& SafetensorsCheckpoint::file_of(const std::string& name) const {
+  auto it = file_index_.find(name);
+  if (it == file_index_.end())
+    throw FormatError(concat("checkpoint '", path_, "': no tensor '", name, "' (",
+                             available_names(name, names()), ")"));
+  return files_[it->second];
+}
+
+const TensorInfo& SafetensorsCheckpoint::info(const std::string& name) const {
+  return file_of(name).info(name);
+}
+
+Tensor SafetensorsCheckpoint::load(const std::string& name, Device device,
+                                   std::optional<DType> convert_to) const {
+  return file_of(name).load(name, device, convert_to);
+}
+
+void SafetensorsCheckpoint::load_into(const std::string& name, Tensor& dst) const {
+  file_of(name).load_into(name, dst);
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,39 @@
+// Helpers shared by the op implementations (private to the ops layer).
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "shardtrain/autograd/node.h"
+#include "shardtrain/backend/backend.h"
+
+namespace shardtrain::ops::detail {
+
+using autograd::SavedTensor;
+
+inline Backend& backend_of(const Tensor& t) { return backend_for(t.device()); }
+
+inline Tensor empty_like(const Tensor& t) { return empty(t.shape(), t.dtype(), t.device()); }
+
+inline void check_float(const Tensor& t, const char* op, const char* what) {
+  ST_CHECK_SHAPE(t.defined(), op, ": ", what, " is undefined");
+  ST_CHECK_SHAPE(is_floating(t.dtype()), op, ": ", what, " must be a floating tensor, got ",
+                 t.describe());
+}
+
+inline void check_same(const Tensor& a, const Tensor& b, const char* op) {
+  ST_CHECK_SHAPE(a.dtype() == b.dtype(), op, ": dtypes differ (", a.describe(), " vs ",
+                 b.describe(), "); cast one of them first");
+  ST_CHECK_SHAPE(a.device() == b.device(), op, ": devices differ (", a.describe(), " vs ",
+                 b.describe(), ")");
+}
+
+// An f32 accumulator for a weight gradient, returned in the weight's dtype.
+inline Tensor in_dtype(Tensor g, DType dtype) { return g.dtype() == dtype ? g : g.to(dtype); }
+
+// A Node with a fixed name and a lambda-free apply; ops subclass it.
+template <typename Derived>
+struct NamedNode : autograd::Node {
+  std::string name() const override { return Derived::kName; }
+};
+
+}  // namespace shardtrain::ops::detail

@@ -1,0 +1,122 @@
+#include "shardtrain/optim/optimizer.h"
+
+#include <cmath>
+
+#include "shardtrain/autograd/node.h"
+#include "shardtrain/backend/backend.h"
+
+namespace shardtrain::optim {
+
+bool default_decay_filter(const std::string& name) {
+  return name.find("norm") == std::string::npos && name.find("embed") == std::string::npos;
+}
+
+void Optimizer::zero_grad() {
+  for (auto& p : params_) autograd::set_grad(*p.param, Tensor());
+}
+
+AdamW::AdamW(std::vector<NamedParam> params, AdamWOptions options)
+    : Optimizer(std::move(params)), options_(options) {
+  CategoryScope scope(MemoryCategory::OptimizerState);
+  for (auto& p : params_) {
+    ST_CHECK(p.param->dtype() == DType::F32, "AdamW keeps fp32 parameters; '", p.name, "' is ",
+             p.param->describe());
+    exp_avg_.push_back(zeros(p.param->shape(), DType::F32, p.param->device()));
+    exp_avg_sq_.push_back(zeros(p.param->shape(), DType::F32, p.param->device()));
+    decay_.push_back(options_.decay_all || default_decay_filter(p.name));
+  }
+}
+
+void AdamW::step(float lr) {
+  ++steps_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Tensor g = autograd::grad(*params_[i].param);
+    if (!g.defined()) continue;
+    Backend::AdamWArgs args{lr, options_.beta1, options_.beta2, options_.eps,
+                            decay_[i] ? options_.weight_decay : 0.0f, steps_};
+    backend_for(params_[i].param->device())
+        .adamw(*params_[i].param, g, exp_avg_[i], exp_avg_sq_[i], args);
+  }
+}
+
+std::vector<std::pair<std::string, Tensor*>> AdamW::state() {
+  std::vector<std::pair<std::string, Tensor*>> out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    out.emplace_back("exp_avg." + params_[i].name, &exp_avg_[i]);
+    out.emplace_back("exp_avg_sq." + params_[i].name, &exp_avg_sq_[i]);
+  }
+  return out;
+}
+
+SGD::SGD(std::vector<NamedParam> params, float momentum, float weight_decay)
+    : Optimizer(std::move(params)), momentum_(momentum), weight_decay_(weight_decay) {
+  CategoryScope scope(MemoryCategory::OptimizerState);
+  for (auto& p : params_)
+    buffers_.push_back(momentum_ > 0 ? zeros(p.param->shape(), DType::F32, p.param->device())
+                                     : Tensor());
+}
+
+void SGD::step(float lr) {
+  ++steps_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Tensor& p = *params_[i].param;
+    Tensor g = autograd::grad(p);
+    if (!g.defined()) continue;
+    Backend& be = backend_for(p.device());
+    Tensor d = g;
+    if (weight_decay_ != 0.0f) {  // d = g + wd * p
+      d = empty(p.shape(), DType::F32, p.device());
+      be.add(g, p, d, 1.0f, weight_decay_);
+    }
+    if (momentum_ > 0) {  // buf = momentum * buf + d (PyTorch: plain copy on the first step)
+      if (steps_ == 1) buffers_[i].copy_from(d);
+      else be.add(buffers_[i], d, buffers_[i], momentum_, 1.0f);
+      d = buffers_[i];
+    }
+    be.add(p, d, p, 1.0f, -lr);
+  }
+}
+
+std::vector<std::pair<std::string, Tensor*>> SGD::state() {
+  std::vector<std::pair<std::string, Tensor*>> out;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (buffers_[i].defined()) out.emplace_back("momentum." + params_[i].name, &buffers_[i]);
+  return out;
+}
+
+float LrSchedule::at(int64_t step) const {
+  if (warmup_steps > 0 && step < warmup_steps)
+    return peak * static_cast<float>(step + 1) / static_cast<float>(warmup_steps);
+  if (kind == Kind::Constant) return peak;
+  int64_t decay_steps = std::max<int64_t>(total_steps - warmup_steps, 1);
+  double progress =
+      std::min(1.0, static_cast<double>(step - warmup_steps) / static_cast<double>(decay_steps));
+  double factor = kind == Kind::Cosine ? 0.5 * (1.0 + std::cos(M_PI * progress)) : 1.0 - progress;
+  return static_cast<float>(min_lr + (peak - min_lr) * factor);
+}
+
+double grad_sum_squares(const std::vector<NamedParam>& params) {
+  double total = 0;
+  for (auto& p : params) {
+    Tensor g = autograd::grad(*p.param);
+    if (g.defined()) total += backend_for(g.device()).sum_squares(g);
+  }
+  return total;
+}
+
+void scale_grads(const std::vector<NamedParam>& params, float factor) {
+  for (auto& p : params) {
+    Tensor g = autograd::grad(*p.param);
+    if (g.defined()) backend_for(g.device()).scale(g, g, factor);
+  }
+}
+
+double clip_grad_norm(const std::vector<NamedParam>& params, double max_norm,
+                      double sum_squares) {
+  double norm = std::sqrt(sum_squares >= 0 ? sum_squares : grad_sum_squares(params));
+  if (max_norm > 0 && norm > max_norm && std::isfinite(norm))
+    scale_grads(params, static_cast<float>(max_norm / (norm + 1e-6)));
+  return norm;
+}
+
+}  // namespace shardtrain::optim

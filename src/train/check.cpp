@@ -1,0 +1,147 @@
+#include "shardtrain/train/check.h"
+
+#include <cmath>
+#include <cstdio>
+
+#include "shardtrain/autograd/grad_mode.h"
+#include "shardtrain/autograd/node.h"
+#include "shardtrain/io/safetensors.h"
+#include "shardtrain/train/runtime.h"
+
+namespace shardtrain::train {
+
+namespace {
+
+float metadata_float(const std::map<std::string, std::string>& meta, const std::string& key,
+                     const std::string& file) {
+  auto it = meta.find(key);
+  if (it == meta.end())
+    throw FormatError("'" + file + "' has no '" + key +
+                      "' in its __metadata__ (the AdamW hyper-parameters of the reference step)");
+  try {
+    return std::stof(it->second);
+  } catch (const std::exception&) {
+    throw FormatError("'" + file + "': __metadata__ '" + key + "' = '" + it->second +
+                      "' is not a number");
+  }
+}
+
+TensorError compare(const std::string& name, const std::vector<float>& got,
+                    const std::vector<float>& want, double rtol, double atol) {
+  TensorError e;
+  e.name = name;
+  e.numel = static_cast<int64_t>(want.size());
+  if (got.size() != want.size()) {
+    e.max_abs = e.max_rel = INFINITY;
+    return e;
+  }
+  double sq = 0;
+  for (float w : want) sq += static_cast<double>(w) * w;
+  double rms = want.empty() ? 0 : std::sqrt(sq / static_cast<double>(want.size()));
+  e.tolerance_rtol = rtol;
+  e.tolerance_atol = atol >= 0 ? atol : rtol * rms;
+  e.ok = true;
+  for (size_t i = 0; i < want.size(); ++i) {
+    double diff = std::fabs(static_cast<double>(got[i]) - want[i]);
+    if (!std::isfinite(static_cast<double>(got[i]))) diff = INFINITY;
+    e.max_abs = std::max(e.max_abs, diff);
+    e.max_rel = std::max(e.max_rel, diff / (std::fabs(static_cast<double>(want[i])) + e.tolerance_atol + 1e-30));
+    if (!(diff <= e.tolerance_atol + rtol * std::fabs(static_cast<double>(want[i])))) e.ok = false;
+  }
+  return e;
+}
+
+}  // namespace
+
+bool CheckReport::ok() const {
+  for (const TensorError& t : tensors)
+    if (!t.ok) return false;
+  return !tensors.empty();
+}
+
+std::string CheckReport::table() const {
+  std::string out;
+  char line[512];
+  std::snprintf(line, sizeof line, "%-52s %10s %12s %12s %10s  %s\n", "tensor", "elements",
+                "max abs err", "max rel err", "rtol", "result");
+  out += line;
+  int failed = 0;
+  for (const TensorError& t : tensors) {
+    std::snprintf(line, sizeof line, "%-52s %10lld %12.3e %12.3e %10.1e  %s\n", t.name.c_str(),
+                  static_cast<long long>(t.numel), t.max_abs, t.max_rel, t.tolerance_rtol,
+                  t.ok ? "ok" : "FAIL");
+    out += line;
+    failed += !t.ok;
+  }
+  std::snprintf(line, sizeof line, "%zu tensors compared, %d beyond tolerance: %s\n",
+                tensors.size(), failed, ok() ? "PASS" : "FAIL");
+  return out + line;
+}
+
+CheckReport run_check(Config config, const CheckOptions& options) {
+  config.model.from_hf = options.model_dir;
+  SafetensorsFile batch = SafetensorsFile::open(options.batch_file);
+  SafetensorsFile expected = SafetensorsFile::open(options.expected_file);
+  const auto& meta = expected.metadata();
+  const std::string& ef = options.expected_file;
+  config.optim.name = "adamw";
+  config.optim.beta1 = metadata_float(meta, "beta1", ef);
+  config.optim.beta2 = metadata_float(meta, "beta2", ef);
+  config.optim.eps = metadata_float(meta, "eps", ef);
+  config.optim.weight_decay = metadata_float(meta, "weight_decay", ef);
+  config.optim.decay_norms_and_embeddings = true;  // the reference decays every weight
+  config.optim.grad_clip = 0;
+  float lr = metadata_float(meta, "lr", ef);
+
+  bool half = config.precision.compute != "fp32";
+  double rtol = options.rtol >= 0 ? options.rtol : (half ? 3e-2 : 1e-4);
+
+  Batch full;
+  full.input_ids = batch.load("input_ids", Device::cpu(), DType::I64);
+  full.targets = batch.load("targets", Device::cpu(), DType::I64);
+  ST_CHECK_AS(FormatError, full.input_ids.shape() == full.targets.shape() && full.input_ids.dim() == 2,
+              "'", options.batch_file, "': input_ids ", full.input_ids.describe(), " and targets ",
+              full.targets.describe(), " must both be [batch, seq]");
+  full.num_target_tokens = count_target_tokens(full.targets);
+  int64_t b = full.batch_size();
+  int64_t micro = std::min<int64_t>(config.train.micro_batch, b);
+  ST_CHECK_AS(ConfigError, micro > 0 && b % micro == 0, "train.micro_batch ", micro,
+              " must divide the reference batch of ", b, " sequences");
+
+  Runtime rt(config);
+  CheckReport report;
+  auto want = [&](const std::string& name) { return expected.load(name).to_float_vector(); };
+
+  // Logits without a graph (the same parameters, so the same numbers as the training forward).
+  if (expected.contains("logits")) {
+    autograd::NoGrad ng;
+    Tensor logits = rt.model().forward(full.input_ids.to(rt.device()));
+    report.tensors.push_back(compare("logits", logits.to_float_vector(), want("logits"), rtol,
+                                     options.atol));
+  }
+  std::vector<Batch> micro_batches = split_batch(full, b / micro);
+  rt.optimizer().zero_grad();
+  double loss = rt.forward_backward(micro_batches);
+  if (expected.contains("loss"))
+    report.tensors.push_back(compare("loss", {static_cast<float>(loss)}, want("loss"), rtol,
+                                     options.atol));
+  for (auto& [name, slot] : rt.model().named_parameters()) {
+    std::string key = "grad." + name;
+    if (!expected.contains(key)) continue;
+    Tensor g = autograd::grad(*slot);
+    ST_CHECK(g.defined(), "parameter '", name, "' received no gradient");
+    report.tensors.push_back(compare(key, g.to_float_vector(), want(key), rtol, options.atol));
+  }
+  rt.optimizer().step(lr);
+  for (auto& [name, slot] : rt.model().named_parameters()) {
+    std::string key = "step1." + name;
+    if (!expected.contains(key)) continue;
+    // AdamW's first step moves each weight by about lr * sign(g); in half precision a gradient
+    // whose sign is decided by rounding can move it the other way, hence an absolute tolerance.
+    double atol = half ? 2.5 * lr : options.atol;
+    report.tensors.push_back(compare(key, slot->to_float_vector(), want(key), rtol, atol));
+  }
+  return report;
+}
+
+}  // namespace shardtrain::train

@@ -1,0 +1,964 @@
+#include "shardtrain/train/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <type_traits>
+#include <variant>
+
+#include "shardtrain/core/device.h"
+#include "shardtrain/core/error.h"
+#include "shardtrain/core/suggest.h"
+#include "shardtrain/core/units.h"
+
+namespace shardtrain::train {
+namespace {
+
+// ---- Small text helpers ---------------------------------------------------------------------
+
+std::string trim(const std::string& s) {
+  size_t b = s.find_first_not_of(" \t");
+  if (b == std::string::npos) return "";
+  size_t e = s.find_last_not_of(" \t");
+  return s.substr(b, e - b + 1);
+}
+
+std::string join(const std::vector<std::string>& items, const std::string& sep) {
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i) out += (i ? sep : "") + items[i];
+  return out;
+}
+
+std::optional<int64_t> read_int(const std::string& text) {
+  std::string t = trim(text);
+  if (!t.empty() && t[0] == '+') t.erase(0, 1);
+  int64_t v = 0;
+  auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
+  if (ec != std::errc() || end != t.data() + t.size() || t.empty()) return std::nullopt;
+  return v;
+}
+
+std::optional<double> read_float(const std::string& text) {
+  std::string t = trim(text);
+  if (!t.empty() && t[0] == '+') t.erase(0, 1);
+  double v = 0;
+  auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
+  if (ec != std::errc() || end != t.data() + t.size() || t.empty() || !std::isfinite(v))
+    return std::nullopt;
+  return v;
+}
+
+std::optional<bool> read_bool(const std::string& text) {
+  std::string t = trim(text);
+  std::transform(t.begin(), t.end(), t.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (t == "true" || t == "yes" || t == "on") return true;
+  if (t == "false" || t == "no" || t == "off") return false;
+  return std::nullopt;
+}
+
+// Shortest text that reads back as the same double.
+std::string format_float(double v) {
+  char buf[64];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, end);
+}
+
+// A string as YAML: plain when a reader cannot mistake it for anything else, else double-quoted.
+std::string yaml_string(const std::string& s) {
+  static const std::set<std::string> kSpecialWords = {"true", "false", "yes", "no",   "on",
+                                                      "off",  "y",     "n",   "null", "~"};
+  std::string lower = s;
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return std::tolower(c); });
+  bool plain = !s.empty() && !kSpecialWords.count(lower) && !read_float(s) && !read_int(s) &&
+               s.front() != '-' && s.front() != ':' && s.back() != ':' &&
+               std::all_of(s.begin(), s.end(), [](unsigned char c) {
+                 return std::isalnum(c) || c == '_' || c == '.' || c == '/' || c == '-' || c == ':';
+               });
+  if (plain) return s;
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
+// ---- Layer selection --------------------------------------------------------------------------
+
+const char* kLayerForms =
+    "expected all, a layer N, a range A-B, every:K, or a comma list such as 0,3-5 (layers count "
+    "from 0)";
+
+}  // namespace
+
+LayerSelection LayerSelection::parse(const std::string& text) {
+  LayerSelection sel;
+  sel.text_ = text;
+  auto fail = [&](const std::string& why) -> LayerSelection {
+    throw ConfigError("activation.layers = '" + text + "' is not valid: " + why);
+  };
+  std::string t = trim(text);
+  if (t == "all") {
+    sel.all_ = true;
+    return sel;
+  }
+  if (t.rfind("every:", 0) == 0) {
+    auto k = read_int(t.substr(6));
+    if (!k || *k < 1) return fail("every:K needs a whole number K >= 1");
+    sel.every_ = *k;
+    return sel;
+  }
+  if (t.empty()) return fail(kLayerForms);
+  std::stringstream items(t);
+  std::string item;
+  while (std::getline(items, item, ',')) {
+    item = trim(item);
+    size_t dash = item.find('-', 1);
+    std::optional<int64_t> first, last;
+    if (dash == std::string::npos) {
+      first = last = read_int(item);
+    } else {
+      first = read_int(item.substr(0, dash));
+      last = read_int(item.substr(dash + 1));
+    }
+    if (!first || !last || *first < 0 || *last < 0) return fail(kLayerForms);
+    if (*first > *last)
+      return fail("the range " + item + " runs backwards; write it as " + std::to_string(*last) +
+                  "-" + std::to_string(*first));
+    sel.ranges_.push_back({*first, *last});
+  }
+  if (sel.ranges_.empty()) return fail(kLayerForms);
+  return sel;
+}
+
+void LayerSelection::validate(int64_t num_layers) const {
+  for (const Range& r : ranges_) {
+    if (r.last >= num_layers)
+      throw ConfigError("activation.layers = '" + text_ + "' names layer " +
+                        std::to_string(r.last) + " but the model has " +
+                        std::to_string(num_layers) + " layers (0-" +
+                        std::to_string(num_layers - 1) + "; model.num_layers)");
+  }
+}
+
+bool LayerSelection::applies_to_layer(int64_t layer, int64_t num_layers) const {
+  validate(num_layers);
+  ST_CHECK(layer >= 0 && layer < num_layers, "layer index ", layer, " is outside 0..",
+           num_layers - 1);
+  if (all_) return true;
+  if (every_ > 0) return layer % every_ == 0;
+  return std::any_of(ranges_.begin(), ranges_.end(),
+                     [&](const Range& r) { return layer >= r.first && layer <= r.last; });
+}
+
+bool ActivationConfig::applies_to_layer(int64_t layer, int64_t num_layers) const {
+  return LayerSelection::parse(layers).applies_to_layer(layer, num_layers);
+}
+
+int64_t TrainConfig::device_memory_bytes() const {
+  return device_memory.empty() ? 0 : parse_bytes(device_memory);
+}
+
+std::string PrecisionConfig::effective_loss_scale() const {
+  if (loss_scale != "auto") return loss_scale;
+  return compute == "fp16" ? "dynamic" : "none";
+}
+
+namespace {
+
+// ---- The schema -------------------------------------------------------------------------------
+
+using FieldRef = std::variant<bool*, int64_t*, double*, std::string*, std::vector<std::string>*>;
+
+// Checks a string value's format; returns "" when fine, else what is expected.
+using FormatCheck = std::string (*)(const std::string&);
+
+struct Bound {
+  double value = 0;
+  bool inclusive = true;
+};
+
+// One row of the schema: a key, where it lives in Config, and what values it accepts.
+struct Key {
+  std::string path;  // "optim.lr"
+  std::function<FieldRef(Config&)> field;
+  std::optional<Bound> min, max;     // numbers
+  std::vector<std::string> choices;  // strings: the allowed values; lists: the allowed items
+  FormatCheck format = nullptr;      // strings with a structured format
+  bool byte_size = false;            // integers that also accept "64KiB"
+  std::string description;           // one-line help
+  std::string type;                  // "integer", "number", ... for messages
+  bool is_list = false;
+
+  template <typename T>
+  static constexpr bool is_list_type() {
+    return std::is_same_v<T, std::vector<std::string>>;
+  }
+  template <typename T>
+  static std::string type_of() {
+    if constexpr (std::is_same_v<T, bool>) return "boolean";
+    if constexpr (std::is_same_v<T, int64_t>) return "integer";
+    if constexpr (std::is_same_v<T, double>) return "number";
+    if constexpr (std::is_same_v<T, std::string>) return "string";
+    return "list of strings";
+  }
+
+  template <typename T>
+  Key(std::string p, T Config::*member) : path(std::move(p)), is_list(is_list_type<T>()) {
+    field = [member](Config& c) -> FieldRef { return &(c.*member); };
+    type = type_of<T>();
+  }
+  template <typename Section, typename T>
+  Key(std::string p, Section Config::*section, T Section::*member)
+      : path(std::move(p)), is_list(is_list_type<T>()) {
+    field = [section, member](Config& c) -> FieldRef { return &(c.*section.*member); };
+    type = type_of<T>();
+  }
+
+  Key& at_least(double v) { return min = Bound{v, true}, *this; }
+  Key& above(double v) { return min = Bound{v, false}, *this; }
+  Key& at_most(double v) { return max = Bound{v, true}, *this; }
+  Key& below(double v) { return max = Bound{v, false}, *this; }
+  Key& one_of(std::vector<std::string> values) { return choices = std::move(values), *this; }
+  Key& checked_by(FormatCheck check) { return format = check, *this; }
+  Key& accepts_byte_size() { return byte_size = true, *this; }
+  Key& help(std::string text) { return description = std::move(text), *this; }
+
+  std::string section() const {
+    size_t dot = path.find('.');
+    return dot == std::string::npos ? "" : path.substr(0, dot);
+  }
+  std::string leaf() const { return path.substr(path.find('.') + 1); }
+
+  std::string type_name() const { return byte_size ? "integer or byte size" : type; }
+
+  // The allowed values or range, e.g. "> 0", "in [0, 1)", "one of cosine, constant, linear".
+  std::string allowed() const {
+    auto show = [](const std::string& s) { return s.empty() ? std::string("\"\"") : s; };
+    if (!choices.empty()) {
+      std::vector<std::string> shown;
+      for (const auto& c : choices) shown.push_back(show(c));
+      return (is_list ? "items from " : "one of ") + join(shown, ", ");
+    }
+    if (min && max)
+      return std::string(min->inclusive ? "in [" : "in (") + format_float(min->value) + ", " +
+             format_float(max->value) + (max->inclusive ? "]" : ")");
+    if (min) return (min->inclusive ? ">= " : "> ") + format_float(min->value);
+    if (max) return (max->inclusive ? "<= " : "< ") + format_float(max->value);
+    return "";
+  }
+};
+
+std::string check_device(const std::string& text) {
+  if (text == "auto") return "";
+  try {
+    if (!parse_device(text).is_host()) return "";
+  } catch (const ConfigError&) {
+  }
+  return "expected auto, cpu, cuda or cuda:N";
+}
+
+std::string check_byte_size(const std::string& text) {
+  if (text.empty()) return "";
+  try {
+    if (parse_bytes(text) > 0) return "";
+  } catch (const ConfigError&) {
+  }
+  return "expected \"\" (no limit) or a positive byte size such as 24GiB or 512MiB";
+}
+
+std::string check_layers(const std::string& text) {
+  try {
+    LayerSelection::parse(text);
+    return "";
+  } catch (const ConfigError&) {
+    return kLayerForms;
+  }
+}
+
+std::string check_not_empty(const std::string& text) {
+  return trim(text).empty() ? "expected a non-empty value" : "";
+}
+
+const std::vector<std::string> kSections = {
+    "model", "data", "train", "optim", "precision", "activation", "dist", "checkpoint", "lora"};
+
+const std::vector<Key>& schema() {
+  using C = Config;
+  static const std::vector<Key> keys = {
+      Key("recipe", &C::recipe)
+          .one_of({"manual", "auto"})
+          .help("auto picks sharding, precision and activation strategy from the memory plan"),
+
+      Key("model.from_hf", &C::model, &ModelConfig::from_hf)
+          .help("Hugging Face model dir (config.json gives the shape, safetensors the weights)"),
+      Key("model.vocab_size", &C::model, &ModelConfig::vocab_size)
+          .at_least(1)
+          .help("vocabulary size"),
+      Key("model.hidden_size", &C::model, &ModelConfig::hidden_size)
+          .at_least(1)
+          .help("model width"),
+      Key("model.intermediate_size", &C::model, &ModelConfig::intermediate_size)
+          .at_least(1)
+          .help("SwiGLU MLP width"),
+      Key("model.num_layers", &C::model, &ModelConfig::num_layers)
+          .at_least(1)
+          .help("transformer blocks"),
+      Key("model.num_heads", &C::model, &ModelConfig::num_heads)
+          .at_least(1)
+          .help("attention heads"),
+      Key("model.num_kv_heads", &C::model, &ModelConfig::num_kv_heads)
+          .at_least(0)
+          .help("key/value heads for grouped-query attention; 0 = num_heads"),
+      Key("model.rms_norm_eps", &C::model, &ModelConfig::rms_norm_eps)
+          .above(0)
+          .help("RMSNorm epsilon"),
+      Key("model.rope_theta", &C::model, &ModelConfig::rope_theta)
+          .above(0)
+          .help("RoPE base frequency"),
+      Key("model.tie_embeddings", &C::model, &ModelConfig::tie_embeddings)
+          .help("share the input embedding with the output projection"),
+      Key("model.max_seq_len", &C::model, &ModelConfig::max_seq_len)
+          .at_least(1)
+          .help("longest sequence the model supports"),
+      Key("model.init_std", &C::model, &ModelConfig::init_std)
+          .at_least(0)
+          .help("std of the normal weight initialisation"),
+
+      Key("data.path", &C::data, &DataConfig::path)
+          .checked_by(check_not_empty)
+          .help("builtin (embedded corpus), a .h5 token dataset or a .txt file"),
+      Key("data.eval_fraction", &C::data, &DataConfig::eval_fraction)
+          .above(0)
+          .at_most(0.5)
+          .help("share of the data held out for evaluation"),
+      Key("data.seed", &C::data, &DataConfig::seed)
+          .at_least(0)
+          .help("seed of the train/eval split and shuffling"),
+
+      Key("train.steps", &C::train, &TrainConfig::steps).at_least(1).help("optimizer steps"),
+      Key("train.seq_len", &C::train, &TrainConfig::seq_len)
+          .at_least(1)
+          .help("tokens per sequence"),
+      Key("train.micro_batch", &C::train, &TrainConfig::micro_batch)
+          .at_least(1)
+          .help("sequences per rank per forward/backward"),
+      Key("train.global_batch", &C::train, &TrainConfig::global_batch)
+          .at_least(0)
+          .help("sequences per optimizer step over all ranks; 0 = micro_batch x world size"),
+      Key("train.global_batch_tokens", &C::train, &TrainConfig::global_batch_tokens)
+          .at_least(0)
+          .help("tokens per optimizer step (instead of global_batch); 0 = unused"),
+      Key("train.eval_every", &C::train, &TrainConfig::eval_every)
+          .at_least(0)
+          .help("steps between evaluations; 0 = never"),
+      Key("train.eval_batches", &C::train, &TrainConfig::eval_batches)
+          .at_least(1)
+          .help("micro-batches per evaluation"),
+      Key("train.log_every", &C::train, &TrainConfig::log_every)
+          .at_least(1)
+          .help("steps between log lines"),
+      Key("train.seed", &C::train, &TrainConfig::seed)
+          .at_least(0)
+          .help("seed of initialisation and dropout"),
+      Key("train.device", &C::train, &TrainConfig::device)
+          .checked_by(check_device)
+          .help("auto, cpu, cuda or cuda:N"),
+      Key("train.device_memory", &C::train, &TrainConfig::device_memory)
+          .checked_by(check_byte_size)
+          .help("device capacity for the memory planner and allocator, e.g. 24GiB; \"\" = all"),
+      Key("train.out_dir", &C::train, &TrainConfig::out_dir)
+          .checked_by(check_not_empty)
+          .help("run directory (logs, checkpoints, export); default runs/<config stem>"),
+      Key("train.resume", &C::train, &TrainConfig::resume)
+          .checked_by(check_not_empty)
+          .help("none, auto (latest checkpoint in the checkpoint dir) or a checkpoint path"),
+      Key("train.export", &C::train, &TrainConfig::export_model)
+          .help("export the model when training ends"),
+      Key("train.progress", &C::train, &TrainConfig::progress)
+          .one_of({"auto", "bar", "lines", "none"})
+          .help("progress display; auto = bar on a terminal, lines otherwise"),
+
+      Key("optim.name", &C::optim, &OptimConfig::name).one_of({"adamw", "sgd"}).help("optimizer"),
+      Key("optim.lr", &C::optim, &OptimConfig::lr).above(0).help("peak learning rate"),
+      Key("optim.min_lr", &C::optim, &OptimConfig::min_lr)
+          .help("learning rate at the end of the schedule; < 0 = lr / 10"),
+      Key("optim.warmup_steps", &C::optim, &OptimConfig::warmup_steps)
+          .at_least(0)
+          .help("linear warmup steps"),
+      Key("optim.schedule", &C::optim, &OptimConfig::schedule)
+          .one_of({"cosine", "constant", "linear"})
+          .help("decay after warmup"),
+      Key("optim.beta1", &C::optim, &OptimConfig::beta1)
+          .at_least(0)
+          .below(1)
+          .help("AdamW first-moment decay"),
+      Key("optim.beta2", &C::optim, &OptimConfig::beta2)
+          .at_least(0)
+          .below(1)
+          .help("AdamW second-moment decay"),
+      Key("optim.eps", &C::optim, &OptimConfig::eps).above(0).help("AdamW epsilon"),
+      Key("optim.weight_decay", &C::optim, &OptimConfig::weight_decay)
+          .at_least(0)
+          .help("decoupled weight decay"),
+      Key("optim.decay_norms_and_embeddings", &C::optim, &OptimConfig::decay_norms_and_embeddings)
+          .help("apply weight decay to norm gains and embeddings too"),
+      Key("optim.momentum", &C::optim, &OptimConfig::momentum)
+          .at_least(0)
+          .below(1)
+          .help("SGD momentum (sgd only)"),
+      Key("optim.grad_clip", &C::optim, &OptimConfig::grad_clip)
+          .at_least(0)
+          .help("max global gradient norm; 0 = no clipping"),
+      Key("optim.offload", &C::optim, &OptimConfig::offload)
+          .one_of({"none", "cpu"})
+          .help("run the optimizer step on the CPU with host-resident state"),
+      Key("optim.offload_moments", &C::optim, &OptimConfig::offload_moments)
+          .one_of({"host", "device"})
+          .help("where offloaded optimizer moments live"),
+
+      Key("precision.compute", &C::precision, &PrecisionConfig::compute)
+          .one_of({"fp32", "bf16", "fp16"})
+          .help("dtype of forward/backward math inputs"),
+      Key("precision.param_dtype", &C::precision, &PrecisionConfig::param_dtype)
+          .one_of({"", "fp32", "bf16", "fp16"})
+          .help("dtype of the gathered parameters; \"\" = compute"),
+      Key("precision.reduce_dtype", &C::precision, &PrecisionConfig::reduce_dtype)
+          .one_of({"fp32", "bf16", "fp16"})
+          .help("dtype of gradient reduction"),
+      Key("precision.loss_scale", &C::precision, &PrecisionConfig::loss_scale)
+          .one_of({"auto", "dynamic", "none"})
+          .help("auto = dynamic for fp16, none otherwise"),
+      Key("precision.init_scale", &C::precision, &PrecisionConfig::init_scale)
+          .above(0)
+          .help("first dynamic loss scale"),
+      Key("precision.growth_interval", &C::precision, &PrecisionConfig::growth_interval)
+          .at_least(1)
+          .help("finite steps before the loss scale grows"),
+      Key("precision.growth_factor", &C::precision, &PrecisionConfig::growth_factor)
+          .above(1)
+          .help("loss scale growth factor"),
+      Key("precision.backoff_factor", &C::precision, &PrecisionConfig::backoff_factor)
+          .above(0)
+          .below(1)
+          .help("loss scale factor after an overflow"),
+
+      Key("activation.strategy", &C::activation, &ActivationConfig::strategy)
+          .one_of(
+              {"none", "per_layer", "sqrt_segment", "selective", "offload", "offload_checkpoint"})
+          .help("how saved activations are reduced"),
+      Key("activation.layers", &C::activation, &ActivationConfig::layers)
+          .checked_by(check_layers)
+          .help("layers the strategy applies to: all, N, A-B, every:K or a list 0,3-5"),
+      Key("activation.checkpoint_impl", &C::activation, &ActivationConfig::checkpoint_impl)
+          .one_of({"non_reentrant", "reentrant"})
+          .help("recomputation mechanism"),
+      Key("activation.offload_min_bytes", &C::activation, &ActivationConfig::offload_min_bytes)
+          .at_least(0)
+          .accepts_byte_size()
+          .help("smaller activations stay on the device"),
+      Key("activation.attention", &C::activation, &ActivationConfig::attention)
+          .one_of({"plain", "fused"})
+          .help("fused never stores the attention matrix"),
+
+      Key("dist.backend", &C::dist, &DistConfig::backend)
+          .one_of({"auto", "mpi", "nccl"})
+          .help("collective library; auto = nccl on CUDA, mpi otherwise"),
+      Key("dist.sharding", &C::dist, &DistConfig::sharding)
+          .one_of({"full_shard", "grad_op_shard", "no_shard", "hybrid_shard"})
+          .help("what is sharded over ranks"),
+      Key("dist.ranks_per_node", &C::dist, &DistConfig::ranks_per_node)
+          .at_least(0)
+          .help("ranks sharing a node (hybrid_shard); 0 = detect"),
+      Key("dist.sync_every_microbatch", &C::dist, &DistConfig::sync_every_microbatch)
+          .help("reduce gradients after every micro-batch instead of once per step"),
+      Key("dist.timeout_s", &C::dist, &DistConfig::timeout_s)
+          .at_least(1)
+          .help("seconds before a stalled collective is an error"),
+      Key("dist.prefetch", &C::dist, &DistConfig::prefetch)
+          .help("gather the next unit's parameters while computing"),
+
+      Key("checkpoint.dir", &C::checkpoint, &CheckpointConfig::dir)
+          .help("\"\" = <train.out_dir>/checkpoints"),
+      Key("checkpoint.every_steps", &C::checkpoint, &CheckpointConfig::every_steps)
+          .at_least(0)
+          .help("save every N steps; 0 = never"),
+      Key("checkpoint.every_minutes", &C::checkpoint, &CheckpointConfig::every_minutes)
+          .at_least(0)
+          .help("save every N minutes; 0 = never"),
+      Key("checkpoint.keep_last", &C::checkpoint, &CheckpointConfig::keep_last)
+          .at_least(0)
+          .help("checkpoints kept; 0 = all"),
+
+      Key("lora.enabled", &C::lora, &LoraConfig::enabled)
+          .help("train low-rank adapters on a frozen base"),
+      Key("lora.r", &C::lora, &LoraConfig::r).at_least(1).help("adapter rank"),
+      Key("lora.alpha", &C::lora, &LoraConfig::alpha)
+          .above(0)
+          .help("adapter scale numerator (scale = alpha / r)"),
+      Key("lora.dropout", &C::lora, &LoraConfig::dropout)
+          .at_least(0)
+          .below(1)
+          .help("dropout on the adapter input"),
+      Key("lora.target_modules", &C::lora, &LoraConfig::target_modules)
+          .one_of({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+          .help("projections that get adapters"),
+      Key("lora.quantize_base", &C::lora, &LoraConfig::quantize_base)
+          .one_of({"nf4", "none"})
+          .help("store the frozen base weights in NF4"),
+      Key("lora.base_model", &C::lora, &LoraConfig::base_model)
+          .help("Hugging Face dir of the base model; \"\" = model.from_hf"),
+      Key("lora.adapter_out", &C::lora, &LoraConfig::adapter_out)
+          .help("adapter output dir; \"\" = <train.out_dir>/adapter"),
+      Key("lora.merge_on_export", &C::lora, &LoraConfig::merge_on_export)
+          .help("merge the adapter into the exported weights"),
+  };
+  return keys;
+}
+
+const Key* find_key(const std::string& path) {
+  for (const Key& k : schema())
+    if (k.path == path) return &k;
+  return nullptr;
+}
+
+bool is_section(const std::string& name) {
+  return std::find(kSections.begin(), kSections.end(), name) != kSections.end();
+}
+
+std::vector<std::string> keys_in_section(const std::string& section) {
+  std::vector<std::string> out;
+  for (const Key& k : schema())
+    if (k.section() == section) out.push_back(k.leaf());
+  return out;
+}
+
+// ---- Messages -----------------------------------------------------------------------------
+
+[[noreturn]] void fail_at(const std::string& origin, const std::string& what) {
+  throw ConfigError(origin.empty() ? what : origin + ": " + what);
+}
+
+std::string where(const std::string& source, const YAML::Node& node) {
+  YAML::Mark m = node.Mark();
+  if (m.is_null()) return source;
+  return source + ":" + std::to_string(m.line + 1) + ":" + std::to_string(m.column + 1);
+}
+
+// A node as the user wrote it, for messages.
+std::string show(const YAML::Node& node) {
+  if (!node.IsDefined() || node.IsNull()) return "(nothing)";
+  if (node.IsScalar()) {
+    const std::string& s = node.Scalar();
+    return read_float(s) ? s : "'" + s + "'";
+  }
+  YAML::Emitter out;
+  out << YAML::Flow << node;
+  return out.c_str();
+}
+
+std::string node_kind(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Map:
+      return "a mapping";
+    case YAML::NodeType::Sequence:
+      return "a list";
+    case YAML::NodeType::Scalar:
+      return "a single value";
+    default:
+      return "nothing";
+  }
+}
+
+[[noreturn]] void unknown_key(const std::string& path, const std::string& origin) {
+  std::vector<std::string> all_paths;
+  for (const Key& k : schema()) all_paths.push_back(k.path);
+  size_t dot = path.find('.');
+  std::string section = dot == std::string::npos ? "" : path.substr(0, dot);
+  std::string leaf = path.substr(dot == std::string::npos ? 0 : dot + 1);
+
+  if (dot == std::string::npos && is_section(path))
+    fail_at(origin, "'" + path + "' is a section, not a key: set one of its keys, e.g. " + path +
+                        "." + keys_in_section(path).front());
+
+  std::string suggestion;
+  if (is_section(section)) {
+    // A key cut short or run on (optim.warmup for optim.warmup_steps), then a typo.
+    std::vector<std::string> leaves = keys_in_section(section);
+    for (const std::string& known : leaves) {
+      if (leaf.size() >= 2 && (known.rfind(leaf, 0) == 0 || leaf.rfind(known, 0) == 0)) {
+        suggestion = section + "." + known;
+        break;
+      }
+    }
+    if (suggestion.empty()) {
+      std::string near = closest_match(leaf, leaves);
+      if (!near.empty()) suggestion = section + "." + near;
+    }
+  }
+  // The right key in the wrong section or outside any (train.lr or lr for optim.lr).
+  for (const Key& k : schema())
+    if (suggestion.empty() && k.leaf() == leaf) suggestion = k.path;
+  std::vector<std::string> top_level = kSections;
+  for (const Key& k : schema())
+    if (k.section().empty()) top_level.push_back(k.path);
+  if (suggestion.empty() && dot == std::string::npos) {
+    for (const std::string& name : top_level)
+      if (path.size() >= 2 && (name.rfind(path, 0) == 0 || path.rfind(name, 0) == 0)) {
+        suggestion = name;  // optimizer for optim
+        break;
+      }
+    if (suggestion.empty()) suggestion = closest_match(path, top_level);
+  }
+  if (suggestion.empty()) suggestion = closest_match(path, all_paths);
+  std::string message = "unknown config key '" + path + "'";
+  if (!suggestion.empty()) message += ": did you mean '" + suggestion + "'?";
+  if (is_section(section)) {
+    message += " (keys in " + section + ": " + join(keys_in_section(section), ", ") + ")";
+  } else {
+    message += " (top level: " + join(top_level, ", ") + ")";
+  }
+  fail_at(origin, message);
+}
+
+// ---- Reading values -----------------------------------------------------------------------
+
+[[noreturn]] void wrong_type(const Key& key, const YAML::Node& node, const std::string& origin,
+                             const std::string& expected) {
+  fail_at(origin, key.path + " = " + show(node) + " has the wrong type: expected " + expected +
+                      " (" + key.description + ")");
+}
+
+void check_range(const Key& key, double v, const YAML::Node& node, const std::string& origin) {
+  bool ok = true;
+  if (key.min) ok = ok && (key.min->inclusive ? v >= key.min->value : v > key.min->value);
+  if (key.max) ok = ok && (key.max->inclusive ? v <= key.max->value : v < key.max->value);
+  if (!ok)
+    fail_at(origin, key.path + " = " + show(node) + " is out of range: must be " + key.allowed() +
+                        " (" + key.description + ")");
+}
+
+void check_choice(const Key& key, const std::string& value, const YAML::Node& node,
+                  const std::string& origin) {
+  if (key.choices.empty() ||
+      std::find(key.choices.begin(), key.choices.end(), value) != key.choices.end())
+    return;
+  std::string message =
+      key.path + " = " + show(node) + " is not allowed: expected " + key.allowed();
+  std::string near = closest_match(value, key.choices);
+  if (!near.empty()) message += "; did you mean '" + near + "'?";
+  fail_at(origin, message);
+}
+
+std::string scalar_text(const Key& key, const YAML::Node& node, const std::string& origin,
+                        const std::string& expected) {
+  if (!node.IsScalar()) wrong_type(key, node, origin, expected);
+  return node.Scalar();
+}
+
+void assign(const Key& key, const YAML::Node& node, const std::string& origin, Config& config) {
+  FieldRef field = key.field(config);
+  if (auto* b = std::get_if<bool*>(&field)) {
+    auto v = read_bool(scalar_text(key, node, origin, "true or false"));
+    if (!v) wrong_type(key, node, origin, "true or false");
+    **b = *v;
+  } else if (auto* i = std::get_if<int64_t*>(&field)) {
+    std::string expected =
+        key.byte_size ? "a whole number of bytes or a size such as 64KiB" : "a whole number";
+    std::string text = scalar_text(key, node, origin, expected);
+    auto v = read_int(text);
+    if (!v && key.byte_size) {
+      try {
+        v = parse_bytes(trim(text));
+      } catch (const ConfigError&) {
+      }
+    }
+    if (!v) wrong_type(key, node, origin, expected);
+    check_range(key, static_cast<double>(*v), node, origin);
+    **i = *v;
+  } else if (auto* d = std::get_if<double*>(&field)) {
+    auto v = read_float(scalar_text(key, node, origin, "a number"));
+    if (!v) wrong_type(key, node, origin, "a number");
+    check_range(key, *v, node, origin);
+    **d = *v;
+  } else if (auto* s = std::get_if<std::string*>(&field)) {
+    std::string v = node.IsNull() ? "" : scalar_text(key, node, origin, "a single value");
+    check_choice(key, v, node, origin);
+    if (key.format) {
+      std::string problem = key.format(v);
+      if (!problem.empty())
+        fail_at(origin, key.path + " = " + show(node) + " is not valid: " + problem);
+    }
+    **s = v;
+  } else if (auto* list = std::get_if<std::vector<std::string>*>(&field)) {
+    const std::string expected = "a list such as [q_proj, v_proj]";
+    std::vector<std::string> items;
+    if (!node.IsNull() && !node.IsSequence()) wrong_type(key, node, origin, expected);
+    for (const YAML::Node& item : node) {
+      if (!item.IsScalar()) wrong_type(key, node, origin, expected);
+      if (std::find(items.begin(), items.end(), item.Scalar()) != items.end())
+        fail_at(origin, key.path + " = " + show(node) + " lists '" + item.Scalar() + "' twice");
+      check_choice(key, item.Scalar(), item, origin);
+      items.push_back(item.Scalar());
+    }
+    if (items.empty())
+      fail_at(origin, key.path + " is empty: list at least one of " + join(key.choices, ", "));
+    **list = items;
+  }
+}
+
+// ---- Rules that tie keys together -----------------------------------------------------------
+
+void validate_relations(const Config& c) {
+  const TrainConfig& t = c.train;
+  auto n = [](int64_t v) { return std::to_string(v); };
+  if (t.global_batch > 0 && t.global_batch_tokens > 0)
+    throw ConfigError("train.global_batch (" + n(t.global_batch) +
+                      ") and train.global_batch_tokens (" + n(t.global_batch_tokens) +
+                      ") both set the batch size: set one of them and leave the other at 0");
+  if (t.global_batch > 0 && t.global_batch % t.micro_batch != 0)
+    throw ConfigError("train.global_batch (" + n(t.global_batch) +
+                      ") must be a multiple of train.micro_batch (" + n(t.micro_batch) + ")");
+  if (t.global_batch_tokens > 0 && t.global_batch_tokens % (t.seq_len * t.micro_batch) != 0)
+    throw ConfigError("train.global_batch_tokens (" + n(t.global_batch_tokens) +
+                      ") must be a multiple of train.seq_len x train.micro_batch (" + n(t.seq_len) +
+                      " x " + n(t.micro_batch) + " = " + n(t.seq_len * t.micro_batch) + ")");
+  if (c.optim.min_lr >= 0 && c.optim.min_lr > c.optim.lr)
+    throw ConfigError("optim.min_lr (" + format_float(c.optim.min_lr) + ") is above optim.lr (" +
+                      format_float(c.optim.lr) + "): the schedule decays from lr to min_lr");
+
+  LayerSelection layers = LayerSelection::parse(c.activation.layers);
+  // With from_hf the shape comes from config.json, checked when it is read.
+  if (!c.model.from_hf.empty()) return;
+  const ModelConfig& m = c.model;
+  if (m.hidden_size % m.num_heads != 0)
+    throw ConfigError("model.hidden_size (" + n(m.hidden_size) +
+                      ") must be divisible by model.num_heads (" + n(m.num_heads) + ")");
+  if ((m.hidden_size / m.num_heads) % 2 != 0)
+    throw ConfigError("the head size model.hidden_size / model.num_heads = " +
+                      n(m.hidden_size / m.num_heads) + " must be even for rotary embeddings");
+  if (m.effective_num_kv_heads() > m.num_heads || m.num_heads % m.effective_num_kv_heads() != 0)
+    throw ConfigError("model.num_kv_heads (" + n(m.num_kv_heads) +
+                      ") must divide model.num_heads (" + n(m.num_heads) + ")");
+  if (t.seq_len > m.max_seq_len)
+    throw ConfigError("train.seq_len (" + n(t.seq_len) + ") exceeds model.max_seq_len (" +
+                      n(m.max_seq_len) + ")");
+  layers.validate(m.num_layers);
+}
+
+// ---- Loading and overriding -----------------------------------------------------------------
+
+YAML::Node load_yaml(const std::string& text, const std::string& source) {
+  try {
+    return YAML::Load(text);
+  } catch (const YAML::ParserException& e) {
+    throw ConfigError(source + ":" + std::to_string(e.mark.line + 1) + ":" +
+                      std::to_string(e.mark.column + 1) + ": YAML syntax error: " + e.msg);
+  }
+}
+
+// Applies one "section.key=value" to the tree; records where the value came from.
+void apply_override(YAML::Node& root, const std::string& assignment,
+                    std::map<std::string, std::string>& origins) {
+  const std::string origin = "--set " + assignment;
+  size_t eq = assignment.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw ConfigError(origin + ": expected section.key=value, e.g. --set optim.lr=1e-3");
+  std::string path = trim(assignment.substr(0, eq));
+  std::string value_text = assignment.substr(eq + 1);
+  if (!find_key(path)) unknown_key(path, origin);
+
+  YAML::Node value;
+  try {
+    value = YAML::Load(value_text);
+  } catch (const YAML::ParserException& e) {
+    throw ConfigError(origin + ": cannot read the value as YAML: " + e.msg);
+  }
+  size_t dot = path.find('.');
+  if (dot == std::string::npos) {
+    root[path] = value;
+  } else {
+    std::string section = path.substr(0, dot);
+    YAML::Node section_node = root[section];
+    if (section_node.IsDefined() && !section_node.IsNull() && !section_node.IsMap())
+      throw ConfigError(origin + ": cannot set it because '" + section +
+                        "' in the config is not a mapping of keys");
+    section_node[path.substr(dot + 1)] = value;
+  }
+  origins[path] = origin;
+}
+
+struct Parsed {
+  Config config;
+  std::set<std::string> keys_given;
+};
+
+Parsed parse_tree(const std::string& text, const std::vector<std::string>& overrides,
+                  const std::string& source) {
+  YAML::Node root = load_yaml(text, source);
+  if (root.IsNull() || !root.IsDefined()) root = YAML::Node(YAML::NodeType::Map);
+  if (!root.IsMap())
+    throw ConfigError(source +
+                      ": the top level must be a mapping of sections (model:, train:, "
+                      "optim:, ...), found " +
+                      node_kind(root));
+  std::map<std::string, std::string> override_origins;
+  for (const std::string& o : overrides) apply_override(root, o, override_origins);
+
+  struct Found {
+    const Key* key;
+    YAML::Node value;
+    std::string origin;
+  };
+  std::vector<Found> found;
+  std::set<std::string> seen;
+  auto take = [&](const std::string& path, const YAML::Node& name, const YAML::Node& value) {
+    std::string origin = override_origins.count(path)
+                             ? override_origins[path]
+                             : where(source, value.IsNull() ? name : value);
+    const Key* key = find_key(path);
+    if (!key) unknown_key(path, where(source, name));
+    if (!seen.insert(path).second) fail_at(where(source, name), path + " is given twice: keep one");
+    found.push_back({key, value, origin});
+  };
+
+  for (const auto& top : root) {
+    if (!top.first.IsScalar())
+      fail_at(where(source, top.first),
+              "config keys must be plain names, found " + show(top.first));
+    std::string name = top.first.Scalar();
+    if (!is_section(name)) {
+      take(name, top.first, top.second);
+      continue;
+    }
+    if (!seen.insert(name).second)
+      fail_at(where(source, top.first), "section '" + name + "' is given twice: merge them");
+    if (top.second.IsNull()) continue;  // an empty section
+    if (!top.second.IsMap())
+      fail_at(where(source, top.second),
+              "'" + name + "' is a section and must hold its keys indented below it (such as " +
+                  keys_in_section(name).front() + ": ...), found " + node_kind(top.second));
+    for (const auto& entry : top.second) {
+      if (!entry.first.IsScalar())
+        fail_at(where(source, entry.first),
+                "config keys must be plain names, found " + show(entry.first));
+      take(name + "." + entry.first.Scalar(), entry.first, entry.second);
+    }
+  }
+
+  Parsed parsed;
+  for (const Found& f : found) {
+    assign(*f.key, f.value, f.origin, parsed.config);
+    parsed.keys_given.insert(f.key->path);
+  }
+  validate_relations(parsed.config);
+  return parsed;
+}
+
+// A key's current value as YAML text.
+std::string value_text(const Key& key, const Config& config) {
+  Config copy = config;  // the field accessor takes a mutable Config
+  FieldRef field = key.field(copy);
+  if (auto* b = std::get_if<bool*>(&field)) return **b ? "true" : "false";
+  if (auto* i = std::get_if<int64_t*>(&field)) return std::to_string(**i);
+  if (auto* d = std::get_if<double*>(&field)) return format_float(**d);
+  if (auto* s = std::get_if<std::string*>(&field)) return yaml_string(**s);
+  std::vector<std::string> items;
+  for (const auto& item : *std::get<std::vector<std::string>*>(field))
+    items.push_back(yaml_string(item));
+  return "[" + join(items, ", ") + "]";
+}
+
+}  // namespace
+
+Config Config::defaults() {
+  return Config{};
+}
+
+Config Config::parse(const std::string& yaml_text, const std::vector<std::string>& overrides,
+                     const std::string& source) {
+  return parse_tree(yaml_text, overrides, source).config;
+}
+
+std::string Config::to_yaml() const {
+  struct Line {
+    std::string text, comment;
+  };
+  std::vector<Line> lines;
+  std::string section;
+  for (const Key& key : schema()) {
+    if (key.section() != section) {
+      section = key.section();
+      lines.push_back({section + ":", ""});
+    }
+    std::string indent = section.empty() ? "" : "  ";
+    std::string comment = key.description;
+    std::string allowed = key.allowed();
+    if (!allowed.empty()) comment += "; " + allowed;
+    lines.push_back({indent + key.leaf() + ": " + value_text(key, *this), comment});
+  }
+  size_t column = 0;
+  for (const Line& l : lines)
+    if (!l.comment.empty()) column = std::max(column, l.text.size());
+  column = std::min<size_t>(column, 44);
+  std::string out;
+  for (const Line& l : lines) {
+    out += l.text;
+    if (!l.comment.empty())
+      out += std::string(l.text.size() < column ? column - l.text.size() : 0, ' ') + "  # " +
+             l.comment;
+    out += "\n";
+  }
+  return out;
+}
+
+Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::exists(path, ec))
+    throw ConfigError("config file '" + path + "' does not exist (try configs/tiny.yaml)");
+  if (fs::is_directory(path, ec))
+    throw ConfigError("config file '" + path + "' is a directory; give a .yaml file");
+  std::ifstream in(path);
+  if (!in) throw ConfigError("cannot open config file '" + path + "' for reading");
+  std::stringstream text;
+  text << in.rdbuf();
+  Parsed parsed = parse_tree(text.str(), overrides, path);
+  if (!parsed.keys_given.count("train.out_dir"))
+    parsed.config.train.out_dir = "runs/" + fs::path(path).stem().string();
+  return parsed.config;
+}
+
+std::string describe_config_keys() {
+  const Config defaults;
+  size_t path_width = 0, type_width = 0, default_width = 0;
+  for (const Key& k : schema()) {
+    path_width = std::max(path_width, k.path.size());
+    type_width = std::max(type_width, k.type_name().size());
+    default_width = std::max(default_width, value_text(k, defaults).size());
+  }
+  default_width = std::min<size_t>(default_width, 24);
+  auto pad = [](std::string s, size_t w) {
+    return s.size() < w ? s + std::string(w - s.size(), ' ') : s;
+  };
+  std::string out;
+  for (const Key& k : schema()) {
+    std::string allowed = k.allowed();
+    out += pad(k.path, path_width) + "  " + pad(k.type_name(), type_width) + "  " +
+           pad(value_text(k, defaults), default_width) + "  " + k.description +
+           (allowed.empty() ? "" : "; " + allowed) + "\n";
+  }
+  return out;
+}
+
+}  // namespace shardtrain::train

@@ -1,0 +1,54 @@
+#include "shardtrain/train/progress.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+
+namespace shardtrain::train {
+
+Progress::Progress(std::string mode, int64_t total_steps, std::string label)
+    : total_(total_steps), label_(std::move(label)), start_(std::chrono::steady_clock::now()) {
+  if (mode == "auto") bar_ = isatty(STDERR_FILENO) != 0;
+  else bar_ = mode == "bar";
+  quiet_ = mode == "none";
+}
+
+void Progress::update(int64_t step, const std::string& text) {
+  if (quiet_) return;
+  double elapsed =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  double eta = step > 0 ? elapsed / static_cast<double>(step) * static_cast<double>(total_ - step) : 0;
+  char eta_text[32];
+  std::snprintf(eta_text, sizeof eta_text, "%02d:%02d", static_cast<int>(eta) / 60,
+                static_cast<int>(eta) % 60);
+  if (bar_) {
+    const int width = 24;
+    int filled = total_ > 0 ? static_cast<int>(width * step / total_) : width;
+    std::string bar(static_cast<size_t>(filled), '#');
+    bar += std::string(static_cast<size_t>(width - filled), '.');
+    std::fprintf(stderr, "\r\033[K%s [%s] %lld/%lld %s eta %s", label_.c_str(), bar.c_str(),
+                 static_cast<long long>(step), static_cast<long long>(total_), text.c_str(),
+                 eta_text);
+    open_line_ = true;
+  } else {
+    std::fprintf(stderr, "%s step %lld/%lld %s eta %s\n", label_.c_str(),
+                 static_cast<long long>(step), static_cast<long long>(total_), text.c_str(),
+                 eta_text);
+  }
+  std::fflush(stderr);
+}
+
+void Progress::message(const std::string& text) {
+  if (quiet_) return;
+  if (open_line_) std::fprintf(stderr, "\n");
+  open_line_ = false;
+  std::fprintf(stderr, "%s\n", text.c_str());
+  std::fflush(stderr);
+}
+
+void Progress::finish() {
+  if (open_line_) std::fprintf(stderr, "\n");
+  open_line_ = false;
+}
+
+}  // namespace shardtrain::train

@@ -1,0 +1,163 @@
+#include "shardtrain/train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "shardtrain/core/units.h"
+#include "shardtrain/data/corpus.h"
+#include "shardtrain/data/sampler.h"
+#include "shardtrain/data/tokenizer.h"
+#include "shardtrain/io/hf_model.h"
+#include "shardtrain/train/progress.h"
+#include "shardtrain/train/runtime.h"
+
+namespace shardtrain::train {
+
+namespace {
+
+TokenDataset load_dataset(const std::string& path) {
+  if (path == "builtin") {
+    ByteTokenizer tok;
+    return TokenDataset::from_tokens(tok.encode(builtin_corpus()), tok.vocab_size(), tok.name(),
+                                     "builtin corpus");
+  }
+  if (path.size() > 4 && path.substr(path.size() - 4) == ".txt") {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw ConfigError("data.path: cannot open '" + path + "'");
+    std::stringstream text;
+    text << in.rdbuf();
+    ByteTokenizer tok;
+    return TokenDataset::from_tokens(tok.encode(text.str()), tok.vocab_size(), tok.name(), path);
+  }
+  return TokenDataset::open(path);
+}
+
+nlohmann::json memory_json(const MemoryStats& s) {
+  nlohmann::json j;
+  j["peak"] = s.total_peak;
+  for (int i = 0; i < kNumMemoryCategories; ++i)
+    j[std::string(category_name(static_cast<MemoryCategory>(i)))] = s.peak[static_cast<size_t>(i)];
+  return j;
+}
+
+optim::LrSchedule schedule_from(const Config& c) {
+  optim::LrSchedule s;
+  s.kind = c.optim.schedule == "cosine"   ? optim::LrSchedule::Kind::Cosine
+           : c.optim.schedule == "linear" ? optim::LrSchedule::Kind::Linear
+                                          : optim::LrSchedule::Kind::Constant;
+  s.peak = static_cast<float>(c.optim.lr);
+  s.min_lr = static_cast<float>(c.optim.effective_min_lr());
+  s.warmup_steps = c.optim.warmup_steps;
+  s.total_steps = c.train.steps;
+  return s;
+}
+
+}  // namespace
+
+TrainSummary run_training(const Config& config) {
+  const TrainConfig& t = config.train;
+  TrainSummary summary;
+  std::filesystem::create_directories(t.out_dir);
+  {
+    std::ofstream out(t.out_dir + "/config.yaml");
+    out << config.to_yaml();
+  }
+
+  TokenDataset data = load_dataset(config.data.path);
+  ST_CHECK_AS(ConfigError, data.vocab_size() <= config.model.vocab_size || !config.model.from_hf.empty(),
+              "data.path '", config.data.path, "' has vocabulary size ", data.vocab_size(),
+              " but model.vocab_size is ", config.model.vocab_size);
+  summary.unigram_entropy_nats = unigram_entropy_bits(data.tokens()) * std::log(2.0);
+
+  SamplerConfig sc;
+  sc.seq_len = t.seq_len;
+  sc.eval_fraction = config.data.eval_fraction;
+  sc.seed = static_cast<uint64_t>(config.data.seed);
+  Sampler train_sampler(data, Split::Train, sc);
+
+  int64_t global_batch = t.global_batch > 0 ? t.global_batch : t.micro_batch;
+  if (t.global_batch_tokens > 0) global_batch = std::max<int64_t>(1, t.global_batch_tokens / t.seq_len);
+  ST_CHECK_AS(ConfigError, global_batch % t.micro_batch == 0, "train.global_batch ", global_batch,
+              " is not a multiple of train.micro_batch ", t.micro_batch);
+  int64_t accumulation = global_batch / t.micro_batch;
+
+  Runtime rt(config);
+  optim::LrSchedule schedule = schedule_from(config);
+
+  // A fixed held-out set: the first eval_batches windows of the eval split, in stream order.
+  std::vector<Batch> eval_set;
+  if (t.eval_every > 0 || t.eval_batches > 0) {
+    SamplerConfig ec = sc;
+    ec.shuffle = false;
+    Sampler eval_sampler(data, Split::Eval, ec);
+    for (int64_t i = 0; i < t.eval_batches; ++i) eval_set.push_back(eval_sampler.next_batch(t.micro_batch));
+  }
+
+  summary.metrics_path = t.out_dir + "/metrics.jsonl";
+  std::ofstream metrics(summary.metrics_path);
+  metrics.precision(17);
+  Progress progress(t.progress, t.steps, "train");
+  progress.message("shardtrain: " + std::to_string(rt.model().num_parameters()) +
+                   " parameters on " + rt.device().str() + ", " + std::to_string(global_batch) +
+                   " x " + std::to_string(t.seq_len) + " tokens per step (" +
+                   std::to_string(accumulation) + " micro-batches), data " + data.source() +
+                   " (" + std::to_string(data.size()) + " tokens)");
+
+  auto run_eval = [&](int64_t step) {
+    double loss = rt.eval_loss(eval_set);
+    summary.final_eval_loss = loss;
+    nlohmann::json j = {{"event", "eval"}, {"step", step}, {"eval_loss", loss}};
+    metrics << j.dump() << "\n" << std::flush;
+    char line[128];
+    std::snprintf(line, sizeof line, "eval step %lld: loss %.4f (unigram entropy %.4f nats)",
+                  static_cast<long long>(step), loss, summary.unigram_entropy_nats);
+    progress.message(line);
+  };
+
+  double total_tokens = 0, total_seconds = 0;
+  for (int64_t step = 0; step < t.steps; ++step) {
+    Batch batch = train_sampler.next_batch(global_batch);
+    std::vector<Batch> micro = split_batch(batch, accumulation);
+    auto start = std::chrono::steady_clock::now();
+    StepResult r = rt.train_step(micro, schedule.at(step));
+    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    double tokens = static_cast<double>(batch.input_ids.numel());
+    total_tokens += tokens;
+    total_seconds += seconds;
+    if (step == 0) summary.first_loss = r.loss;
+    summary.final_loss = r.loss;
+    ST_CHECK(std::isfinite(r.loss) || r.skipped, "the loss became ", r.loss, " at step ", step,
+             ": lower optim.lr, enable optim.grad_clip, or use fp32/bf16 instead of fp16");
+    nlohmann::json j = {{"event", "step"},           {"step", step + 1},
+                        {"loss", r.loss},            {"lr", r.lr},
+                        {"grad_norm", r.grad_norm},  {"tokens", r.tokens},
+                        {"tokens_per_s", tokens / seconds},
+                        {"step_ms", seconds * 1e3},  {"loss_scale", r.loss_scale},
+                        {"skipped", r.skipped},      {"device_memory", memory_json(r.device_memory)},
+                        {"host_memory", memory_json(r.host_memory)}};
+    metrics << j.dump() << "\n";
+    if ((step + 1) % std::max<int64_t>(t.log_every, 1) == 0 || step + 1 == t.steps) {
+      char text[256];
+      std::snprintf(text, sizeof text, "loss %.4f lr %.2e | %.0f tok/s | peak %s", r.loss, r.lr,
+                    tokens / seconds, format_bytes(r.device_memory.total_peak).c_str());
+      progress.update(step + 1, text);
+    }
+    if (t.eval_every > 0 && (step + 1) % t.eval_every == 0) run_eval(step + 1);
+  }
+  progress.finish();
+  if (!eval_set.empty() && (t.eval_every == 0 || t.steps % t.eval_every != 0)) run_eval(t.steps);
+  summary.steps = t.steps;
+  summary.tokens_per_second = total_seconds > 0 ? total_tokens / total_seconds : 0;
+  if (t.export_model) {
+    summary.export_dir = t.out_dir + "/export";
+    io::save_hf_model(rt.model(), summary.export_dir);
+    progress.message("exported the model to " + summary.export_dir);
+  }
+  return summary;
+}
+
+}  // namespace shardtrain::train

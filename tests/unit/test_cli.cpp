@@ -1,0 +1,157 @@
+// The command-line framework: flag parsing, help, exit codes and error messages of `shardtrain`.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "shardtrain/cli/cli.h"
+#include "shardtrain/cli/command.h"
+#include "shardtrain/train/config.h"
+
+namespace cli = shardtrain::cli;
+
+namespace {
+
+#define EXPECT_CONTAINS(text, part) \
+  EXPECT_NE(std::string(text).find(part), std::string::npos) << "in: " << (text)
+
+struct Result {
+  int code;
+  std::string out, err;
+};
+
+// Runs `shardtrain args...` in-process with stdout and stderr captured.
+Result run(const std::vector<std::string>& args) {
+  std::ostringstream out, err;
+  std::streambuf* old_out = std::cout.rdbuf(out.rdbuf());
+  std::streambuf* old_err = std::cerr.rdbuf(err.rdbuf());
+  int code = cli::run(args);
+  std::cout.rdbuf(old_out);
+  std::cerr.rdbuf(old_err);
+  return {code, out.str(), err.str()};
+}
+
+cli::Command demo_command() {
+  cli::Command c;
+  c.name = "demo";
+  c.summary = "a command for tests";
+  c.flags = {cli::Flag("input", "FILE", "what to read").mandatory(),
+             cli::Flag("count", "N", "how many").defaults_to("3"),
+             cli::Flag("tag", "T", "a label").repeated(), cli::Flag("verbose", "", "talk more")};
+  return c;
+}
+
+std::string usage_error(const std::vector<std::string>& args) {
+  try {
+    cli::parse_args(demo_command(), args);
+  } catch (const cli::UsageError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a UsageError";
+  return "";
+}
+
+}  // namespace
+
+TEST(CliArgs, ParsesValuesSwitchesDefaultsAndRepeats) {
+  cli::Args a =
+      cli::parse_args(demo_command(), {"--input", "x.txt", "--tag=a", "--tag", "b", "--verbose"});
+  EXPECT_EQ(a.get("input"), "x.txt");
+  EXPECT_TRUE(a.has("verbose"));
+  EXPECT_FALSE(a.has("count"));
+  EXPECT_EQ(a.get("count"), "3");
+  EXPECT_EQ(a.get_int("count"), 3);
+  EXPECT_EQ(a.all("tag"), (std::vector<std::string>{"a", "b"}));
+  EXPECT_TRUE(a.positional().empty());
+  // A value may start with '-' (a negative number).
+  a = cli::parse_args(demo_command(), {"--input=-", "--count", "-2"});
+  EXPECT_EQ(a.get("input"), "-");
+  EXPECT_EQ(a.get_int("count"), -2);
+}
+
+TEST(CliArgs, MistakesAreUsageErrors) {
+  EXPECT_CONTAINS(usage_error({"--input", "x", "--cuont", "2"}),
+                  "unknown flag '--cuont' for 'shardtrain demo': did you mean '--count'?");
+  EXPECT_CONTAINS(usage_error({"--input", "x", "-v"}), "unknown flag '-v'");
+  EXPECT_CONTAINS(usage_error({"--input"}), "--input needs a value: --input FILE");
+  EXPECT_CONTAINS(usage_error({"--input", "--verbose"}), "--input needs a value");
+  EXPECT_CONTAINS(usage_error({"--count", "2"}), "'shardtrain demo' needs --input FILE");
+  EXPECT_CONTAINS(usage_error({"--input", "a", "--input", "b"}),
+                  "--input is given more than once (a, b)");
+  EXPECT_CONTAINS(usage_error({"--input", "a", "--verbose=yes"}),
+                  "--verbose is a switch and takes no value");
+  EXPECT_CONTAINS(usage_error({"--input", "a", "stray"}),
+                  "'shardtrain demo' takes no argument 'stray'");
+  cli::Args a = cli::parse_args(demo_command(), {"--input", "a", "--count", "x"});
+  EXPECT_THROW(a.get_int("count"), cli::UsageError);
+}
+
+TEST(CliArgs, HelpListsEveryFlag) {
+  std::string help = cli::command_help(demo_command());
+  EXPECT_CONTAINS(help,
+                  "usage: shardtrain demo --input FILE [--count N] [--tag T ...] [--verbose]");
+  EXPECT_CONTAINS(help, "  --input FILE  what to read (required)\n");
+  EXPECT_CONTAINS(help, "  --count N     how many (default: 3)\n");
+  EXPECT_CONTAINS(help, "  --tag T       a label (repeatable)\n");
+  EXPECT_CONTAINS(help, "  -h, --help    show this help\n");
+}
+
+TEST(Cli, TopLevelHelpAndExitCodes) {
+  Result r = run({"--help"});
+  EXPECT_EQ(r.code, 0);
+  EXPECT_CONTAINS(r.out, "usage: shardtrain <command>");
+  for (const cli::Command& c : cli::commands()) EXPECT_CONTAINS(r.out, "  " + c.name + " ");
+  EXPECT_EQ(run({"help"}).out, r.out);
+
+  r = run({});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "usage: shardtrain <command>");
+
+  r = run({"confgi"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "error: unknown command 'confgi': did you mean 'config'?");
+
+  r = run({"--verbose"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "error: unknown option '--verbose': give a command first");
+
+  r = run({"config", "--keys", "--bogus"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "error: unknown flag '--bogus' for 'shardtrain config'");
+  EXPECT_CONTAINS(r.err, "run 'shardtrain config --help' for usage");
+
+  r = run({"config", "--help"});
+  EXPECT_EQ(r.code, 0);
+  EXPECT_CONTAINS(r.out, "usage: shardtrain config [--config FILE] [--set KEY=VALUE ...]");
+  EXPECT_EQ(run({"help", "config"}).out, r.out);
+}
+
+TEST(Cli, ConfigCommandPrintsTheResolvedConfig) {
+  const std::string tiny = std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/tiny.yaml";
+  Result r = run({"config", "--config", tiny, "--set", "optim.lr=1e-4", "--set=train.steps=9"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(r.out, "  lr: 0.0001 ");
+  EXPECT_CONTAINS(r.out, "  steps: 9 ");
+  EXPECT_CONTAINS(r.out, "  out_dir: runs/tiny ");
+  // What it prints is itself a config that loads to the same values.
+  shardtrain::train::Config printed = shardtrain::train::Config::parse(r.out);
+  EXPECT_TRUE(printed == shardtrain::train::load_config(tiny, {"optim.lr=1e-4", "train.steps=9"}));
+
+  // A config error exits with 1 and names the key.
+  r = run({"config", "--config", tiny, "--set", "optim.lr=0"});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_CONTAINS(r.err, "error: --set optim.lr=0: optim.lr = 0 is out of range: must be > 0");
+  r = run({"config", "--config", "/nonexistent/x.yaml"});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_CONTAINS(r.err, "error: config file '/nonexistent/x.yaml' does not exist");
+  r = run({"config"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "--config FILE");
+
+  r = run({"config", "--keys"});
+  EXPECT_EQ(r.code, 0);
+  EXPECT_CONTAINS(r.out, "optim.lr ");
+  EXPECT_CONTAINS(r.out, "peak learning rate; > 0");
+}

@@ -1,0 +1,426 @@
+// The run config: schema validation (with the exact wording users see), --set overrides, YAML
+// round trips, activation.layers parsing and the shipped configs/.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <string>
+
+#include "shardtrain/core/error.h"
+#include "shardtrain/core/suggest.h"
+#include "shardtrain/train/config.h"
+
+using shardtrain::ConfigError;
+using shardtrain::train::Config;
+using shardtrain::train::LayerSelection;
+using shardtrain::train::load_config;
+
+namespace {
+
+// The message of the ConfigError `f` throws; fails the test when it throws none.
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a ConfigError";
+  return "";
+}
+
+#define EXPECT_CONTAINS(text, part) \
+  EXPECT_NE(std::string(text).find(part), std::string::npos) << "in: " << (text)
+
+std::string parse_error(const std::string& yaml, const std::vector<std::string>& sets = {}) {
+  return error_of([&] { Config::parse(yaml, sets, "run.yaml"); });
+}
+
+// A file in a fresh temporary directory, removed with it.
+class TempDir {
+ public:
+  TempDir() {
+    path_ = std::filesystem::temp_directory_path() /
+            ("st_config_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
+             "_" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  std::string write(const std::string& name, const std::string& text) const {
+    std::string p = (path_ / name).string();
+    std::ofstream(p) << text;
+    return p;
+  }
+
+ private:
+  std::filesystem::path path_;
+};
+
+}  // namespace
+
+TEST(Suggest, EditDistanceAndClosest) {
+  EXPECT_EQ(shardtrain::edit_distance("kitten", "sitting"), 3u);
+  EXPECT_EQ(shardtrain::edit_distance("", "abc"), 3u);
+  EXPECT_EQ(shardtrain::edit_distance("lr", "lr"), 0u);
+  EXPECT_EQ(shardtrain::closest_match("cosin", {"cosine", "constant", "linear"}), "cosine");
+  EXPECT_EQ(shardtrain::closest_match("zzzzzz", {"cosine", "constant", "linear"}), "");
+}
+
+TEST(Config, DefaultsMatchTheDocumentedValues) {
+  Config c = Config::defaults();
+  EXPECT_EQ(c.recipe, "manual");
+  EXPECT_EQ(c.model.vocab_size, 256);
+  EXPECT_EQ(c.model.hidden_size, 64);
+  EXPECT_EQ(c.model.intermediate_size, 176);
+  EXPECT_EQ(c.model.effective_num_kv_heads(), 4);
+  EXPECT_DOUBLE_EQ(c.model.rms_norm_eps, 1e-5);
+  EXPECT_EQ(c.data.path, "builtin");
+  EXPECT_DOUBLE_EQ(c.data.eval_fraction, 0.05);
+  EXPECT_EQ(c.train.steps, 100);
+  EXPECT_EQ(c.train.device, "auto");
+  EXPECT_EQ(c.train.device_memory_bytes(), 0);
+  EXPECT_DOUBLE_EQ(c.optim.lr, 3e-3);
+  EXPECT_DOUBLE_EQ(c.optim.effective_min_lr(), 3e-4);
+  EXPECT_EQ(c.precision.effective_param_dtype(), "fp32");
+  EXPECT_EQ(c.precision.effective_loss_scale(), "none");
+  EXPECT_EQ(c.activation.layers, "all");
+  EXPECT_EQ(c.lora.target_modules.size(), 7u);
+  EXPECT_EQ(c.effective_checkpoint_dir(), "runs/default/checkpoints");
+  // An empty document is the defaults.
+  EXPECT_TRUE(Config::parse("") == c);
+  EXPECT_TRUE(Config::parse("# only a comment\n") == c);
+}
+
+TEST(Config, ReadsEveryKindOfValue) {
+  Config c = Config::parse(R"(
+recipe: auto
+model:
+  hidden_size: 96
+  num_heads: 6
+  num_kv_heads: 2
+  tie_embeddings: yes
+  rope_theta: 5.0e5
+optim:
+  lr: 1e-3
+  min_lr: 0
+  name: sgd
+precision:
+  compute: fp16
+train:
+  device: cuda:1
+  device_memory: 24GiB
+activation:
+  offload_min_bytes: 64KiB
+  layers: 1-1
+lora:
+  target_modules: [q_proj, v_proj]
+  base_model:
+)");
+  EXPECT_EQ(c.recipe, "auto");
+  EXPECT_EQ(c.model.hidden_size, 96);
+  EXPECT_EQ(c.model.effective_num_kv_heads(), 2);
+  EXPECT_TRUE(c.model.tie_embeddings);
+  EXPECT_DOUBLE_EQ(c.model.rope_theta, 500000.0);
+  EXPECT_DOUBLE_EQ(c.optim.lr, 1e-3);
+  EXPECT_DOUBLE_EQ(c.optim.effective_min_lr(), 0.0);
+  EXPECT_EQ(c.optim.name, "sgd");
+  EXPECT_EQ(c.precision.effective_loss_scale(), "dynamic");
+  EXPECT_EQ(c.precision.effective_param_dtype(), "fp16");
+  EXPECT_EQ(c.train.device, "cuda:1");
+  EXPECT_EQ(c.train.device_memory_bytes(), 24ll << 30);
+  EXPECT_EQ(c.activation.offload_min_bytes, 65536);
+  EXPECT_EQ(c.lora.target_modules, (std::vector<std::string>{"q_proj", "v_proj"}));
+  EXPECT_EQ(c.lora.base_model, "");
+  // Untouched keys keep their defaults.
+  EXPECT_EQ(c.train.steps, 100);
+  EXPECT_DOUBLE_EQ(c.optim.beta2, 0.95);
+}
+
+TEST(Config, UnknownKeyNamesPathLocationAndSuggestion) {
+  std::string msg = parse_error("optim:\n  lr: 1e-3\n  lrr: 2\n");
+  EXPECT_CONTAINS(msg, "run.yaml:3:3");
+  EXPECT_CONTAINS(msg, "unknown config key 'optim.lrr'");
+  EXPECT_CONTAINS(msg, "did you mean 'optim.lr'?");
+  EXPECT_CONTAINS(msg, "keys in optim: name, lr, min_lr");
+
+  EXPECT_CONTAINS(parse_error("optim:\n  warmup: 5\n"), "did you mean 'optim.warmup_steps'?");
+  // The right key in the wrong section.
+  EXPECT_CONTAINS(parse_error("train:\n  lr: 1\n"), "did you mean 'optim.lr'?");
+  // An unknown section.
+  msg = parse_error("optimizer:\n  lr: 1\n");
+  EXPECT_CONTAINS(msg, "unknown config key 'optimizer'");
+  EXPECT_CONTAINS(msg, "did you mean 'optim'?");
+  // Nothing close: no guess, but the known keys are listed.
+  msg = parse_error("data:\n  zzzzzzzz: 1\n");
+  EXPECT_EQ(msg.find("did you mean"), std::string::npos) << msg;
+  EXPECT_CONTAINS(msg, "keys in data: path, eval_fraction, seed");
+}
+
+TEST(Config, WrongTypeNamesValueAndExpectedType) {
+  std::string msg = parse_error("train:\n  steps: ten\n");
+  EXPECT_CONTAINS(msg, "run.yaml:2:10");
+  EXPECT_CONTAINS(msg, "train.steps = 'ten' has the wrong type: expected a whole number");
+  EXPECT_CONTAINS(parse_error("train:\n  steps: 2.5\n"), "train.steps = 2.5 has the wrong type");
+  EXPECT_CONTAINS(parse_error("optim:\n  lr: fast\n"),
+                  "optim.lr = 'fast' has the wrong type: expected a number");
+  EXPECT_CONTAINS(parse_error("model:\n  tie_embeddings: 3\n"),
+                  "model.tie_embeddings = 3 has the wrong type: expected true or false");
+  EXPECT_CONTAINS(parse_error("data:\n  path: [a, b]\n"),
+                  "data.path = [a, b] has the wrong type: expected a single value");
+  EXPECT_CONTAINS(parse_error("lora:\n  target_modules: q_proj\n"),
+                  "lora.target_modules = 'q_proj' has the wrong type: expected a list");
+  EXPECT_CONTAINS(parse_error("train:\n  steps:\n"), "train.steps = (nothing) has the wrong type");
+  EXPECT_CONTAINS(parse_error("optim:\n  lr: .inf\n"), "optim.lr = '.inf' has the wrong type");
+  EXPECT_CONTAINS(parse_error("activation:\n  offload_min_bytes: lots\n"),
+                  "a whole number of bytes or a size such as 64KiB");
+  EXPECT_CONTAINS(parse_error("optim: 3\n"), "'optim' is a section and must hold its keys");
+  EXPECT_CONTAINS(parse_error("- a\n- b\n"), "the top level must be a mapping of sections");
+}
+
+TEST(Config, OutOfRangeNamesTheAllowedRange) {
+  EXPECT_CONTAINS(parse_error("optim:\n  lr: 0\n"),
+                  "optim.lr = 0 is out of range: must be > 0 (peak learning rate)");
+  EXPECT_CONTAINS(parse_error("optim:\n  lr: -1e-3\n"), "optim.lr = -1e-3 is out of range");
+  EXPECT_CONTAINS(parse_error("train:\n  steps: 0\n"),
+                  "train.steps = 0 is out of range: must be >= 1");
+  EXPECT_CONTAINS(parse_error("data:\n  eval_fraction: 0.6\n"),
+                  "data.eval_fraction = 0.6 is out of range: must be in (0, 0.5]");
+  EXPECT_CONTAINS(parse_error("data:\n  eval_fraction: 0\n"), "must be in (0, 0.5]");
+  EXPECT_NO_THROW(Config::parse("data:\n  eval_fraction: 0.5\n"));
+  EXPECT_CONTAINS(parse_error("optim:\n  beta1: 1\n"), "must be in [0, 1)");
+  EXPECT_CONTAINS(parse_error("precision:\n  growth_factor: 1\n"), "must be > 1");
+}
+
+TEST(Config, BadEnumListsChoicesAndSuggests) {
+  std::string msg = parse_error("optim:\n  schedule: cosin\n");
+  EXPECT_CONTAINS(msg, "run.yaml:2:13");
+  EXPECT_CONTAINS(msg,
+                  "optim.schedule = 'cosin' is not allowed: expected one of cosine, "
+                  "constant, linear; did you mean 'cosine'?");
+  EXPECT_CONTAINS(parse_error("precision:\n  param_dtype: fp8\n"),
+                  "expected one of \"\", fp32, bf16, fp16");
+  EXPECT_CONTAINS(parse_error("lora:\n  target_modules: [q_proj, qkv]\n"),
+                  "lora.target_modules = 'qkv' is not allowed: expected items from q_proj");
+  EXPECT_CONTAINS(parse_error("lora:\n  target_modules: [q_proj, q_proj]\n"),
+                  "lists 'q_proj' twice");
+  EXPECT_CONTAINS(parse_error("lora:\n  target_modules: []\n"), "lora.target_modules is empty");
+  EXPECT_CONTAINS(parse_error("train:\n  device: gpu\n"),
+                  "train.device = 'gpu' is not valid: expected auto, cpu, cuda or cuda:N");
+  EXPECT_CONTAINS(parse_error("train:\n  device: host\n"), "expected auto, cpu, cuda or cuda:N");
+  EXPECT_CONTAINS(parse_error("train:\n  device_memory: 24 parsecs\n"),
+                  "train.device_memory = '24 parsecs' is not valid");
+}
+
+TEST(Config, SetOverridesApplyBeforeValidation) {
+  const std::string file = "optim:\n  lr: 1e-3\ntrain:\n  steps: 7\n";
+  Config c = Config::parse(file, {"optim.lr=5e-4", "train.micro_batch=3",
+                                  "model.from_hf=", "lora.target_modules=[up_proj, down_proj]",
+                                  "recipe=auto", "activation.layers=every:2"});
+  EXPECT_DOUBLE_EQ(c.optim.lr, 5e-4);  // the override wins over the file
+  EXPECT_EQ(c.train.steps, 7);         // the file wins over the default
+  EXPECT_EQ(c.train.micro_batch, 3);
+  EXPECT_EQ(c.model.from_hf, "");
+  EXPECT_EQ(c.lora.target_modules, (std::vector<std::string>{"up_proj", "down_proj"}));
+  EXPECT_EQ(c.recipe, "auto");
+  EXPECT_EQ(c.activation.layers, "every:2");
+  // Later overrides of the same key win; a section missing from the file is created.
+  c = Config::parse("", {"dist.timeout_s=5", "dist.timeout_s=9"});
+  EXPECT_EQ(c.dist.timeout_s, 9);
+
+  // A bad value names the --set it came from.
+  EXPECT_CONTAINS(parse_error(file, {"optim.lr=-1"}),
+                  "--set optim.lr=-1: optim.lr = -1 is out of range: must be > 0");
+  std::string msg = parse_error(file, {"optim.lrr=1"});
+  EXPECT_CONTAINS(msg, "--set optim.lrr=1: unknown config key 'optim.lrr'");
+  EXPECT_CONTAINS(msg, "did you mean 'optim.lr'?");
+  EXPECT_CONTAINS(parse_error(file, {"optim.lr"}), "expected section.key=value");
+  EXPECT_CONTAINS(parse_error(file, {"optim=1"}), "'optim' is a section, not a key");
+  EXPECT_CONTAINS(parse_error(file, {"lora.target_modules=[q_proj"}),
+                  "--set lora.target_modules=[q_proj: cannot read the value as YAML");
+  EXPECT_CONTAINS(parse_error("optim: 3\n", {"optim.lr=1"}), "'optim' in the config is not a");
+}
+
+TEST(Config, YamlSyntaxErrorNamesFileLineAndColumn) {
+  std::string msg = parse_error("model:\n  hidden_size: 64\n   num_layers: 2\n");
+  EXPECT_CONTAINS(msg, "run.yaml:3:");
+  EXPECT_CONTAINS(msg, "YAML syntax error");
+
+  TempDir dir;
+  std::string path = dir.write("broken.yaml", "train:\n  steps: 3\n  seq_len: [1, 2\n");
+  msg = error_of([&] { load_config(path); });
+  EXPECT_CONTAINS(msg, path + ":4:1: YAML syntax error");
+  msg = error_of([&] { load_config(dir.write("x.yaml", "") + ".missing"); });
+  EXPECT_CONTAINS(msg, "x.yaml.missing' does not exist");
+}
+
+TEST(Config, DuplicateKeysAreRejected) {
+  EXPECT_CONTAINS(parse_error("optim:\n  lr: 1\n  lr: 2\n"),
+                  "run.yaml:3:3: optim.lr is given twice");
+}
+
+TEST(Config, RulesThatTieKeysTogether) {
+  EXPECT_CONTAINS(parse_error("train:\n  global_batch: 64\n  global_batch_tokens: 8192\n"),
+                  "train.global_batch (64) and train.global_batch_tokens (8192) both set");
+  EXPECT_CONTAINS(parse_error("train:\n  global_batch: 20\n  micro_batch: 8\n"),
+                  "train.global_batch (20) must be a multiple of train.micro_batch (8)");
+  EXPECT_CONTAINS(parse_error("train:\n  global_batch_tokens: 1000\n"),
+                  "multiple of train.seq_len x train.micro_batch (128 x 8 = 1024)");
+  EXPECT_NO_THROW(Config::parse("train:\n  global_batch_tokens: 4096\n"));
+  EXPECT_CONTAINS(parse_error("optim:\n  lr: 1e-3\n  min_lr: 1e-2\n"),
+                  "optim.min_lr (0.01) is above optim.lr (0.001)");
+  EXPECT_CONTAINS(parse_error("model:\n  hidden_size: 100\n  num_heads: 3\n"),
+                  "model.hidden_size (100) must be divisible by model.num_heads (3)");
+  EXPECT_CONTAINS(parse_error("model:\n  hidden_size: 60\n  num_heads: 4\n"),
+                  "head size model.hidden_size / model.num_heads = 15 must be even");
+  EXPECT_CONTAINS(parse_error("model:\n  num_kv_heads: 3\n"),
+                  "model.num_kv_heads (3) must divide model.num_heads (4)");
+  EXPECT_CONTAINS(parse_error("train:\n  seq_len: 4096\n"),
+                  "train.seq_len (4096) exceeds model.max_seq_len (2048)");
+  // With from_hf the shape is read from config.json later, so the shape keys are not checked.
+  EXPECT_NO_THROW(Config::parse("model:\n  from_hf: /m\n  hidden_size: 100\n  num_heads: 3\n"));
+}
+
+TEST(Config, LayerSelectionParsesEveryForm) {
+  auto selected = [](const std::string& text, int64_t num_layers) {
+    std::string out;
+    LayerSelection s = LayerSelection::parse(text);
+    for (int64_t l = 0; l < num_layers; ++l) out += s.applies_to_layer(l, num_layers) ? '1' : '0';
+    return out;
+  };
+  EXPECT_EQ(selected("all", 6), "111111");
+  EXPECT_EQ(selected("2-4", 6), "001110");
+  EXPECT_EQ(selected("3", 6), "000100");
+  EXPECT_EQ(selected("every:2", 6), "101010");
+  EXPECT_EQ(selected("every:4", 6), "100010");
+  EXPECT_EQ(selected("0, 3-4", 6), "100110");
+
+  EXPECT_CONTAINS(error_of([] { LayerSelection::parse("5-2"); }),
+                  "activation.layers = '5-2' is not valid: the range 5-2 runs backwards; write "
+                  "it as 2-5");
+  EXPECT_CONTAINS(error_of([] { LayerSelection::parse("every:0"); }), "K >= 1");
+  EXPECT_CONTAINS(error_of([] { LayerSelection::parse("first"); }),
+                  "expected all, a layer N, a range A-B, every:K");
+  EXPECT_CONTAINS(error_of([] { LayerSelection::parse(""); }), "expected all");
+  EXPECT_CONTAINS(error_of([] { LayerSelection::parse("1,,2"); }), "expected all");
+  EXPECT_CONTAINS(error_of([] { LayerSelection::parse("2-5").applies_to_layer(0, 4); }),
+                  "names layer 5 but the model has 4 layers (0-3");
+
+  // Through the config: syntax is checked on load, bounds against model.num_layers.
+  shardtrain::train::ActivationConfig a;
+  a.layers = "1-2";
+  EXPECT_FALSE(a.applies_to_layer(0, 4));
+  EXPECT_TRUE(a.applies_to_layer(2, 4));
+  EXPECT_CONTAINS(parse_error("activation:\n  layers: 2to5\n"),
+                  "run.yaml:2:11: activation.layers = '2to5' is not valid: expected all");
+  EXPECT_CONTAINS(parse_error("activation:\n  layers: 0-2\n"),
+                  "names layer 2 but the model has 2 layers");
+}
+
+TEST(Config, ToYamlListsEveryKeyAndRoundTrips) {
+  Config defaults = Config::defaults();
+  std::string yaml = defaults.to_yaml();
+  for (const char* line :
+       {"recipe: manual", "  from_hf: \"\"", "  rms_norm_eps: 1e-05", "  out_dir: runs/default",
+        "  export: true", "  min_lr: -1", "  layers: all", "  param_dtype: \"\"",
+        "  target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, "
+        "up_proj, down_proj]",
+        "\nlora:\n  enabled: false"})
+    EXPECT_CONTAINS(yaml, line);
+  EXPECT_TRUE(Config::parse(yaml, {}, "dump") == defaults);
+
+  // Every key of the schema appears once: as many key lines as describe_config_keys() rows.
+  size_t key_lines = 0, rows = 0;
+  for (char ch : shardtrain::train::describe_config_keys()) rows += ch == '\n';
+  std::istringstream lines(yaml);
+  for (std::string l; std::getline(lines, l);)
+    if (l.find(": ") != std::string::npos && l.rfind("#", 0) != 0) ++key_lines;
+  EXPECT_EQ(key_lines, rows);
+  EXPECT_EQ(rows, 77u);
+
+  // Values that need quoting or exact float text survive the trip.
+  Config c = Config::parse("", {"data.path=yes", "train.out_dir=runs/a b", "optim.lr=1.2345678e-4",
+                                "activation.layers=every:3", "train.resume=\"123\"",
+                                "checkpoint.every_minutes=2.5", "lora.base_model=\"a\\\"q\""});
+  EXPECT_EQ(c.data.path, "yes");
+  EXPECT_EQ(c.train.resume, "123");
+  EXPECT_EQ(c.lora.base_model, "a\"q");
+  Config back = Config::parse(c.to_yaml(), {}, "dump");
+  EXPECT_TRUE(back == c);
+  EXPECT_DOUBLE_EQ(back.optim.lr, 1.2345678e-4);
+  EXPECT_EQ(back.train.out_dir, "runs/a b");
+}
+
+TEST(Config, LoadConfigDerivesOutDirFromTheFileName) {
+  TempDir dir;
+  Config c = load_config(dir.write("my-run.yaml", "train:\n  steps: 2\n"));
+  EXPECT_EQ(c.train.out_dir, "runs/my-run");
+  EXPECT_EQ(c.effective_checkpoint_dir(), "runs/my-run/checkpoints");
+  c = load_config(dir.write("b.yaml", "train:\n  out_dir: /tmp/elsewhere\n"));
+  EXPECT_EQ(c.train.out_dir, "/tmp/elsewhere");
+  c = load_config(dir.write("c.yaml", ""), {"train.out_dir=o"});
+  EXPECT_EQ(c.train.out_dir, "o");
+  // A bad key in a file names the file.
+  std::string path = dir.write("bad.yaml", "model:\n  hiden_size: 8\n");
+  EXPECT_CONTAINS(error_of([&] { load_config(path); }),
+                  path +
+                      ":2:3: unknown config key 'model.hiden_size': did you mean "
+                      "'model.hidden_size'?");
+}
+
+namespace {
+// Parameters of a Llama built from the config's shape (embeddings, attention, SwiGLU MLP, norms).
+int64_t llama_parameters(const shardtrain::train::ModelConfig& m) {
+  int64_t head_dim = m.hidden_size / m.num_heads;
+  int64_t kv = m.effective_num_kv_heads() * head_dim;
+  int64_t attention = 2 * m.hidden_size * m.hidden_size + 2 * m.hidden_size * kv;
+  int64_t mlp = 3 * m.hidden_size * m.intermediate_size;
+  int64_t per_layer = attention + mlp + 2 * m.hidden_size;
+  int64_t embeddings = m.vocab_size * m.hidden_size * (m.tie_embeddings ? 1 : 2);
+  return m.num_layers * per_layer + embeddings + m.hidden_size;
+}
+}  // namespace
+
+TEST(Config, EveryShippedConfigLoads) {
+  const std::filesystem::path dir = std::filesystem::path(SHARDTRAIN_SOURCE_DIR) / "configs";
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (entry.path().extension() != ".yaml") continue;
+    SCOPED_TRACE(entry.path().string());
+    Config c;
+    EXPECT_NO_THROW(c = load_config(entry.path().string()));
+    EXPECT_EQ(c.train.out_dir, "runs/" + entry.path().stem().string());
+    // A dump of a shipped config reads back to the same config.
+    EXPECT_TRUE(Config::parse(c.to_yaml(), {}, "dump") == c);
+    ++count;
+  }
+  EXPECT_GE(count, 4);
+
+  Config tiny = load_config((dir / "tiny.yaml").string());
+  EXPECT_EQ(tiny.model.vocab_size, 256);
+  EXPECT_EQ(tiny.train.seq_len, 128);
+  int64_t tiny_params = llama_parameters(tiny.model);
+  EXPECT_EQ(tiny_params, 803968);
+  EXPECT_GE(tiny_params, 300000);
+  EXPECT_LE(tiny_params, 1000000);
+
+  Config small = load_config((dir / "llama-125m.yaml").string());
+  EXPECT_EQ(small.model.hidden_size, 768);
+  EXPECT_EQ(small.model.num_layers, 12);
+  EXPECT_EQ(small.model.vocab_size, 32000);
+  EXPECT_EQ(small.train.seq_len, 2048);
+
+  Config one_b = load_config((dir / "llama-1b.yaml").string());
+  EXPECT_EQ(one_b.model.hidden_size, 2048);
+  EXPECT_EQ(one_b.model.effective_num_kv_heads(), 8);
+  EXPECT_TRUE(one_b.model.tie_embeddings);
+  EXPECT_DOUBLE_EQ(one_b.model.rope_theta, 500000.0);
+  // Llama-3.2-1B has 1,235,814,400 parameters.
+  EXPECT_EQ(llama_parameters(one_b.model), 1235814400);
+
+  Config eight_b = load_config((dir / "llama-3.1-8b.yaml").string());
+  EXPECT_FALSE(eight_b.model.tie_embeddings);
+  EXPECT_EQ(eight_b.model.intermediate_size, 14336);
+  // Llama-3.1-8B has 8,030,261,248 parameters.
+  EXPECT_EQ(llama_parameters(eight_b.model), 8030261248);
+}

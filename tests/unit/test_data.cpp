@@ -1,0 +1,447 @@
+// Data pipeline: byte tokenizer, HDF5 token datasets (and their validation), the deterministic
+// sampler, micro-batch splitting, and the built-in corpus.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <set>
+
+#include "shardtrain/core/error.h"
+#include "shardtrain/data/batch.h"
+#include "shardtrain/data/corpus.h"
+#include "shardtrain/data/hdf5.h"
+#include "shardtrain/data/prepare.h"
+#include "shardtrain/data/sampler.h"
+#include "shardtrain/data/token_dataset.h"
+#include "shardtrain/data/tokenizer.h"
+
+namespace shardtrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+class DataTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("st_data_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  fs::path dir_;
+};
+
+template <typename E, typename Fn>
+void expect_error(Fn fn, std::initializer_list<std::string> parts) {
+  try {
+    fn();
+    FAIL() << "no exception thrown";
+  } catch (const E& e) {
+    const std::string message = e.what();
+    for (const auto& part : parts)
+      EXPECT_NE(message.find(part), std::string::npos)
+          << "message \"" << message << "\" lacks \"" << part << "\"";
+  }
+}
+
+// Tokens 0, 1, 2, ...: every window reveals where in the stream it starts.
+TokenDataset counting_dataset(int64_t n) {
+  std::vector<uint32_t> tokens(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) tokens[static_cast<size_t>(i)] = static_cast<uint32_t>(i);
+  return TokenDataset::from_tokens(std::move(tokens), 65536, "test", "counting");
+}
+
+// ---- tokenizer ------------------------------------------------------------------------------
+
+TEST(ByteTokenizer, EncodesBytesAndRoundTrips) {
+  ByteTokenizer tok;
+  const std::string text = std::string("Hi \xff\x80", 5) + std::string(1, '\0') + "!";
+  std::vector<uint32_t> ids = tok.encode(text);
+  EXPECT_EQ(ids, (std::vector<uint32_t>{72, 105, 32, 255, 128, 0, 33}));
+  EXPECT_EQ(tok.decode(ids), text);
+  EXPECT_EQ(tok.vocab_size(), 256);
+  expect_error<ConfigError>([&] { tok.decode({65, 256}); }, {"token 256", "position 1"});
+  EXPECT_EQ(make_tokenizer("byte")->name(), "byte");
+  expect_error<ConfigError>([] { make_tokenizer("bpe"); }, {"'bpe'", "byte"});
+}
+
+// ---- token datasets -------------------------------------------------------------------------
+
+TEST_F(DataTest, TokenDatasetRoundTripUint16) {
+  const std::string p = path("bytes.h5");
+  std::vector<uint32_t> tokens = ByteTokenizer().encode("hello, world");
+  write_token_dataset(p, tokens, 256, "byte");
+  TokenDataset ds = TokenDataset::open(p);
+  EXPECT_EQ(ds.tokens(), tokens);
+  EXPECT_EQ(ds.vocab_size(), 256);
+  EXPECT_EQ(ds.tokenizer(), "byte");
+  EXPECT_EQ(ds.source(), p);
+  h5::File f = h5::File::open(p);
+  h5::TypeInfo type = f.open_dataset("tokens").type();
+  EXPECT_EQ(type.describe(), "uint16");
+  EXPECT_EQ(f.open_dataset("tokens").read_int64_attribute("vocab_size"), 256);
+  // Nothing but the final file is left in the directory.
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir_), fs::directory_iterator()), 1);
+}
+
+TEST_F(DataTest, TokenDatasetRoundTripUint32ThroughManyAppends) {
+  const std::string p = path("wide.h5");
+  std::vector<uint32_t> all;
+  {
+    TokenDatasetWriter w(p, 100000, "custom");
+    for (uint32_t chunk = 0; chunk < 3; ++chunk) {
+      std::vector<uint32_t> part(70000);
+      for (size_t i = 0; i < part.size(); ++i)
+        part[i] = (chunk * 70000 + static_cast<uint32_t>(i)) % 99991;
+      w.append(part);
+      all.insert(all.end(), part.begin(), part.end());
+    }
+    EXPECT_FALSE(fs::exists(p));  // only the temporary file exists before commit
+    w.commit();
+  }
+  TokenDataset ds = TokenDataset::open(p);
+  EXPECT_EQ(h5::File::open(p).open_dataset("tokens").type().describe(), "uint32");
+  EXPECT_EQ(ds.size(), 210000);
+  EXPECT_EQ(ds.tokens(), all);
+}
+
+TEST_F(DataTest, WriterRejectsOutOfVocabularyTokensAndLeavesNoFile) {
+  const std::string p = path("bad.h5");
+  expect_error<ConfigError>(
+      [&] {
+        write_token_dataset(p, {1, 2, 300}, 256, "byte");
+      },
+      {p, "token 300", "position 2", "vocab_size 256"});
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir_), fs::directory_iterator()), 0);
+}
+
+TEST_F(DataTest, MissingTokensDataset) {
+  const std::string p = path("notokens.h5");
+  {
+    h5::File f = h5::File::create(p);
+    f.create_dataset("ids", H5T_STD_U16LE, {10});
+  }
+  expect_error<FormatError>([&] { TokenDataset::open(p); }, {p, "no dataset 'tokens'"});
+}
+
+TEST_F(DataTest, MissingVocabSize) {
+  const std::string p = path("novocab.h5");
+  {
+    h5::File f = h5::File::create(p);
+    h5::Dataset ds = f.create_dataset("tokens", H5T_STD_U16LE, {10});
+    std::vector<uint16_t> t(10, 1);
+    ds.write(t.data(), H5T_NATIVE_UINT16);
+    ds.write_string_attribute("tokenizer", "byte");
+  }
+  expect_error<FormatError>([&] { TokenDataset::open(p); }, {p, "no attribute 'vocab_size'"});
+}
+
+TEST_F(DataTest, TokenAtOrAboveVocabSize) {
+  const std::string p = path("oov.h5");
+  {
+    h5::File f = h5::File::create(p);
+    h5::Dataset ds = f.create_dataset("tokens", H5T_STD_U16LE, {5});
+    std::vector<uint16_t> t = {1, 2, 9, 10, 3};
+    ds.write(t.data(), H5T_NATIVE_UINT16);
+    ds.write_int64_attribute("vocab_size", 10);
+    ds.write_string_attribute("tokenizer", "byte");
+  }
+  expect_error<FormatError>([&] { TokenDataset::open(p); },
+                            {p, "token 10 at position 3", "vocab_size 10"});
+}
+
+TEST_F(DataTest, WrongTypeAndRank) {
+  const std::string p = path("signed.h5");
+  {
+    h5::File f = h5::File::create(p);
+    f.create_dataset("tokens", H5T_STD_I64LE, {4});
+  }
+  expect_error<FormatError>([&] { TokenDataset::open(p); }, {p, "int64", "uint16 or uint32"});
+  const std::string q = path("rank.h5");
+  {
+    h5::File f = h5::File::create(q);
+    f.create_dataset("tokens", H5T_STD_U16LE, {2, 3});
+  }
+  expect_error<FormatError>([&] { TokenDataset::open(q); }, {q, "rank 2"});
+}
+
+TEST_F(DataTest, NotAnHdf5File) {
+  const std::string p = path("text.h5");
+  std::ofstream(p) << "just some text, not HDF5\n";
+  expect_error<FormatError>([&] { TokenDataset::open(p); }, {p, "not an HDF5 file"});
+  expect_error<ConfigError>([&] { TokenDataset::open(path("absent.h5")); },
+                            {"absent.h5", "does not exist"});
+}
+
+TEST_F(DataTest, TooShortForOneWindow) {
+  const std::string p = path("short.h5");
+  write_token_dataset(p, std::vector<uint32_t>(16, 7), 256, "byte");
+  TokenDataset ds = TokenDataset::open(p);
+  SamplerConfig cfg;
+  cfg.seq_len = 16;
+  expect_error<ConfigError>([&] { Sampler(ds, Split::Train, cfg); },
+                            {p, "16 tokens", "seq_len + 1 = 17"});
+  cfg.seq_len = 15;
+  EXPECT_EQ(Sampler(ds, Split::Train, cfg).num_windows(), 1);
+  cfg.eval_fraction = 0.5;  // 8 held-out tokens: too few for a window of 16
+  expect_error<ConfigError>([&] { Sampler(ds, Split::Eval, cfg); }, {p, "held-out", "8 tokens"});
+}
+
+TEST_F(DataTest, TensorsThroughHdf5) {
+  const std::string p = path("tensors.h5");
+  Tensor a = from_floats({1.5f, -2.0f, 3.25f, 0.1f}, {2, 2}, DType::BF16);
+  Tensor b = from_ints({-5, int64_t{1} << 40}, {2}, DType::I64);
+  {
+    h5::File f = h5::File::create(p);
+    f.write_tensor("a", a);
+    f.write_tensor("b", b);
+    f.write_double_attribute("lr", 0.25);
+    f.close();
+  }
+  h5::File f = h5::File::open(p);
+  Tensor a2 = f.read_tensor("a");
+  EXPECT_EQ(a2.dtype(), DType::BF16);
+  EXPECT_EQ(a2.shape(), (Shape{2, 2}));
+  EXPECT_EQ(a2.to_float_vector(), a.to_float_vector());
+  EXPECT_EQ(f.read_tensor("b").to_int_vector(), b.to_int_vector());
+  EXPECT_EQ(f.read_double_attribute("lr"), 0.25);
+  expect_error<FormatError>([&] { f.read_string_attribute("lr"); }, {p, "'lr'", "string"});
+  expect_error<FormatError>([&] { f.read_tensor("c"); }, {p, "no dataset 'c'"});
+}
+
+// ---- sampler --------------------------------------------------------------------------------
+
+TEST(Sampler, TargetsAreInputsShiftedByOne) {
+  TokenDataset ds = counting_dataset(1000);
+  SamplerConfig cfg;
+  cfg.seq_len = 16;
+  cfg.seed = 3;
+  Sampler s(ds, Split::Train, cfg);
+  EXPECT_EQ(s.num_windows(), 999 / 16);
+  Batch b = s.next_batch(4);
+  EXPECT_EQ(b.input_ids.shape(), (Shape{4, 16}));
+  EXPECT_EQ(b.targets.shape(), (Shape{4, 16}));
+  EXPECT_EQ(b.input_ids.dtype(), DType::I64);
+  EXPECT_TRUE(b.input_ids.device().is_cpu());
+  EXPECT_EQ(b.num_target_tokens, 64);
+  auto in = b.input_ids.to_int_vector();
+  auto tg = b.targets.to_int_vector();
+  for (int r = 0; r < 4; ++r) {
+    const int64_t start = in[static_cast<size_t>(r * 16)];
+    EXPECT_EQ(start % 16, 0);
+    EXPECT_EQ(start, s.window_start(r));
+    for (int t = 0; t < 16; ++t) {
+      EXPECT_EQ(in[static_cast<size_t>(r * 16 + t)], start + t);
+      EXPECT_EQ(tg[static_cast<size_t>(r * 16 + t)], start + t + 1);
+    }
+  }
+}
+
+std::vector<int64_t> starts_of(Sampler& s, int64_t batches, int64_t batch_size) {
+  std::vector<int64_t> out;
+  for (int64_t i = 0; i < batches; ++i) {
+    auto v = s.next_batch(batch_size).input_ids.to_int_vector();
+    for (int64_t r = 0; r < batch_size; ++r) out.push_back(v[static_cast<size_t>(r * s.seq_len())]);
+  }
+  return out;
+}
+
+TEST(Sampler, EachEpochIsASeededPermutation) {
+  TokenDataset ds = counting_dataset(1001);  // 1000 / 10 = 100 windows
+  SamplerConfig cfg;
+  cfg.seq_len = 10;
+  cfg.seed = 11;
+  Sampler a(ds, Split::Train, cfg), b(ds, Split::Train, cfg);
+  std::vector<int64_t> sa = starts_of(a, 60, 5);  // three epochs
+  EXPECT_EQ(sa, starts_of(b, 60, 5));
+  for (int epoch = 0; epoch < 3; ++epoch) {
+    std::vector<int64_t> e(sa.begin() + epoch * 100, sa.begin() + (epoch + 1) * 100);
+    std::vector<int64_t> sorted = e;
+    std::sort(sorted.begin(), sorted.end());
+    for (int k = 0; k < 100; ++k) EXPECT_EQ(sorted[static_cast<size_t>(k)], k * 10);
+    EXPECT_NE(e, sorted);  // shuffled
+  }
+  EXPECT_NE(std::vector<int64_t>(sa.begin(), sa.begin() + 100),
+            std::vector<int64_t>(sa.begin() + 100, sa.begin() + 200));  // new order per epoch
+  EXPECT_EQ(a.state(), (SamplerState{11, 3, 0}));
+  cfg.seed = 12;
+  Sampler c(ds, Split::Train, cfg);
+  EXPECT_NE(starts_of(c, 20, 5), std::vector<int64_t>(sa.begin(), sa.begin() + 100));
+}
+
+TEST(Sampler, RestoreAndSkipContinueIdentically) {
+  TokenDataset ds = counting_dataset(2000);
+  SamplerConfig cfg;
+  cfg.seq_len = 8;
+  cfg.seed = 5;
+  Sampler a(ds, Split::Train, cfg);
+  starts_of(a, 70, 4);  // 280 windows: into the second epoch (249 per epoch)
+  SamplerState saved = a.state();
+  EXPECT_EQ(saved, (SamplerState{5, 1, 280 - 249}));
+  std::vector<int64_t> expected = starts_of(a, 80, 4);
+
+  cfg.seed = 999;  // the state carries the seed
+  Sampler b(ds, Split::Train, cfg);
+  b.restore(saved);
+  EXPECT_EQ(starts_of(b, 80, 4), expected);
+
+  cfg.seed = 5;
+  Sampler c(ds, Split::Train, cfg);
+  c.skip(280);
+  EXPECT_EQ(c.state(), saved);
+  EXPECT_EQ(starts_of(c, 80, 4), expected);
+
+  expect_error<ConfigError>([&] { b.restore({5, 0, 249}); }, {"position 249", "[0, 249)"});
+}
+
+TEST(Sampler, TrainAndEvalAreDisjoint) {
+  TokenDataset ds = counting_dataset(1000);
+  SamplerConfig cfg;
+  cfg.seq_len = 16;
+  cfg.eval_fraction = 0.2;
+  Sampler train(ds, Split::Train, cfg);
+  cfg.shuffle = false;
+  Sampler eval(ds, Split::Eval, cfg);
+  EXPECT_EQ(train.split_end(), 800);
+  EXPECT_EQ(eval.split_begin(), 800);
+  EXPECT_EQ(train.num_windows(), 799 / 16);
+  EXPECT_EQ(eval.num_windows(), 199 / 16);
+  // Every token a training batch touches (inputs and targets) lies below 800; eval above.
+  for (int i = 0; i < train.num_windows(); ++i) {
+    Batch b = train.next_batch(1);
+    for (int64_t t : b.targets.to_int_vector()) EXPECT_LT(t, 800);
+  }
+  for (int i = 0; i < eval.num_windows(); ++i) {
+    Batch b = eval.next_batch(1);
+    auto in = b.input_ids.to_int_vector();
+    EXPECT_EQ(in[0], 800 + 16 * i);  // unshuffled: stream order
+    for (int64_t t : in) EXPECT_GE(t, 800);
+    for (int64_t t : b.targets.to_int_vector()) EXPECT_LT(t, 1000);
+  }
+}
+
+TEST(Batch, SplitsIntoMicroBatchesSharingStorage) {
+  TokenDataset ds = counting_dataset(500);
+  SamplerConfig cfg;
+  cfg.seq_len = 6;
+  Sampler s(ds, Split::Train, cfg);
+  Batch b = s.next_batch(8);
+  std::vector<Batch> micro = split_batch(b, 4);
+  ASSERT_EQ(micro.size(), 4u);
+  auto all = b.input_ids.to_int_vector();
+  for (int m = 0; m < 4; ++m) {
+    EXPECT_EQ(micro[static_cast<size_t>(m)].input_ids.shape(), (Shape{2, 6}));
+    EXPECT_EQ(micro[static_cast<size_t>(m)].num_target_tokens, 12);
+    auto part = micro[static_cast<size_t>(m)].input_ids.to_int_vector();
+    EXPECT_EQ(part, std::vector<int64_t>(all.begin() + m * 12, all.begin() + (m + 1) * 12));
+  }
+  // Ignored targets are not counted.
+  b.targets.data<int64_t>()[13] = kIgnoreIndex;
+  EXPECT_EQ(b.slice(2, 2).num_target_tokens, 11);
+  EXPECT_EQ(split_batch(b, 4)[1].num_target_tokens, 11);
+  expect_error<ConfigError>([&] { split_batch(b, 3); }, {"8 sequences", "3"});
+}
+
+// ---- corpus ---------------------------------------------------------------------------------
+
+TEST(Corpus, NumberWords) {
+  EXPECT_EQ(number_word(0), "zero");
+  EXPECT_EQ(number_word(13), "thirteen");
+  EXPECT_EQ(number_word(40), "forty");
+  EXPECT_EQ(number_word(42), "forty-two");
+  EXPECT_EQ(number_word(305), "three hundred and five");
+}
+
+TEST(Corpus, UnigramEntropy) {
+  EXPECT_DOUBLE_EQ(unigram_entropy_bits({0, 1, 2, 3}), 2.0);
+  EXPECT_DOUBLE_EQ(unigram_entropy_bits({5, 5, 5}), 0.0);
+  EXPECT_DOUBLE_EQ(unigram_entropy_bits({1, 1, 70000, 70000}), 1.0);
+}
+
+TEST(Corpus, DeterministicSizedAsciiWithLearnableStructure) {
+  const std::string text = builtin_corpus();
+  EXPECT_EQ(static_cast<int64_t>(text.size()), kBuiltinCorpusBytes);
+  EXPECT_GE(text.size(), 1200000u);
+  EXPECT_EQ(text, generate_corpus(kBuiltinCorpusBytes, kBuiltinCorpusSeed));
+  EXPECT_NE(text.substr(0, 4096), generate_corpus(4096, kBuiltinCorpusSeed + 1));
+  EXPECT_EQ(generate_corpus(1000, 7), generate_corpus(5000, 7).substr(0, 1000));
+  for (char c : text) ASSERT_TRUE(c == '\n' || (c >= 32 && c < 127)) << int(c);
+
+  std::vector<uint32_t> tokens = ByteTokenizer().encode(text);
+  const double unigram = unigram_entropy_bits(tokens);
+  EXPECT_GT(unigram, 3.0);
+  EXPECT_LT(unigram, 5.0);
+  // Context predicts much: the entropy of a byte given the three before it is far lower.
+  std::map<uint32_t, std::map<uint32_t, int64_t>> counts;
+  for (size_t i = 3; i < tokens.size(); ++i)
+    ++counts[(tokens[i - 3] << 16) | (tokens[i - 2] << 8) | tokens[i - 1]][tokens[i]];
+  double conditional = 0.0;
+  for (const auto& [ctx, next] : counts) {
+    int64_t total = 0;
+    for (const auto& e : next) total += e.second;
+    for (const auto& e : next) {
+      const double p = static_cast<double>(e.second) / static_cast<double>(total);
+      conditional -= static_cast<double>(e.second) * std::log2(p);
+    }
+  }
+  conditional /= static_cast<double>(tokens.size() - 3);
+  EXPECT_LT(conditional, 0.5 * unigram) << "unigram " << unigram << " conditional " << conditional;
+}
+
+TEST(Corpus, ArithmeticFactsAreTrue) {
+  std::map<std::string, int> value;
+  for (int n = 0; n <= 200; ++n) value[number_word(n)] = n;
+  const std::string text = generate_corpus(300000, 99);
+  const std::regex fact(R"(([A-Za-z-]+) (plus|minus|times) ([a-z-]+) is ([a-z-]+)\.)");
+  int checked = 0;
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), fact); it != std::sregex_iterator();
+       ++it) {
+    const auto& m = *it;
+    std::string first = m[1];
+    first[0] = static_cast<char>(std::tolower(static_cast<unsigned char>(first[0])));
+    if (!value.count(first) || !value.count(m[3]) || !value.count(m[4])) continue;  // cut at edge
+    const int a = value[first], b = value[m[3]], c = value[m[4]];
+    const int expected = m[2] == "plus" ? a + b : m[2] == "minus" ? a - b : a * b;
+    EXPECT_EQ(c, expected) << m[0];
+    ++checked;
+  }
+  EXPECT_GT(checked, 500);
+}
+
+TEST_F(DataTest, PrepareDataFromBuiltinAndFile) {
+  const std::string out = path("builtin.h5");
+  PrepareSummary s = prepare_data("builtin", out, "byte");
+  EXPECT_EQ(s.num_tokens, kBuiltinCorpusBytes);
+  TokenDataset ds = TokenDataset::open(out);
+  const std::vector<uint32_t> expected = ByteTokenizer().encode(builtin_corpus());
+  EXPECT_EQ(ds.tokens(), expected);
+  EXPECT_EQ(ds.tokenizer(), "byte");
+  EXPECT_DOUBLE_EQ(s.unigram_entropy_bits, unigram_entropy_bits(expected));
+
+  const std::string txt = path("in.txt");
+  std::ofstream(txt) << "abcabc";
+  PrepareSummary t = prepare_data(txt, path("txt.h5"));
+  EXPECT_EQ(t.num_tokens, 6);
+  EXPECT_DOUBLE_EQ(t.unigram_entropy_bits, std::log2(3.0));
+  EXPECT_EQ(TokenDataset::open(path("txt.h5")).tokens(),
+            (std::vector<uint32_t>{97, 98, 99, 97, 98, 99}));
+
+  expect_error<ConfigError>([&] { prepare_data(path("missing.txt"), path("x.h5")); },
+                            {"missing.txt", "builtin"});
+  expect_error<ConfigError>([&] { prepare_data("builtin", path("y.h5"), "wordpiece"); },
+                            {"'wordpiece'"});
+  EXPECT_FALSE(fs::exists(path("x.h5")));
+}
+
+}  // namespace
+}  // namespace shardtrain
