@@ -12,6 +12,17 @@ namespace shardtrain::autograd {
 
 namespace {
 thread_local BackwardStats tls_stats;
+// How many backward() calls are running on this thread. A node may itself call backward() (the
+// reentrant activation checkpoint does); such an inner call adds to the outer call's statistics
+// instead of resetting them.
+thread_local int tls_backward_depth = 0;
+
+struct BackwardDepth {
+  BackwardDepth() { ++tls_backward_depth; }
+  ~BackwardDepth() { --tls_backward_depth; }
+  BackwardDepth(const BackwardDepth&) = delete;
+  BackwardDepth& operator=(const BackwardDepth&) = delete;
+};
 
 // a + b into a fresh tensor (gradients arriving at the same output from several uses).
 Tensor add_grads(const Tensor& a, const Tensor& b) {
@@ -71,7 +82,8 @@ void backward(const Tensor& root, const Tensor& grad_root) {
   }
   NoGrad no_grad;  // backward functions do not record graphs (no double backward)
   CategoryScope workspace(MemoryCategory::Workspace);
-  tls_stats = {};
+  if (tls_backward_depth == 0) tls_stats = {};
+  BackwardDepth depth;
 
   // Count, for every node reachable from the root, how many edges lead into it.
   std::unordered_map<Node*, int> dependencies;

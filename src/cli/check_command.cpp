@@ -16,18 +16,20 @@ Command check_command() {
       "step with the hyper-parameters in --expected's metadata, under the configuration given\n"
       "by --config/--set (activation strategy, precision, sharding, micro-batches), and prints\n"
       "the error of every tensor. Exits 1 when any tensor is beyond tolerance.";
-  c.flags = {Flag("model", "DIR", "model directory (config.json + model.safetensors)").mandatory(),
-             Flag("batch", "FILE", "safetensors with input_ids and targets [batch, seq]").mandatory(),
-             Flag("expected", "FILE", "safetensors with loss, logits, grad.*, step1.*").mandatory(),
-             Flag("rtol", "X", "relative tolerance (default 1e-4 in fp32, 3e-2 in bf16/fp16)"),
-             Flag("atol", "X", "absolute tolerance (default rtol x the reference tensor's RMS)")};
+  c.flags = {
+      Flag("model", "DIR", "model directory (config.json + model.safetensors)").mandatory(),
+      Flag("batch", "FILE", "safetensors with input_ids and targets [batch, seq]").mandatory(),
+      Flag("expected", "FILE", "safetensors with loss, logits, grad.*, step1.*").mandatory(),
+      Flag("rtol", "X", "relative tolerance (default 1e-4 in fp32, 3e-2 in bf16/fp16)"),
+      Flag("atol", "X", "absolute tolerance (default rtol x the reference tensor's RMS)")};
   for (Flag& f : config_flags()) {
     if (f.name == "config") f.required = false;
     c.flags.push_back(f);
   }
   c.run = [](const Args& args) {
-    train::Config config = args.has("config") ? config_from_args(args)
-                                              : train::Config::parse("{}", args.all("set"), "defaults");
+    train::Config config = args.has("config")
+                               ? config_from_args(args)
+                               : train::Config::parse("{}", args.all("set"), "defaults");
     train::CheckOptions o;
     o.model_dir = args.get("model");
     o.batch_file = args.get("batch");

@@ -11,6 +11,7 @@ namespace shardtrain::cli {
 // Each subcommand lives in its own file in this folder; adding one means writing that file and
 // adding its line here (and to the list below, in the order --help shows them).
 Command config_command();
+Command prepare_data_command();
 Command train_command();
 Command check_command();
 
@@ -19,6 +20,7 @@ const std::vector<Command>& commands() {
       train_command(),
       check_command(),
       config_command(),
+      prepare_data_command(),
   };
   return all;
 }

@@ -169,6 +169,31 @@ int64_t TrainConfig::device_memory_bytes() const {
   return device_memory.empty() ? 0 : parse_bytes(device_memory);
 }
 
+int64_t TrainConfig::sequences_per_step(int64_t data_parallel_ranks) const {
+  ST_CHECK(data_parallel_ranks >= 1, "data-parallel rank count must be >= 1, got ",
+           data_parallel_ranks);
+  const int64_t per_round = micro_batch * data_parallel_ranks;
+  int64_t total = per_round;
+  std::string given;
+  if (global_batch > 0) {
+    total = global_batch;
+    given = "train.global_batch (" + std::to_string(global_batch) + ")";
+  } else if (global_batch_tokens > 0) {
+    total = global_batch_tokens / seq_len;
+    given = "train.global_batch_tokens (" + std::to_string(global_batch_tokens) + ") / seq_len (" +
+            std::to_string(seq_len) + ") = " + std::to_string(total) + " sequences";
+  }
+  if (total % per_round != 0 || total == 0) {
+    int64_t below = total / per_round * per_round, above = below + per_round;
+    std::string options =
+        below > 0 ? std::to_string(below) + " or " + std::to_string(above) : std::to_string(above);
+    throw ConfigError(given + " must be a multiple of train.micro_batch x data-parallel ranks (" +
+                      std::to_string(micro_batch) + " x " + std::to_string(data_parallel_ranks) +
+                      " = " + std::to_string(per_round) + "): use " + options + " sequences");
+  }
+  return total;
+}
+
 std::string PrecisionConfig::effective_loss_scale() const {
   if (loss_scale != "auto") return loss_scale;
   return compute == "fp16" ? "dynamic" : "none";

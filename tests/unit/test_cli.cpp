@@ -132,7 +132,7 @@ TEST(Cli, ConfigCommandPrintsTheResolvedConfig) {
   const std::string tiny = std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/tiny.yaml";
   Result r = run({"config", "--config", tiny, "--set", "optim.lr=1e-4", "--set=train.steps=9"});
   ASSERT_EQ(r.code, 0) << r.err;
-  EXPECT_CONTAINS(r.out, "  lr: 0.0001 ");
+  EXPECT_CONTAINS(r.out, "  lr: 1e-04 ");
   EXPECT_CONTAINS(r.out, "  steps: 9 ");
   EXPECT_CONTAINS(r.out, "  out_dir: runs/tiny ");
   // What it prints is itself a config that loads to the same values.
@@ -154,4 +154,27 @@ TEST(Cli, ConfigCommandPrintsTheResolvedConfig) {
   EXPECT_EQ(r.code, 0);
   EXPECT_CONTAINS(r.out, "optim.lr ");
   EXPECT_CONTAINS(r.out, "peak learning rate; > 0");
+}
+
+TEST(Cli, PrepareDataWritesATokenDataset) {
+  const auto dir =
+      std::filesystem::temp_directory_path() /
+      ("st_cli_prepare_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()));
+  std::filesystem::create_directories(dir);
+  const std::string text = (dir / "in.txt").string(), h5 = (dir / "out.h5").string();
+  std::ofstream(text) << "hello, world\n";  // 13 bytes = 13 byte tokens
+
+  Result r = run({"prepare-data", "--input", text, "--output", h5});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(r.out, "wrote " + h5 + ": 13 tokens from " + text);
+  EXPECT_CONTAINS(r.out, "tokenizer byte, vocabulary 256");
+  EXPECT_GT(std::filesystem::file_size(h5), 13u);
+
+  r = run({"prepare-data", "--input", text});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "'shardtrain prepare-data' needs --output FILE.h5");
+  r = run({"prepare-data", "--input", text, "--output", h5, "--tokenizer", "bpe"});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_CONTAINS(r.err, "error: unknown tokenizer 'bpe'");
+  std::filesystem::remove_all(dir);
 }

@@ -281,6 +281,25 @@ TEST(Config, RulesThatTieKeysTogether) {
   EXPECT_NO_THROW(Config::parse("model:\n  from_hf: /m\n  hidden_size: 100\n  num_heads: 3\n"));
 }
 
+TEST(Config, SequencesPerStepDependOnTheRanks) {
+  Config c = Config::parse("train:\n  micro_batch: 4\n");
+  EXPECT_EQ(c.train.sequences_per_step(1), 4);
+  EXPECT_EQ(c.train.sequences_per_step(8), 32);  // 0 = micro_batch x ranks
+  c = Config::parse("train:\n  micro_batch: 4\n  global_batch: 24\n");
+  EXPECT_EQ(c.train.sequences_per_step(1), 24);
+  EXPECT_EQ(c.train.sequences_per_step(3), 24);
+  EXPECT_CONTAINS(error_of([&] { c.train.sequences_per_step(4); }),
+                  "train.global_batch (24) must be a multiple of train.micro_batch x "
+                  "data-parallel ranks (4 x 4 = 16): use 16 or 32 sequences");
+  EXPECT_CONTAINS(error_of([&] { c.train.sequences_per_step(8); }),
+                  "(4 x 8 = 32): use 32 sequences");
+  c = Config::parse("train:\n  micro_batch: 2\n  seq_len: 64\n  global_batch_tokens: 1024\n");
+  EXPECT_EQ(c.train.sequences_per_step(2), 16);
+  EXPECT_CONTAINS(error_of([&] { c.train.sequences_per_step(3); }),
+                  "train.global_batch_tokens (1024) / seq_len (64) = 16 sequences must be a "
+                  "multiple of train.micro_batch x data-parallel ranks (2 x 3 = 6): use 12 or 18");
+}
+
 TEST(Config, LayerSelectionParsesEveryForm) {
   auto selected = [](const std::string& text, int64_t num_layers) {
     std::string out;

@@ -1,8 +1,8 @@
 // Tensors: views and row slices sharing storage, dtype round trips, counter-based random numbers.
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 

@@ -11,7 +11,8 @@ namespace shardtrain::autograd {
 // leaf gradients as Gradients.
 void backward(const Tensor& root, const Tensor& grad_root = Tensor());
 
-// Statistics of the last backward on this thread (for tests and metrics).
+// Statistics of the last backward on this thread (for tests and metrics). A backward() called from
+// inside a node's apply (reentrant checkpointing) counts towards the outer call.
 struct BackwardStats {
   int64_t nodes_run = 0;
 };

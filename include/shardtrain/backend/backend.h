@@ -112,6 +112,14 @@ class Backend {
   virtual void cross_entropy_backward(const Tensor& logits, const Tensor& targets,
                                       float grad_scale, Tensor& dlogits) = 0;
 
+  // ---- quantized weights ----
+  // NF4 with double-quantized block scales (layout and formula in backend/nf4_codebook.h: blocks
+  // of 64 weights, absmax groups of 256): codes U8 [ceil(n/2)], absmax_q U8 [ceil(n/64)],
+  // absmax_scale f32 [ceil(n/64/256)]; out (any float dtype, n = out.numel()) is overwritten
+  // with the dequantized weights. Bitwise identical on every backend.
+  virtual void nf4_dequantize(const Tensor& codes, const Tensor& absmax_q,
+                              const Tensor& absmax_scale, float offset, Tensor& out) = 0;
+
   // ---- reductions (synchronising, result in fp64 on the host) ----
   virtual double sum(const Tensor& x) = 0;
   virtual double sum_squares(const Tensor& x) = 0;

@@ -67,6 +67,11 @@ struct TrainConfig {
 
   // device_memory in bytes; 0 = unlimited.
   int64_t device_memory_bytes() const;
+  // Sequences per optimizer step over `data_parallel_ranks` ranks (global_batch, or
+  // global_batch_tokens / seq_len, or micro_batch x ranks when both are 0). Throws ConfigError
+  // naming the key, the ranks and the nearest valid values when it is not a multiple of
+  // micro_batch x ranks. Gradient accumulation steps = result / (micro_batch x ranks).
+  int64_t sequences_per_step(int64_t data_parallel_ranks) const;
 
   bool operator==(const TrainConfig&) const = default;
 };

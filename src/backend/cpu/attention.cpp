@@ -3,6 +3,8 @@
 // Forward works one query row at a time with an O(S) score buffer per thread and saves the
 // row's log-sum-exp; backward recomputes probabilities from it. BF16/F16 inputs are converted to
 // fp32 workspace copies first (the size of the inputs; never S x S).
+#include <omp.h>
+
 #include <cmath>
 #include <limits>
 

@@ -9,8 +9,6 @@
 // Kernels whose results are accumulated across rows (reductions, embedding and weight gradients,
 // attention key/value gradients) give results that do not depend on the number of threads.
 #pragma once
-#include <omp.h>
-
 #include <algorithm>
 #include <cstdint>
 
@@ -62,6 +60,9 @@ class CpuBackend : public Backend {
   void cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tensor& losses) override;
   void cross_entropy_backward(const Tensor& logits, const Tensor& targets, float grad_scale,
                               Tensor& dlogits) override;
+
+  void nf4_dequantize(const Tensor& codes, const Tensor& absmax_q, const Tensor& absmax_scale,
+                      float offset, Tensor& out) override;
 
   double sum(const Tensor& x) override;
   double sum_squares(const Tensor& x) override;
@@ -147,7 +148,7 @@ void parallel_chunks(int64_t n, Body body) {
 Tensor workspace(int64_t n);
 
 // An fp32 view of elements [offset, offset + n) of a float tensor: the tensor's own memory when
-// it is F32, otherwise a converted workspace copy. at(i) addresses element offset + i.
+// it is F32, otherwise a converted workspace copy. data()[i] is element offset + i.
 class Fp32Span {
  public:
   Fp32Span(const Tensor& t, int64_t offset, int64_t n);

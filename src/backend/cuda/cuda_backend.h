@@ -112,6 +112,10 @@ class CudaBackend final : public Backend {
   void cross_entropy_backward(const Tensor& logits, const Tensor& targets, float grad_scale,
                               Tensor& dlogits) override;
 
+  // Defined in nf4.cpp.
+  void nf4_dequantize(const Tensor& codes, const Tensor& absmax_q, const Tensor& absmax_scale,
+                      float offset, Tensor& out) override;
+
   double sum(const Tensor& x) override;
   double sum_squares(const Tensor& x) override;
 

@@ -1,0 +1,30 @@
+// NCCL collectives on CUDA tensors (builds with CUDA and NCCL only).
+//
+// The communicator is created from an MPI communicator: rank 0 makes the NCCL unique id and
+// MPI broadcasts it. Collectives run on a dedicated CUDA stream that first waits for the work
+// already queued on the caller's current stream; wait() polls the collective's completion event
+// and NCCL's asynchronous error state, and after the group's timeout aborts the communicator
+// (ncclCommAbort) and throws DistributedError, so a dead peer cannot hang the job forever.
+// 16-bit reductions run natively in NCCL (bf16/f16 sums accumulate in that type per hop).
+// Host-number reductions (all_reduce_host) go over the MPI communicator.
+//
+// Status: this backend compiles against NCCL but has not been run on GPUs in this project's test
+// suite (the suite runs on CPU ranks with MPI); treat it as unverified.
+#pragma once
+#include <mpi.h>
+
+#include <memory>
+
+#include "shardtrain/dist/process_group.h"
+
+namespace shardtrain::dist {
+
+// True when this build links NCCL.
+bool nccl_available();
+
+// A group over the ranks of `comm` using CUDA device `device` (which must be this rank's
+// current device for the group's lifetime). Throws ConfigError in builds without NCCL and
+// DistributedError when NCCL cannot create the communicator.
+std::unique_ptr<ProcessGroup> make_nccl_process_group(MPI_Comm comm, int device, double timeout_s);
+
+}  // namespace shardtrain::dist

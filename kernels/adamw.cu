@@ -1,0 +1,56 @@
+// AdamW on fp32 parameters and moments with a gradient of any float dtype; one launch per
+// tensor, four elements per thread per step when every operand allows 16-byte (f32) accesses.
+// Per-element arithmetic follows the CPU backend operation for operation.
+#include "common.cuh"
+
+namespace shardtrain::kernels {
+
+namespace {
+
+__device__ __forceinline__ void adamw_element(float& p, float g, float& m, float& v,
+                                              const AdamWConstants& c) {
+  const float mi = c.beta1 * m + c.one_minus_beta1 * g;
+  const float vi = c.beta2 * v + c.one_minus_beta2 * g * g;
+  m = mi;
+  v = vi;
+  const float denom = sqrtf(vi) / c.bias2_sqrt + c.eps;
+  p = p * c.decay - c.step_size * (mi / denom);
+}
+
+template <int N, typename TG>
+__global__ void adamw_kernel(float* param, const TG* grad, float* m, float* v, int64_t n,
+                             AdamWConstants c) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t i = first; i < n / N; i += stride) {
+    float p[N], g[N], mm[N], vv[N];
+    load_vec<float, N>(param + i * N, p);
+    load_vec<TG, N>(grad + i * N, g);
+    load_vec<float, N>(m + i * N, mm);
+    load_vec<float, N>(v + i * N, vv);
+#pragma unroll
+    for (int k = 0; k < N; ++k) adamw_element(p[k], g[k], mm[k], vv[k], c);
+    store_vec<float, N>(param + i * N, p);
+    store_vec<float, N>(m + i * N, mm);
+    store_vec<float, N>(v + i * N, vv);
+  }
+  for (int64_t i = n / N * N + first; i < n; i += stride)
+    adamw_element(param[i], to_float(grad[i]), m[i], v[i], c);
+}
+
+}  // namespace
+
+void adamw(float* param, const void* grad, DType tg, float* m, float* v, int64_t n,
+           const AdamWConstants& c, cudaStream_t stream) {
+  if (n <= 0) return;
+  ST_DISPATCH_FLOAT(tg, TG, {
+    const TG* g = static_cast<const TG*>(grad);
+    if (aligned(param, 16) && aligned(m, 16) && aligned(v, 16) && aligned(g, 4 * sizeof(TG)))
+      adamw_kernel<4><<<grid_for(n / 4 + 1), kThreads, 0, stream>>>(param, g, m, v, n, c);
+    else
+      adamw_kernel<1><<<grid_for(n), kThreads, 0, stream>>>(param, g, m, v, n, c);
+    ST_CHECK_LAUNCH();
+  });
+}
+
+}  // namespace shardtrain::kernels

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs the Debian packages shardtrain builds and tests against (docs/dependencies.md lists
+# what each is for). Packages already installed are skipped; `apt-get update` runs only when
+# something is missing. The CUDA Toolkit (nvcc, cuBLAS, NCCL) is not a Debian package: it is
+# used from /usr/local/cuda when present.
+set -euo pipefail
+
+packages=(
+  cmake ninja-build g++
+  libopenblas-openmp-dev
+  libhdf5-dev hdf5-tools
+  libopenmpi-dev openmpi-bin
+  libyaml-cpp-dev nlohmann-json3-dev libspdlog-dev libfmt-dev
+  libboost-dev libboost-iostreams-dev
+  libgtest-dev
+)
+
+missing=()
+for package in "${packages[@]}"; do
+  if ! dpkg -s "$package" 2>/dev/null | grep -q '^Status: install ok installed'; then
+    missing+=("$package")
+  fi
+done
+
+if ((${#missing[@]} == 0)); then
+  exit 0
+fi
+
+echo "install-deps: installing ${missing[*]}"
+sudo=()
+if [[ $(id -u) -ne 0 ]]; then
+  sudo=(sudo)
+fi
+"${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update
+"${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+  "${missing[@]}"

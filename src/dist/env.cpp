@@ -1,0 +1,153 @@
+// DistEnv: launch detection, MPI start-up, node-local and cross-node groups; abort_job.
+#include "shardtrain/dist/env.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <string>
+
+#include "shardtrain/dist/mpi.h"
+#include "shardtrain/dist/nccl.h"
+
+namespace shardtrain::dist {
+
+namespace {
+
+// The leading integer of an environment variable ("4(x2)" from SLURM_TASKS_PER_NODE gives 4).
+std::optional<int> env_int(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  char* end = nullptr;
+  long value = std::strtol(v, &end, 10);
+  if (end == v) return std::nullopt;
+  return static_cast<int>(value);
+}
+
+int world_rank_now() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+int world_size_now() {
+  int s = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &s);
+  return s;
+}
+
+// A process group over `comm` on the chosen backend; a LocalProcessGroup for one rank.
+std::unique_ptr<ProcessGroup> make_group(const MpiCommunicator& comm, const std::string& backend,
+                                         const DistOptions& options) {
+  std::unique_ptr<ProcessGroup> group;
+  if (comm.size() == 1) group = std::make_unique<LocalProcessGroup>();
+  else if (backend == "nccl")
+    group = make_nccl_process_group(comm.get(), options.device.index, options.timeout_s);
+  else
+    group = std::make_unique<MpiProcessGroup>(comm.get(), options.timeout_s);
+  group->set_timeout(options.timeout_s);
+  return group;
+}
+
+}  // namespace
+
+LaunchInfo detect_launch() {
+  LaunchInfo info;
+  auto fill = [&](const char* launcher, std::optional<int> rank, std::optional<int> size,
+                  std::optional<int> local_rank, std::optional<int> local_size) {
+    info.launcher = launcher;
+    info.rank = rank.value_or(0);
+    info.world_size = size.value_or(1);
+    info.local_rank = local_rank.value_or(0);
+    info.local_size = local_size.value_or(1);
+  };
+  if (env_int("OMPI_COMM_WORLD_RANK") && env_int("OMPI_COMM_WORLD_SIZE")) {
+    fill("openmpi", env_int("OMPI_COMM_WORLD_RANK"), env_int("OMPI_COMM_WORLD_SIZE"),
+         env_int("OMPI_COMM_WORLD_LOCAL_RANK"), env_int("OMPI_COMM_WORLD_LOCAL_SIZE"));
+  } else if (env_int("PMI_RANK") && env_int("PMI_SIZE")) {
+    fill("pmi", env_int("PMI_RANK"), env_int("PMI_SIZE"), env_int("MPI_LOCALRANKID"),
+         env_int("MPI_LOCALNRANKS"));
+  } else if (env_int("SLURM_PROCID") && (env_int("SLURM_STEP_NUM_TASKS") || env_int("SLURM_NTASKS"))) {
+    std::optional<int> size = env_int("SLURM_STEP_NUM_TASKS");
+    if (!size) size = env_int("SLURM_NTASKS");
+    std::optional<int> local_size = env_int("SLURM_STEP_TASKS_PER_NODE");
+    if (!local_size) local_size = env_int("SLURM_NTASKS_PER_NODE");
+    fill("slurm", env_int("SLURM_PROCID"), size, env_int("SLURM_LOCALID"), local_size);
+  }
+  return info;
+}
+
+int job_rank() {
+  if (MpiRuntime::initialized()) return world_rank_now();
+  return detect_launch().rank;
+}
+
+int job_world_size() {
+  if (MpiRuntime::initialized()) return world_size_now();
+  return detect_launch().world_size;
+}
+
+void abort_job(const std::string& message, int exit_code) {
+  std::fprintf(stderr, "rank %d: %s\n", job_rank(), message.c_str());
+  std::fflush(stderr);
+  std::fflush(stdout);
+  if (MpiRuntime::initialized()) MPI_Abort(MPI_COMM_WORLD, exit_code);
+  std::_Exit(exit_code);
+}
+
+DistEnv::DistEnv(const DistOptions& options) : options_(options), launch_(detect_launch()) {
+  ST_CHECK_AS(ConfigError, options.ranks_per_node >= 0, "dist.ranks_per_node must be >= 0, got ",
+              options.ranks_per_node);
+  std::string backend = options.backend;
+  ST_CHECK_AS(ConfigError, backend == "auto" || backend == "mpi" || backend == "nccl",
+              "dist.backend: '", backend, "' is not one of auto, mpi, nccl");
+  if (backend == "auto") backend = options.device.is_cuda() && nccl_available() ? "nccl" : "mpi";
+  if (backend == "nccl") {
+    ST_CHECK_AS(ConfigError, nccl_available(),
+                "dist.backend: nccl was asked for but this build has no NCCL; use mpi or auto");
+    ST_CHECK_AS(ConfigError, options.device.is_cuda(), "dist.backend: nccl needs a CUDA device, "
+                "but the training device is ", options.device.str(), "; use mpi or auto");
+  }
+
+  if (!launch_.launched() && !MpiRuntime::initialized()) {
+    // Started on its own: a world of one, no MPI.
+    ST_CHECK_AS(ConfigError, options.ranks_per_node <= 1, "dist.ranks_per_node=",
+                options.ranks_per_node,
+                " but this process was not started by mpirun or srun (a world of one rank)");
+    world_ = std::make_unique<LocalProcessGroup>();
+    intra_ = std::make_unique<LocalProcessGroup>();
+    inter_ = std::make_unique<LocalProcessGroup>();
+    return;
+  }
+
+  runtime_ = MpiRuntime::acquire();
+  rank_ = world_rank_now();
+  world_size_ = world_size_now();
+  MpiCommunicator intra;
+  if (options.ranks_per_node > 0) {
+    ST_CHECK_AS(ConfigError, world_size_ % options.ranks_per_node == 0, "dist.ranks_per_node=",
+                options.ranks_per_node, " does not divide the ", world_size_,
+                " ranks of this job; use a divisor of the world size or 0 to detect nodes");
+    intra = MpiCommunicator::split(MPI_COMM_WORLD, rank_ / options.ranks_per_node, rank_);
+  } else {
+    intra = MpiCommunicator::split_shared(MPI_COMM_WORLD);
+  }
+  local_rank_ = intra.rank();
+  local_size_ = intra.size();
+  MpiCommunicator inter = MpiCommunicator::split(MPI_COMM_WORLD, local_rank_, rank_);
+  node_ = inter.rank();
+  num_nodes_ = inter.size();
+
+  MpiCommunicator world = MpiCommunicator::duplicate(MPI_COMM_WORLD);
+  world_ = make_group(world, backend, options);
+  intra_ = make_group(intra, backend, options);
+  inter_ = make_group(inter, backend, options);
+}
+
+DistEnv::~DistEnv() {
+  // Groups free their communicators before the MPI runtime may be finalised.
+  inter_.reset();
+  intra_.reset();
+  world_.reset();
+}
+
+}  // namespace shardtrain::dist
