@@ -10,9 +10,13 @@
 
 namespace shardtrain::activation {
 
-RngState snapshot_rng(const Generator& gen) { return {gen.seed(), gen.offset()}; }
+RngState snapshot_rng(const Generator& gen) {
+  return {gen.seed(), gen.offset()};
+}
 
-void restore_rng(Generator& gen, const RngState& state) { gen.set_state(state.seed, state.offset); }
+void restore_rng(Generator& gen, const RngState& state) {
+  gen.set_state(state.seed, state.offset);
+}
 
 namespace {
 
@@ -156,14 +160,16 @@ class Frame : public std::enable_shared_from_this<Frame> {
       RngReplay replay(generators, rng);
       SavedTensorHooks hooks;
       hooks.pack = [capture, needed](const Tensor& t) -> std::any {
-        ST_CHECK(capture->count < needed, "checkpoint: the re-run of a region saved more tensors "
-                                          "than its forward did (", needed,
-                 "); the region is not deterministic");
-        if (std::shared_ptr<Slot> slot = capture->slots[static_cast<size_t>(capture->count)].lock()) {
-          ST_CHECK(slot->shape == t.shape() && slot->dtype == t.dtype(), "checkpoint: saved tensor ",
-                   capture->count, " of a region was ", dtype_name(slot->dtype), shape_str(slot->shape),
-                   " in the forward but ", t.describe(),
-                   " in the re-run; the region is not deterministic");
+        ST_CHECK(capture->count < needed,
+                 "checkpoint: the re-run of a region saved more tensors "
+                 "than its forward did (",
+                 needed, "); the region is not deterministic");
+        if (std::shared_ptr<Slot> slot =
+                capture->slots[static_cast<size_t>(capture->count)].lock()) {
+          ST_CHECK(slot->shape == t.shape() && slot->dtype == t.dtype(),
+                   "checkpoint: saved tensor ", capture->count, " of a region was ",
+                   dtype_name(slot->dtype), shape_str(slot->shape), " in the forward but ",
+                   t.describe(), " in the re-run; the region is not deterministic");
           slot->value = t;
         }
         capture->count += 1;
@@ -365,7 +371,9 @@ std::vector<Tensor> CheckpointRegion::finish(const std::vector<Tensor>& outputs)
   return state_->finish(outputs);
 }
 
-Tensor CheckpointRegion::finish(const Tensor& output) { return state_->finish({output}).at(0); }
+Tensor CheckpointRegion::finish(const Tensor& output) {
+  return state_->finish({output}).at(0);
+}
 
 std::vector<Tensor> checkpoint_multi(const TensorsFn& fn, const std::vector<Tensor>& inputs,
                                      const CheckpointOptions& options) {

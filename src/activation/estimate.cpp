@@ -10,7 +10,9 @@ namespace shardtrain::activation {
 namespace {
 
 // Allocations are counted in 64-byte units.
-int64_t r64(int64_t bytes) { return (std::max<int64_t>(bytes, 1) + 63) / 64 * 64; }
+int64_t r64(int64_t bytes) {
+  return (std::max<int64_t>(bytes, 1) + 63) / 64 * 64;
+}
 
 void check_strategy(const std::string& strategy) {
   const auto& names = activation_strategies();
@@ -72,15 +74,15 @@ struct LayerSizes {
   int64_t rerun(int64_t n, bool reentrant) const { return n * saved_total() + (reentrant ? X : 0); }
 };
 
-LayerSizes layer_sizes(int64_t batch, int64_t seq, int64_t hidden, int64_t heads,
-                       int64_t kv_heads, int64_t intermediate, int64_t e,
-                       ops::AttentionImpl impl) {
-  ST_CHECK_AS(ConfigError, batch > 0 && seq > 0 && hidden > 0 && heads > 0 && kv_heads > 0 &&
-                               intermediate > 0 && e > 0 && hidden % heads == 0,
+LayerSizes layer_sizes(int64_t batch, int64_t seq, int64_t hidden, int64_t heads, int64_t kv_heads,
+                       int64_t intermediate, int64_t e, ops::AttentionImpl impl) {
+  ST_CHECK_AS(ConfigError,
+              batch > 0 && seq > 0 && hidden > 0 && heads > 0 && kv_heads > 0 && intermediate > 0 &&
+                  e > 0 && hidden % heads == 0,
               "activation estimate: batch, seq, hidden, heads, kv_heads, intermediate and dtype "
               "bytes must be positive with heads dividing hidden; got batch ",
-              batch, ", seq ", seq, ", hidden ", hidden, ", heads ", heads, ", kv_heads ",
-              kv_heads, ", intermediate ", intermediate, ", dtype bytes ", e);
+              batch, ", seq ", seq, ", hidden ", hidden, ", heads ", heads, ", kv_heads ", kv_heads,
+              ", intermediate ", intermediate, ", dtype bytes ", e);
   int64_t t = batch * seq, d = hidden / heads;
   LayerSizes s;
   s.plain = impl == ops::AttentionImpl::Plain;
@@ -115,8 +117,8 @@ int64_t activation_bytes_per_layer(const std::string& strategy, int64_t batch, i
                                    int64_t hidden, int64_t heads, int64_t kv_heads,
                                    int64_t intermediate, int64_t dtype_bytes,
                                    ops::AttentionImpl attention_impl, int64_t offload_min_bytes) {
-  LayerSizes s = layer_sizes(batch, seq, hidden, heads, kv_heads, intermediate, dtype_bytes,
-                             attention_impl);
+  LayerSizes s =
+      layer_sizes(batch, seq, hidden, heads, kv_heads, intermediate, dtype_bytes, attention_impl);
   return per_layer_bytes(strategy, s, offload_min_bytes);
 }
 
@@ -128,8 +130,8 @@ ActivationEstimate activation_bytes_model(const std::string& strategy,
   ST_CHECK_AS(ConfigError, m.layers > 0 && m.vocab > 0,
               "activation estimate: layers and vocab must be positive");
   const int64_t L = m.layers, t = m.batch * m.seq;
-  const int64_t scalar = 64;                     // the loss (an f32 [1]), or backward's seed
-  const int64_t inputs = 2 * r64(8 * t);         // int64 ids and targets
+  const int64_t scalar = 64;              // the loss (an f32 [1]), or backward's seed
+  const int64_t inputs = 2 * r64(8 * t);  // int64 ids and targets
   const int64_t logits = r64(t * m.vocab * m.dtype_bytes);
   // The head keeps the last layer's output, the final norm's output and rstd, and the logits;
   // while the loss is computed, a per-row f32 loss vector and the scalar exist as well.

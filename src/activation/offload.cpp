@@ -138,7 +138,9 @@ OffloadHooks::OffloadHooks(int64_t min_bytes) : state_(std::make_shared<detail::
 
 OffloadHooks::~OffloadHooks() = default;
 
-int64_t OffloadHooks::min_bytes() const { return state_->min_bytes; }
+int64_t OffloadHooks::min_bytes() const {
+  return state_->min_bytes;
+}
 
 autograd::SavedTensorHooksScope OffloadHooks::scope() {
   state_->forget_expired();

@@ -9,8 +9,8 @@
 namespace shardtrain::activation {
 
 const std::vector<std::string>& activation_strategies() {
-  static const std::vector<std::string> names = {
-      "none", "per_layer", "sqrt_segment", "selective", "offload", "offload_checkpoint"};
+  static const std::vector<std::string> names = {"none",      "per_layer", "sqrt_segment",
+                                                 "selective", "offload",   "offload_checkpoint"};
   return names;
 }
 

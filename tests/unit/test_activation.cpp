@@ -69,10 +69,10 @@ Batch make_batch(int64_t batch, int64_t seq, int64_t vocab, uint64_t seed) {
   for (int64_t i = 0; i < batch * seq; ++i) {
     ids.push_back(static_cast<int64_t>(u[static_cast<size_t>(i)] * vocab) % vocab);
     // A few ignored targets, so the loss path with -100 runs as well.
-    targets.push_back(i % 17 == 5 ? -100
-                                  : static_cast<int64_t>(u[static_cast<size_t>(batch * seq + i)] *
-                                                         vocab) %
-                                        vocab);
+    targets.push_back(i % 17 == 5
+                          ? -100
+                          : static_cast<int64_t>(u[static_cast<size_t>(batch * seq + i)] * vocab) %
+                                vocab);
   }
   return {from_ints(ids, {batch, seq}), from_ints(targets, {batch, seq})};
 }
@@ -80,11 +80,11 @@ Batch make_batch(int64_t batch, int64_t seq, int64_t vocab, uint64_t seed) {
 struct StepResult {
   std::map<std::string, std::vector<float>> grads;
   float loss = 0;
-  int64_t baseline = 0;        // device activations in use before the forward (ids, targets)
-  int64_t after_forward = 0;   // device activations in use when loss_sum returned
+  int64_t baseline = 0;       // device activations in use before the forward (ids, targets)
+  int64_t after_forward = 0;  // device activations in use when loss_sum returned
   int64_t host_after_forward = 0;
   int64_t host_after_backward = 0;
-  int64_t peak = 0;            // device activation peak over forward and backward
+  int64_t peak = 0;  // device activation peak over forward and backward
   int64_t forward_peak = 0;
   int64_t nodes_run = 0;
   ActivationCounters counters;
@@ -168,9 +168,9 @@ TEST_P(StrategyTest, GradientsCountsAndMemoryMatchNoneAndTheFormula) {
   expect_near_fraction(none.peak, none_estimate.peak, 0.05, "none");
 
   const std::vector<Variant> variants = {
-      {"per_layer", false},    {"per_layer", true},    {"sqrt_segment", false},
-      {"sqrt_segment", true},  {"selective", false},   {"selective", true},
-      {"offload", false},      {"offload_checkpoint", false}, {"offload_checkpoint", true}};
+      {"per_layer", false},   {"per_layer", true},           {"sqrt_segment", false},
+      {"sqrt_segment", true}, {"selective", false},          {"selective", true},
+      {"offload", false},     {"offload_checkpoint", false}, {"offload_checkpoint", true}};
   for (const Variant& v : variants) {
     std::string what = v.strategy + (v.reentrant ? " (reentrant)" : "");
     SCOPED_TRACE(what);
@@ -234,10 +234,9 @@ TEST(Offload, ForwardLeavesOnlyTheHeadOnTheDevice) {
   const int64_t head = 2 * x + kBatch * kSeq * 4 + kBatch * kSeq * c.vocab_size * 4;
   EXPECT_EQ(r.after_forward, r.baseline + head + 64);
   // Host: every layer's saved tensors, each once.
-  const int64_t per_layer = activation_bytes_per_layer("none", kBatch, kSeq, c.hidden_size,
-                                                       c.num_heads, c.num_kv_heads,
-                                                       c.intermediate_size, 4,
-                                                       ops::AttentionImpl::Plain);
+  const int64_t per_layer =
+      activation_bytes_per_layer("none", kBatch, kSeq, c.hidden_size, c.num_heads, c.num_kv_heads,
+                                 c.intermediate_size, 4, ops::AttentionImpl::Plain);
   EXPECT_EQ(r.host_after_forward, c.num_layers * per_layer);
   EXPECT_EQ(r.counters.bytes_offloaded, c.num_layers * per_layer);
   EXPECT_EQ(r.counters.bytes_restored, r.counters.bytes_offloaded);
@@ -294,9 +293,9 @@ TEST(Strategy, UnknownStrategyNamesTheKeyAndTheChoices) {
     EXPECT_NE(m.find("per_block"), std::string::npos) << m;
     EXPECT_NE(m.find("offload_checkpoint"), std::string::npos) << m;
   }
-  EXPECT_THROW(activation_bytes_per_layer("per_block", 1, 8, 32, 4, 4, 64, 4,
-                                          ops::AttentionImpl::Plain),
-               ConfigError);
+  EXPECT_THROW(
+      activation_bytes_per_layer("per_block", 1, 8, 32, 4, 4, 64, 4, ops::AttentionImpl::Plain),
+      ConfigError);
 }
 
 TEST(Strategy, SqrtSegments) {
@@ -348,7 +347,9 @@ Tensor leaf(const Shape& shape, Generator& gen) {
   return t;
 }
 
-std::vector<float> grad_of(const Tensor& t) { return autograd::grad(t).to_float_vector(); }
+std::vector<float> grad_of(const Tensor& t) {
+  return autograd::grad(t).to_float_vector();
+}
 
 void clear_grads(std::vector<Tensor*> ts) {
   for (Tensor* t : ts) autograd::set_grad(*t, Tensor());

@@ -360,7 +360,7 @@ TEST(GradScaler, NanIsAnOverflowToo) {
   amp::GradScaler scaler;
   // The overload taking plain parameter slots.
   EXPECT_TRUE(scaler.unscale_and_check(std::vector<Tensor*>{&params.tensors[0]}));
-  // Elements after the nan were still unscaled.
+  // The finite elements were unscaled all the same.
   EXPECT_EQ(params.grad(0)[0], g[0] / 65536.0f);
 }
 

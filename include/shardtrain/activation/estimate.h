@@ -55,7 +55,7 @@ struct ActivationEstimate {
 };
 
 ActivationEstimate activation_bytes_model(const std::string& strategy,
-                                          const ActivationModelShape& shape,
-                                          bool reentrant = false, int64_t offload_min_bytes = 0);
+                                          const ActivationModelShape& shape, bool reentrant = false,
+                                          int64_t offload_min_bytes = 0);
 
 }  // namespace shardtrain::activation
