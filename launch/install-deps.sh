@@ -13,6 +13,7 @@ packages=(
   libyaml-cpp-dev nlohmann-json3-dev libspdlog-dev libfmt-dev
   libboost-dev libboost-iostreams-dev
   libgtest-dev
+  gnuplot-nox
 )
 
 missing=()

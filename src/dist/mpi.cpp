@@ -164,14 +164,17 @@ class MpiWork : public Work {
       : what_(std::move(what)), rank_(rank), timeout_s_(timeout_s) {}
   ~MpiWork() override {
     if (done_) return;
-    if (!failed_) {
+    // Never block here: a Work dropped while an exception unwinds may wait on ranks that will
+    // never join. Finish it if it is done; otherwise abandon it, keeping its buffers alive
+    // forever so that the transfer cannot write into freed memory.
+    int flag = 0;
+    if (!failed_ && MPI_Test(&request, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS && flag != 0) {
       try {
-        wait();
+        complete();
         return;
       } catch (...) {
       }
     }
-    // The transfer may still write into these buffers: never hand them back.
     static_cast<void>(new std::vector<Tensor>(std::move(keep)));
   }
 
@@ -198,7 +201,7 @@ class MpiWork : public Work {
       if (flag != 0) break;
       if (timeout_s_ > 0 &&
           std::chrono::duration<double>(Clock::now() - start).count() > timeout_s_) {
-        failed_ = true;
+        // The collective stays pending: a later wait() may still complete it.
         throw DistributedError(detail::concat(
             what_, " did not finish within ", timeout_s_, " s on rank ", rank_,
             ": another rank has probably failed or stopped issuing collectives (see its log); "

@@ -74,12 +74,9 @@ class NcclWork : public Work {
   NcclWork(std::shared_ptr<NcclComm> comm, std::string what, double timeout_s)
       : comm_(std::move(comm)), what_(std::move(what)), timeout_s_(timeout_s) {}
   ~NcclWork() override {
-    if (done_) return;
-    try {
-      wait();
-    } catch (...) {
-      static_cast<void>(new std::vector<Tensor>(std::move(keep)));
-    }
+    // Never block here (see MpiWork): abandon an unfinished collective with its buffers.
+    if (done_ || done_event.query()) return;
+    static_cast<void>(new std::vector<Tensor>(std::move(keep)));
   }
 
   bool is_completed() override {

@@ -187,20 +187,10 @@ ShardedModel::ShardedModel(nn::LlamaModel& model, dist::DistEnv& env, FsdpOption
 
 ShardedModel::~ShardedModel() {
   *alive_ = false;
-  alive_.reset();
-  try {
-    wait_for_gradients();
-  } catch (...) {
-  }
-  for (auto& u : units_) {
-    if (u->installed) uninstall(*u);
-    if (u->gather_work) {
-      try {
-        u->gather_work->wait();
-      } catch (...) {
-      }
-    }
-  }
+  // No waiting here: this may run while an exception unwinds, when other ranks will never join
+  // a pending collective. Normal use leaves none pending (backward ends by waiting for its
+  // reductions, and every forward frees what it gathered); an abandoned one keeps its buffers.
+  for (auto& u : units_) uninstall(*u);
 }
 
 // ---- gathering ------------------------------------------------------------------------------

@@ -185,7 +185,9 @@ TEST_P(StrategyTest, GradientsCountsAndMemoryMatchNoneAndTheFormula) {
     // Re-runs: one per region per backward.
     int64_t regions = v.strategy == "sqrt_segment" ? 2 : (v.strategy == "offload" ? 0 : L);
     EXPECT_EQ(r.counters.forward_reruns, regions);
-    if (regions > 0) EXPECT_GT(r.counters.recompute_seconds, 0.0);
+    if (regions > 0) {
+      EXPECT_GT(r.counters.recompute_seconds, 0.0);
+    }
 
     // The reentrant backward runs inner backwards; the engine counts their nodes in the outer
     // call: the region nodes and one accumulator per region input come on top of none's.

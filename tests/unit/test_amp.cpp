@@ -297,7 +297,7 @@ struct FakeParams {
       tensors.push_back(t);
     }
     for (size_t i = 0; i < tensors.size(); ++i)
-      named.push_back({"p" + std::to_string(i), &tensors[i]});
+      named.push_back({std::to_string(i), &tensors[i]});
   }
   std::vector<float> grad(size_t i) const { return autograd::grad(tensors[i]).to_float_vector(); }
 };

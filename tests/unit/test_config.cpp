@@ -358,12 +358,14 @@ TEST(Config, ToYamlListsEveryKeyAndRoundTrips) {
   EXPECT_EQ(rows, 77u);
 
   // Values that need quoting or exact float text survive the trip.
-  Config c = Config::parse("", {"data.path=yes", "train.out_dir=runs/a b", "optim.lr=1.2345678e-4",
-                                "activation.layers=every:3", "train.resume=\"123\"",
-                                "checkpoint.every_minutes=2.5", "lora.base_model=\"a\\\"q\""});
+  Config c = Config::parse(
+      "", {"data.path=yes", "train.out_dir=runs/a b", "optim.lr=1.2345678e-4",
+           "activation.layers=every:3", "train.resume=\"123\"", "checkpoint.every_minutes=2.5",
+           "lora.adapter_out=\"a\\nb\"", "lora.base_model=\"a\\\"q\""});
   EXPECT_EQ(c.data.path, "yes");
   EXPECT_EQ(c.train.resume, "123");
   EXPECT_EQ(c.lora.base_model, "a\"q");
+  EXPECT_EQ(c.lora.adapter_out, "a\nb");
   Config back = Config::parse(c.to_yaml(), {}, "dump");
   EXPECT_TRUE(back == c);
   EXPECT_DOUBLE_EQ(back.optim.lr, 1.2345678e-4);

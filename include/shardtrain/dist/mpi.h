@@ -1,6 +1,13 @@
 // MPI as RAII types: the library's lifetime (init/finalize), communicators, and the MPI
 // process group.
 #pragma once
+// The C API only: Open MPI's deprecated C++ bindings would need libmpi_cxx at link time.
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
 #include <mpi.h>
 
 #include <memory>

@@ -11,6 +11,13 @@
 // Status: this backend compiles against NCCL but has not been run on GPUs in this project's test
 // suite (the suite runs on CPU ranks with MPI); treat it as unverified.
 #pragma once
+// The C API only: Open MPI's deprecated C++ bindings would need libmpi_cxx at link time.
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
 #include <mpi.h>
 
 #include <memory>

@@ -24,9 +24,11 @@ namespace shardtrain::dist {
 enum class ReduceOp { Sum, Max };
 std::string_view reduce_op_name(ReduceOp op);
 
-// A pending collective. wait() blocks until it has finished (throwing DistributedError when it
-// failed or exceeded the group's timeout); destroying an unfinished Work waits for it, since its
-// buffers must outlive the transfer.
+// A pending collective. wait() blocks until it has finished, throwing DistributedError when it
+// failed or exceeded the group's timeout (after a timeout the collective stays pending and a
+// later wait() may still complete it). Always wait() for a Work: destroying an unfinished one
+// never blocks (an exception unwinding past it must reach the error handler) but abandons the
+// collective and leaks its buffers, since the transfer might still write into them.
 class Work {
  public:
   virtual ~Work() = default;

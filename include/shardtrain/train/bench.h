@@ -1,0 +1,116 @@
+// The offload-vs-recompute lab: trains the same model on the same batches under every
+// combination of activation strategy and precision, and records what each costs in memory and
+// buys or loses in speed (`shardtrain bench`; docs/experiments.md shows how to read it).
+//
+// Every combination gets a fresh Runtime built from the same config (same seed, so the same
+// initial weights) and a fresh sampler (the same batches), runs warm-up steps, then measured
+// steps of real training. A combination that runs out of memory is reported as OOM with the
+// request that failed, one that the build or the config rejects as unsupported, and the bench
+// goes on with the next.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardtrain/data/batch.h"
+#include "shardtrain/memory/category.h"
+#include "shardtrain/train/config.h"
+
+namespace shardtrain::train {
+
+struct BenchOptions {
+  std::vector<std::string> strategies = {"none",      "per_layer", "sqrt_segment",
+                                         "selective", "offload",   "offload_checkpoint"};
+  std::vector<std::string> precisions = {"fp32", "bf16", "fp16"};
+  int64_t warmup_steps = 1;
+  int64_t measured_steps = 3;
+  // Called with one line per finished combination (progress on stderr, say); may be empty.
+  std::function<void(const std::string&)> log;
+};
+
+enum class BenchStatus { Ok, OutOfMemory, Unsupported };
+std::string_view bench_status_name(BenchStatus s);  // "ok", "oom", "unsupported"
+
+// The figures of one combination on one rank.
+struct BenchRow {
+  std::string strategy, precision;
+  BenchStatus status = BenchStatus::Ok;
+  std::string message;              // the error's message (OOM, unsupported)
+  int64_t oom_requested_bytes = 0;  // the allocation that failed (OOM)
+  int rank = 0;
+
+  // Device memory, max over the measured steps.
+  int64_t peak_bytes = 0;
+  std::array<int64_t, kNumMemoryCategories> peak_by_category{};  // each category's own peak
+  std::array<int64_t, kNumMemoryCategories> at_peak{};  // the breakdown when the total peaked
+  // Host pool, max over the measured steps.
+  int64_t host_offloaded_peak = 0;
+  int64_t host_optimizer_peak = 0;
+
+  // Wall time of one train_step.
+  double step_ms_median = 0, step_ms_min = 0, step_ms_max = 0;
+  int64_t tokens_per_step = 0;  // input tokens of one step on this rank
+  double tokens_per_s = 0;      // tokens_per_step / median step time
+  double final_loss = 0;
+
+  // Activation-layer counters per measured step (mean over the measured steps).
+  double forward_reruns = 0;
+  double bytes_offloaded = 0;
+  double bytes_restored = 0;
+  double recompute_ms = 0;
+  double transfer_ms = 0;
+
+  // Against strategy none of the same precision (< 0 when that row has no figures).
+  double peak_vs_none = -1;      // peak / none's peak
+  double overhead_vs_none = -1;  // step time / none's step time - 1
+  bool ok() const { return status == BenchStatus::Ok; }
+};
+
+struct BenchReport {
+  std::vector<BenchRow> rows;  // one per combination (over ranks: max memory and time)
+  // Under a launcher with several ranks: every rank's rows, rank-major (empty otherwise).
+  std::vector<BenchRow> rank_rows;
+  int world_size = 1;
+  std::string device;  // "cpu", "cuda:0"
+  std::string config_summary;
+  std::string date;  // UTC, ISO 8601
+  std::string host;
+
+  // The table printed on stdout: strategy | precision | peak MiB | vs none | step ms |
+  // tokens/s | overhead | recomputes | offloaded MiB, then each rank's figures when there are
+  // several.
+  std::string markdown() const;
+  std::string csv() const;
+  std::string json() const;  // every field, rows and rank_rows
+};
+
+// Runs every combination of options.strategies x options.precisions on `config`.
+BenchReport run_bench(const Config& config, const BenchOptions& options);
+
+// Writes bench.csv, bench.json and, when gnuplot is on PATH, frontier.{png,svg} (peak memory
+// against tokens/s per strategy) and memory.{png,svg} (the peak by category, stacked), with the
+// data and scripts they are drawn from. Returns the paths written. Throws ConfigError when `dir`
+// cannot be created or written.
+std::vector<std::string> write_bench_outputs(const BenchReport& report, const std::string& dir);
+
+// The training batches of `config` as `shardtrain train` draws them: each call gives the next
+// step's micro-batches. Two sources made from equal configs give equal batches.
+class StepBatches {
+ public:
+  explicit StepBatches(const Config& config);
+  ~StepBatches();
+  StepBatches(const StepBatches&) = delete;
+  StepBatches& operator=(const StepBatches&) = delete;
+  std::vector<Batch> next();
+  int64_t micro_batches() const { return accumulation_; }
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+  int64_t global_batch_ = 0, accumulation_ = 1;
+};
+
+}  // namespace shardtrain::train

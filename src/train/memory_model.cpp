@@ -1,0 +1,452 @@
+#include "shardtrain/train/memory_model.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "shardtrain/activation/estimate.h"
+#include "shardtrain/activation/strategy.h"
+#include "shardtrain/core/dtype.h"
+#include "shardtrain/core/error.h"
+#include "shardtrain/train/runtime.h"
+
+namespace shardtrain::train {
+
+namespace {
+
+// The allocators hand out multiples of 64 bytes.
+int64_t r64(int64_t bytes) { return bytes <= 0 ? 0 : (bytes + 63) / 64 * 64; }
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int64_t dtype_bytes(const std::string& name, const char* key) {
+  DType t = dtype_from_name(name);
+  ST_CHECK_AS(ConfigError, is_floating(t), key, " = '", name, "': expected fp32, bf16 or fp16");
+  return static_cast<int64_t>(dtype_size(t));
+}
+
+// One weight of the model, as the optimizer and the allocators see it.
+struct Weight {
+  std::string module;  // q_proj, ..., input_layernorm, embed_tokens, norm, lm_head
+  int64_t in = 0, out = 0;
+  int64_t numel() const { return in * out; }
+};
+
+std::vector<Weight> layer_weights(const nn::LlamaConfig& c) {
+  int64_t h = c.hidden_size, kv = c.num_kv_heads * c.head_dim(), i = c.intermediate_size;
+  return {{"q_proj", h, h},          {"k_proj", h, kv},      {"v_proj", h, kv},
+          {"o_proj", h, h},          {"gate_proj", h, i},    {"up_proj", h, i},
+          {"down_proj", i, h},       {"input_layernorm", 1, h},
+          {"post_attention_layernorm", 1, h}};
+}
+
+std::vector<Weight> root_weights(const nn::LlamaConfig& c) {
+  std::vector<Weight> w = {{"embed_tokens", c.hidden_size, c.vocab_size},
+                           {"norm", 1, c.hidden_size}};
+  if (!c.tie_embeddings) w.push_back({"lm_head", c.hidden_size, c.vocab_size});
+  return w;
+}
+
+bool is_projection(const std::string& m) { return m.size() > 5 && m.substr(m.size() - 5) == "_proj"; }
+
+// Bytes of one unit (a decoder layer or the root: embeddings, final norm, head) by role.
+struct UnitBytes {
+  int64_t trainable_elems = 0;   // fp32 elements the optimizer updates
+  int64_t trainable_tensors = 0;
+  int64_t master = 0;            // fp32 trainable weights, per-tensor rounding
+  int64_t frozen = 0;            // frozen weights (LoRA bases)
+  int64_t compute_copy = 0;      // 16-bit copies of the trainable fp32 weights
+  int64_t largest_grad = 0;      // the biggest single fp32 gradient
+};
+
+struct ModelBytes {
+  UnitBytes layer, root;
+  int64_t head_grad = 0;   // fp32 gradient of the output projection (tied: the embedding)
+  int64_t embed_grad = 0;  // fp32 gradient of the embedding (0 when frozen)
+  int64_t total_elems = 0;
+};
+
+ModelBytes model_bytes(const MemoryModelInput& in, int64_t param_bytes, int64_t frozen_bytes) {
+  const nn::LlamaConfig& c = in.model;
+  ModelBytes mb;
+  auto add = [&](UnitBytes& u, const Weight& w) {
+    mb.total_elems += w.numel();
+    bool targeted = in.lora && std::find(in.lora_targets.begin(), in.lora_targets.end(),
+                                         w.module) != in.lora_targets.end();
+    if (in.lora) {
+      // The base is frozen; NF4 packs two weights per byte plus a one-byte block scale per 64
+      // weights and an fp32 per 256 blocks.
+      if (targeted && in.quantize_base == "nf4") {
+        int64_t blocks = ceil_div(w.numel(), 64);
+        u.frozen += r64(ceil_div(w.numel(), 2)) + r64(blocks) + r64(4 * ceil_div(blocks, 256));
+      } else {
+        u.frozen += r64(w.numel() * frozen_bytes);
+      }
+      if (targeted) {
+        for (int64_t n : {in.lora_r * w.in, w.out * in.lora_r}) {
+          u.trainable_elems += n;
+          u.trainable_tensors += 1;
+          u.master += r64(4 * n);
+          u.largest_grad = std::max(u.largest_grad, r64(4 * n));
+          mb.total_elems += n;
+        }
+      }
+      return;
+    }
+    u.trainable_elems += w.numel();
+    u.trainable_tensors += 1;
+    u.master += r64(4 * w.numel());
+    if (param_bytes != 4) u.compute_copy += r64(param_bytes * w.numel());
+    u.largest_grad = std::max(u.largest_grad, r64(4 * w.numel()));
+  };
+  for (const Weight& w : layer_weights(c)) add(mb.layer, w);
+  for (const Weight& w : root_weights(c)) add(mb.root, w);
+  if (!in.lora) {
+    mb.head_grad = r64(4 * c.vocab_size * c.hidden_size);
+    mb.embed_grad = c.tie_embeddings ? 0 : mb.head_grad;
+  }
+  return mb;
+}
+
+void check_choice(const std::string& value, std::initializer_list<const char*> allowed,
+                  const char* key) {
+  std::string list;
+  for (const char* a : allowed) {
+    if (value == a) return;
+    list += (list.empty() ? "" : ", ") + std::string(a);
+  }
+  throw ConfigError(std::string(key) + " = '" + value + "': expected one of " + list);
+}
+
+// The sizes of one decoder layer's activations (see activation/estimate.h).
+struct LayerActs {
+  int64_t X = 0, KV = 0, M = 0, R = 0, P = 0, LSE = 0;
+  bool plain = true;
+};
+
+LayerActs layer_acts(const MemoryModelInput& in, int64_t e) {
+  const nn::LlamaConfig& c = in.model;
+  int64_t t = in.micro_batch * in.seq_len;
+  LayerActs a;
+  a.plain = in.attention == "plain";
+  a.X = r64(t * c.hidden_size * e);
+  a.KV = r64(t * c.num_kv_heads * c.head_dim() * e);
+  a.M = r64(t * c.intermediate_size * e);
+  a.R = r64(4 * t);
+  a.P = r64(in.micro_batch * c.num_heads * in.seq_len * in.seq_len * e);
+  a.LSE = r64(4 * in.micro_batch * c.num_heads * in.seq_len);
+  return a;
+}
+
+struct Moment {
+  std::string name;
+  int64_t copies = 0;       // compute copies / gathered units (Parameters)
+  int64_t activations = 0;  // Activations
+  int64_t gradients = 0;    // Gradients
+  int64_t workspace = 0;    // Workspace
+  int64_t total() const { return copies + activations + gradients + workspace; }
+};
+
+}  // namespace
+
+MemoryModelInput MemoryModelInput::from_config(const Config& config, int world_size) {
+  ST_CHECK_AS(ConfigError, world_size >= 1, "world size must be at least 1, got ", world_size);
+  MemoryModelInput in;
+  in.model = llama_config_from(config.model);
+  in.micro_batch = config.train.micro_batch;
+  in.seq_len = config.train.seq_len;
+  int64_t sequences = config.train.sequences_per_step(world_size);
+  in.micro_batches_per_step = std::max<int64_t>(1, sequences / (in.micro_batch * world_size));
+  in.compute = config.precision.compute;
+  in.param_dtype = config.precision.param_dtype;
+  in.reduce_dtype = config.precision.reduce_dtype;
+  in.activation_strategy = config.activation.strategy;
+  in.attention = config.activation.attention;
+  in.offload_min_bytes = config.activation.offload_min_bytes;
+  in.reentrant = config.activation.checkpoint_impl == "reentrant";
+  in.world_size = world_size;
+  in.sharding = config.dist.sharding;
+  in.ranks_per_node = static_cast<int>(config.dist.ranks_per_node);
+  in.prefetch = config.dist.prefetch;
+  in.sync_every_microbatch = config.dist.sync_every_microbatch;
+  in.optimizer = config.optim.name;
+  in.momentum = config.optim.momentum;
+  in.optimizer_offload = config.optim.offload;
+  in.offload_moments = config.optim.offload_moments;
+  in.lora = config.lora.enabled;
+  in.lora_r = config.lora.r;
+  in.lora_targets = config.lora.target_modules;
+  in.quantize_base = config.lora.quantize_base;
+  return in;
+}
+
+MemoryPrediction predict_memory(const MemoryModelInput& in) {
+  const nn::LlamaConfig& c = in.model;
+  c.validate();
+  ST_CHECK_AS(ConfigError, in.world_size >= 1, "world size must be at least 1, got ",
+              in.world_size);
+  ST_CHECK_AS(ConfigError, in.micro_batch > 0 && in.seq_len > 0,
+              "train.micro_batch and train.seq_len must be positive, got ", in.micro_batch,
+              " and ", in.seq_len);
+  check_choice(in.sharding, {"full_shard", "grad_op_shard", "no_shard", "hybrid_shard"},
+               "dist.sharding");
+  check_choice(in.optimizer, {"adamw", "sgd"}, "optim.name");
+  check_choice(in.optimizer_offload, {"none", "cpu"}, "optim.offload");
+  check_choice(in.attention, {"plain", "fused"}, "activation.attention");
+  const std::string& strategy = in.activation_strategy;
+  const int64_t e = dtype_bytes(in.compute, "precision.compute");
+  const int64_t pe = dtype_bytes(in.param_dtype.empty() ? in.compute : in.param_dtype,
+                                 "precision.param_dtype");
+  const int64_t rb = dtype_bytes(in.reduce_dtype, "precision.reduce_dtype");
+  // Frozen floating weights of a LoRA model are kept in the compute dtype (fp32 when training
+  // in fp32).
+  const ModelBytes mb = model_bytes(in, pe, e);
+  const int64_t L = c.num_layers, V = c.vocab_size, H = c.hidden_size;
+  const int64_t T = in.micro_batch * in.seq_len;
+
+  // ---- sharding ------------------------------------------------------------------------------
+  const bool fsdp = in.world_size > 1 && in.sharding != "no_shard" && !in.lora;
+  int64_t shards = 1;
+  if (fsdp) {
+    shards = in.world_size;
+    if (in.sharding == "hybrid_shard")
+      shards = in.ranks_per_node > 0 ? in.ranks_per_node : std::min(in.world_size, 8);
+  }
+  auto shard_of = [&](const UnitBytes& u) { return ceil_div(u.trainable_elems, shards); };
+  // fp32 master, gradient and one optimizer-state tensor per rank, per unit.
+  auto per_rank_fp32 = [&](const UnitBytes& u) {
+    return fsdp ? r64(4 * shard_of(u)) : u.master;
+  };
+  auto gathered = [&](const UnitBytes& u) { return r64(pe * shards * shard_of(u)); };
+
+  MemoryPrediction p;
+  p.total_parameters = mb.total_elems;
+  p.trainable_parameters = L * mb.layer.trainable_elems + mb.root.trainable_elems;
+  p.master_bytes = L * per_rank_fp32(mb.layer) + per_rank_fp32(mb.root);
+  p.frozen_bytes = L * mb.layer.frozen + mb.root.frozen;
+  p.gradient_bytes = p.master_bytes;
+  int64_t state_tensors = in.optimizer == "adamw" ? 2 : (in.momentum > 0 ? 1 : 0);
+  int64_t optimizer_total = state_tensors * p.master_bytes;
+  if (in.optimizer_offload == "cpu" && in.offload_moments == "host") {
+    p.host_optimizer_bytes = optimizer_total;
+  } else {
+    p.optimizer_bytes = optimizer_total;
+  }
+  const int64_t persistent = p.master_bytes + p.frozen_bytes + p.optimizer_bytes;
+
+  // ---- activations ---------------------------------------------------------------------------
+  activation::ActivationModelShape shape;
+  shape.batch = in.micro_batch;
+  shape.seq = in.seq_len;
+  shape.hidden = H;
+  shape.heads = c.num_heads;
+  shape.kv_heads = c.num_kv_heads;
+  shape.intermediate = c.intermediate_size;
+  shape.vocab = V;
+  shape.layers = L;
+  shape.dtype_bytes = e;
+  shape.attention_impl = ops::parse_attention_impl(in.attention);
+  const activation::ActivationEstimate act =
+      activation::activation_bytes_model(strategy, shape, in.reentrant, in.offload_min_bytes);
+  p.host_activation_bytes = act.host_bytes;
+  const LayerActs a = layer_acts(in, e);
+  auto per_layer = [&](const std::string& s) {
+    return activation::activation_bytes_per_layer(s, in.micro_batch, in.seq_len, H, c.num_heads,
+                                                  c.num_kv_heads, c.intermediate_size, e,
+                                                  shape.attention_impl, in.offload_min_bytes);
+  };
+  const int64_t saved = per_layer("none");  // everything one layer's ops save
+  const int64_t kept = per_layer(strategy);  // what the strategy keeps of it on the device
+  const int64_t inputs = 2 * r64(8 * T);     // ids and targets
+  const int64_t logits = r64(T * V * e);
+  // Layer starts of the segments sqrt_segment keeps the input of.
+  std::vector<std::pair<int, int>> segments;
+  if (strategy == "sqrt_segment") segments = activation::sqrt_segments(static_cast<int>(L), nullptr);
+
+  // Strategies whose saved tensors (and with them the weights the linears save) stay on the
+  // device from a layer's forward to its backward.
+  const bool keeps_layers = strategy == "none" || strategy == "selective" || strategy == "offload";
+
+  // ---- the moments of a step -----------------------------------------------------------------
+  // Gradients already present while later micro-batches run (accumulation).
+  const int64_t acc_grads = in.micro_batches_per_step > 1 ? p.gradient_bytes : 0;
+  const int64_t layer_grad = fsdp ? r64(4 * shard_of(mb.layer)) : mb.layer.master;
+  const int64_t root_grad = fsdp ? r64(4 * shard_of(mb.root)) : mb.root.master;
+  const bool mixed = pe != 4 && !fsdp;
+  // Parameters alive beside the masters: 16-bit compute copies (mixed precision) or gathered
+  // units (FSDP).
+  const int64_t unit_copy = fsdp ? gathered(mb.layer) : (mixed ? mb.layer.compute_copy : 0);
+  const int64_t root_copy = fsdp ? gathered(mb.root) : (mixed ? mb.root.compute_copy : 0);
+  const int64_t head_copy = mixed ? r64(pe * V * H) : 0;
+  const bool all_gathered = fsdp && in.sharding == "grad_op_shard";
+  const int64_t in_flight_units = fsdp ? (in.prefetch ? 2 : 1) : 1;
+  // FSDP's reduce-scatter of one unit: its gradients in the compute dtype, concatenated into a
+  // flat buffer in the reduce dtype.
+  const int64_t layer_reduce =
+      fsdp ? r64(mb.layer.trainable_elems * pe) + r64(shards * shard_of(mb.layer) * rb) : 0;
+
+  std::vector<Moment> moments;
+  {
+    Moment m{"end of forward"};
+    m.activations = act.forward_peak;
+    m.gradients = acc_grads;
+    int64_t layers_alive = all_gathered || (mixed && keeps_layers) ? L : in_flight_units;
+    m.copies = root_copy + layers_alive * unit_copy;
+    moments.push_back(m);
+  }
+  const int64_t copies_after_forward =
+      (fsdp ? root_copy : head_copy) +
+      (all_gathered || (mixed && keeps_layers) ? L * unit_copy : 0);
+  {
+    Moment m{"loss gradient"};
+    m.activations = act.after_forward;
+    m.workspace = logits;  // d(loss)/d(logits), same shape and dtype as the logits
+    m.gradients = acc_grads;
+    m.copies = copies_after_forward;
+    moments.push_back(m);
+  }
+  {
+    Moment m{"backward of the output projection"};
+    m.activations = act.after_forward - logits;
+    // The incoming gradient, d(input) and d(weight) (in the compute dtype, then its fp32 cast).
+    m.workspace = logits + r64(T * H * e) + (mb.head_grad > 0 ? r64(e * V * H) : 0) +
+                  (e != 4 && mb.head_grad > 0 ? mb.head_grad : 0);
+    m.gradients = acc_grads;
+    m.copies = copies_after_forward;
+    moments.push_back(m);
+  }
+  // Transient buffers of one decoder layer's backward: the MLP (incoming gradient, d(gate),
+  // d(up) beside the saved swiglu inputs) or the attention core (d(probabilities) or the fused
+  // kernel's d(q), d(k), d(v)).
+  const int64_t layer_transient =
+      std::max(2 * a.M + a.X, a.plain ? a.P + 2 * a.X + 2 * a.KV : 3 * a.X + 2 * a.KV) +
+      layer_reduce + (fsdp ? r64(pe * V * H) : 0);
+  for (int64_t i = L - 1; i >= 0; --i) {
+    Moment m{"backward of layer " + std::to_string(i)};
+    int64_t below = 0, here = saved;
+    if (strategy == "sqrt_segment") {
+      int first = 0;
+      for (auto [f, l] : segments) {
+        if (f < i) below += a.X;
+        if (f <= i && i <= l) first = f;
+      }
+      here = (i - first + 1) * saved - (i > first ? a.X : 0);
+    } else {
+      below = i * kept;
+      if (strategy == "offload" && i > 0) here += saved - kept;  // the prefetched layer
+      if (strategy == "offload_checkpoint" && i > 0) here += a.X;
+    }
+    m.activations = inputs + below + here;
+    m.workspace = layer_transient;
+    if (fsdp) {
+      // Sharded gradients appear unit by unit; the root unit's only after the embedding.
+      m.gradients = acc_grads > 0 ? acc_grads : (L - 1 - i) * layer_grad;
+    } else {
+      // The head's, the finished layers' and the largest weight gradient of this layer.
+      m.gradients = (acc_grads > 0 ? acc_grads
+                                   : root_grad - mb.embed_grad + (L - 1 - i) * layer_grad) +
+                    mb.layer.largest_grad;
+    }
+    if (fsdp) {
+      m.copies = root_copy + (all_gathered ? i + 1 : in_flight_units) * unit_copy;
+    } else if (mixed) {
+      m.copies = (keeps_layers ? i + 1 : 1) * unit_copy;
+    }
+    moments.push_back(m);
+  }
+  {
+    Moment m{"backward of the embedding"};
+    m.activations = inputs;
+    m.workspace = r64(T * H * e) + (mb.embed_grad > 0 || c.tie_embeddings
+                                        ? mb.head_grad + (e != 4 ? r64(e * V * H) : 0)
+                                        : 0);
+    m.gradients = acc_grads > 0 ? acc_grads
+                                : (fsdp ? L * layer_grad : p.gradient_bytes - mb.embed_grad);
+    if (fsdp) {
+      m.copies = root_copy;
+      m.workspace += r64(mb.root.trainable_elems * pe) + r64(shards * shard_of(mb.root) * rb);
+    }
+    moments.push_back(m);
+  }
+  {
+    Moment m{"optimizer step"};
+    m.gradients = p.gradient_bytes;
+    moments.push_back(m);
+  }
+
+  const Moment* top = &moments.front();
+  for (const Moment& m : moments)
+    if (m.total() > top->total()) top = &m;
+  p.peak_moment = top->name;
+  p.compute_copy_bytes = top->copies;
+  p.activation_bytes = top->activations;
+  p.workspace_bytes = top->workspace;
+  p.peak = persistent + top->total();
+  auto at = [&](MemoryCategory cat) -> int64_t& { return p.at_peak[static_cast<size_t>(cat)]; };
+  at(MemoryCategory::Parameters) = p.master_bytes + p.frozen_bytes + top->copies;
+  at(MemoryCategory::OptimizerState) = p.optimizer_bytes;
+  at(MemoryCategory::Gradients) = top->gradients;
+  at(MemoryCategory::Activations) = top->activations;
+  at(MemoryCategory::Workspace) = top->workspace;
+  return p;
+}
+
+StepCost predict_step_cost(const MemoryModelInput& in) {
+  const nn::LlamaConfig& c = in.model;
+  const int64_t H = c.hidden_size, L = c.num_layers, S = in.seq_len;
+  int64_t layer_matmul = 0;
+  for (const Weight& w : layer_weights(c))
+    if (is_projection(w.module)) layer_matmul += w.numel();
+  const double tokens_per_micro = static_cast<double>(in.micro_batch * S);
+  const double tokens = tokens_per_micro * static_cast<double>(in.micro_batches_per_step);
+  // Per token: 2 FLOPs per weight of every projection and of the head, and the attention core's
+  // two S x S products (q k^T and p v), 2 * S * H each.
+  const double layer_fwd = 2.0 * static_cast<double>(layer_matmul) + 4.0 * S * H;
+  const double fwd = static_cast<double>(L) * layer_fwd + 2.0 * c.vocab_size * H;
+  StepCost cost;
+  cost.step_flops = 3.0 * fwd * tokens;
+  const std::string& s = in.activation_strategy;
+  if (s == "per_layer" || s == "sqrt_segment" || s == "offload_checkpoint")
+    cost.recompute_flops = static_cast<double>(L) * layer_fwd * tokens;
+  else if (s == "selective")
+    cost.recompute_flops = static_cast<double>(L) * 4.0 * S * H * tokens;
+
+  const MemoryPrediction p = predict_memory(in);
+  const int64_t micro = in.micro_batches_per_step;
+  cost.pcie_bytes = 2 * p.host_activation_bytes * micro;
+  if (in.optimizer_offload == "cpu") {
+    // Gradients and master weights go to the host, updated master weights come back.
+    cost.pcie_bytes += 3 * p.master_bytes;
+  }
+  const int64_t trainable = p.trainable_parameters;
+  const int64_t pe = static_cast<int64_t>(
+      dtype_size(dtype_from_name(in.param_dtype.empty() ? in.compute : in.param_dtype)));
+  const int64_t rb = static_cast<int64_t>(dtype_size(dtype_from_name(in.reduce_dtype)));
+  const double n = in.world_size;
+  if (in.world_size > 1) {
+    const int64_t syncs = in.sync_every_microbatch ? micro : 1;
+    if (in.sharding == "no_shard" || in.lora) {
+      cost.link_bytes = static_cast<int64_t>(2.0 * (n - 1) / n * trainable * rb) * syncs;
+    } else {
+      double shards = n;
+      if (in.sharding == "hybrid_shard")
+        shards = in.ranks_per_node > 0 ? in.ranks_per_node : std::min(in.world_size, 8);
+      const double f = (shards - 1) / shards;
+      // Gathers per micro-batch: full_shard gathers every layer in forward and again in
+      // backward (the root once); grad_op_shard gathers once.
+      int64_t root = 0;
+      for (const Weight& w : root_weights(c)) root += w.numel();
+      const double layers = static_cast<double>(trainable - root);
+      const double gathers = in.sharding == "grad_op_shard" ? 1.0 : 2.0;
+      double per_micro = f * (gathers * layers + static_cast<double>(root)) * pe;
+      double reduce = f * static_cast<double>(trainable) * rb;
+      if (in.sharding == "hybrid_shard" && n > shards) {
+        double replicas = n / shards;
+        reduce += 2.0 * (replicas - 1) / replicas * static_cast<double>(trainable) / shards * rb;
+      }
+      cost.link_bytes = static_cast<int64_t>(per_micro * micro + reduce * syncs);
+    }
+  }
+  return cost;
+}
+
+}  // namespace shardtrain::train

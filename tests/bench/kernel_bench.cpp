@@ -1,0 +1,259 @@
+// shardtrain-kernel-bench: times the CUDA backend's kernels on realistic shapes.
+//
+//   shardtrain-kernel-bench [--iters N] [--warmup N] [--device I] [--json PATH] [--only NAME]
+//
+// Each kernel runs `warmup` times, then `iters` times between CUDA events; the median is
+// reported with the achieved bandwidth (bytes the kernel must move at least, over the time) or
+// arithmetic rate (useful FLOPs: causal attention counts half the S x S products, and its
+// backward 2.5 times the forward, as flash-attention papers do).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/backend/cuda.h"
+#include "shardtrain/core/error.h"
+
+namespace {
+
+using namespace shardtrain;
+
+struct Options {
+  int iters = 20;
+  int warmup = 3;
+  int device = 0;
+  std::string json;
+  std::string only;
+};
+
+struct Result {
+  std::string name, shape;
+  double median_ms = 0;
+  double gbps = 0;    // 0 when the kernel is reported in TFLOP/s
+  double tflops = 0;  // 0 when the kernel is reported in GB/s
+};
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw ConfigError(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--iters") o.iters = std::max(1, std::stoi(value()));
+    else if (a == "--warmup") o.warmup = std::max(0, std::stoi(value()));
+    else if (a == "--device") o.device = std::stoi(value());
+    else if (a == "--json") o.json = value();
+    else if (a == "--only") o.only = value();
+    else if (a == "--help" || a == "-h") {
+      std::cout << "usage: shardtrain-kernel-bench [--iters N] [--warmup N] [--device I] "
+                   "[--json PATH] [--only NAME]\n";
+      std::exit(0);
+    } else {
+      throw ConfigError("unknown argument '" + a + "' (see --help)");
+    }
+  }
+  return o;
+}
+
+class Bench {
+ public:
+  explicit Bench(const Options& o) : o_(o), dev_(Device::cuda(o.device)), be_(backend_for(dev_)) {}
+
+  Device dev() const { return dev_; }
+  Backend& backend() { return be_; }
+
+  // Times `op`; `bytes` or `flops` (one of them non-zero) gives the rate.
+  void run(const std::string& name, const std::string& shape, double bytes, double flops,
+           const std::function<void()>& op) {
+    if (!o_.only.empty() && name.find(o_.only) == std::string::npos) return;
+    const cuda::StreamView stream = cuda::current_stream(o_.device);
+    for (int i = 0; i < o_.warmup; ++i) op();
+    std::vector<double> ms;
+    cuda::Event start(true), stop(true);
+    for (int i = 0; i < o_.iters; ++i) {
+      start.record(stream);
+      op();
+      stop.record(stream);
+      stop.synchronize();
+      ms.push_back(start.elapsed_ms(stop));
+    }
+    std::sort(ms.begin(), ms.end());
+    Result r{name, shape, ms[ms.size() / 2]};
+    const double seconds = r.median_ms * 1e-3;
+    if (bytes > 0) r.gbps = bytes / seconds * 1e-9;
+    if (flops > 0) r.tflops = flops / seconds * 1e-12;
+    std::printf("%-28s %-34s %10.3f ms  %s\n", name.c_str(), shape.c_str(), r.median_ms,
+                (r.tflops > 0 ? fmt_rate(r.tflops, "TFLOP/s") : fmt_rate(r.gbps, "GB/s")).c_str());
+    std::fflush(stdout);
+    results_.push_back(r);
+  }
+
+  const std::vector<Result>& results() const { return results_; }
+
+ private:
+  static std::string fmt_rate(double v, const char* unit) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%9.1f %s", v, unit);
+    return buf;
+  }
+
+  Options o_;
+  Device dev_;
+  Backend& be_;
+  std::vector<Result> results_;
+};
+
+Tensor randn_on(const Shape& shape, DType t, Device d, uint64_t seed, float stddev = 1.0f) {
+  Generator gen(seed);
+  return randn(shape, gen, stddev, t, d);
+}
+
+void bench_gemm(Bench& b) {
+  const int64_t n = 4096;
+  Tensor a = randn_on({n, n}, DType::BF16, b.dev(), 1), w = randn_on({n, n}, DType::BF16, b.dev(), 2);
+  Tensor c16 = empty({n, n}, DType::BF16, b.dev()), c32 = empty({n, n}, DType::F32, b.dev());
+  GemmArgs g;
+  g.m = g.n = g.k = n;
+  const double flops = 2.0 * n * n * n;
+  b.run("gemm_bf16", "4096x4096x4096 -> bf16", 0, flops,
+        [&] { b.backend().gemm(g, a, w, c16); });
+  g.trans_b = true;
+  b.run("gemm_bf16_nt_f32out", "4096x4096x4096 B^T -> f32", 0, flops,
+        [&] { b.backend().gemm(g, a, w, c32); });
+}
+
+void bench_attention(Bench& b) {
+  const int64_t B = 4, H = 16, S = 2048, D = 128;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  Tensor q = randn_on({B, H, S, D}, DType::BF16, b.dev(), 3);
+  Tensor k = randn_on({B, H, S, D}, DType::BF16, b.dev(), 4);
+  Tensor v = randn_on({B, H, S, D}, DType::BF16, b.dev(), 5);
+  Tensor out = empty({B, H, S, D}, DType::BF16, b.dev());
+  Tensor lse = empty({B, H, S}, DType::F32, b.dev());
+  Tensor dout = randn_on({B, H, S, D}, DType::BF16, b.dev(), 6);
+  Tensor dq = empty(q.shape(), DType::BF16, b.dev()), dk = empty(k.shape(), DType::BF16, b.dev()),
+         dv = empty(v.shape(), DType::BF16, b.dev());
+  const double fwd_flops = 4.0 * B * H * S * S * D / 2.0;
+  const std::string shape = "B=4 H=16 S=2048 D=128 causal";
+  b.run("attention_fwd_bf16", shape, 0, fwd_flops,
+        [&] { b.backend().attention_forward(q, k, v, scale, out, lse); });
+  b.run("attention_bwd_bf16", shape, 0, 2.5 * fwd_flops, [&] {
+    b.backend().attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv);
+  });
+}
+
+void bench_rmsnorm(Bench& b) {
+  const int64_t N = 16384, H = 4096;
+  Tensor x = randn_on({N, H}, DType::BF16, b.dev(), 7), w = randn_on({H}, DType::BF16, b.dev(), 8);
+  Tensor y = empty({N, H}, DType::BF16, b.dev()), rstd = empty({N}, DType::F32, b.dev());
+  Tensor dy = randn_on({N, H}, DType::BF16, b.dev(), 9), dx = empty({N, H}, DType::BF16, b.dev());
+  Tensor dw = zeros({H}, DType::F32, b.dev());
+  const double elems = static_cast<double>(N) * H;
+  b.run("rmsnorm_fwd_bf16", "16384x4096", 2 * elems * 2, 0,
+        [&] { b.backend().rmsnorm_forward(x, w, 1e-5f, y, rstd); });
+  b.run("rmsnorm_bwd_bf16", "16384x4096", 3 * elems * 2, 0,
+        [&] { b.backend().rmsnorm_backward(dy, x, w, rstd, dx, dw); });
+}
+
+void bench_cross_entropy(Bench& b) {
+  const int64_t N = 8192, V = 32000;
+  Tensor logits = randn_on({N, V}, DType::BF16, b.dev(), 10, 3.0f);
+  std::vector<int64_t> t(static_cast<size_t>(N));
+  for (int64_t i = 0; i < N; ++i) t[static_cast<size_t>(i)] = (i * 7919) % V;
+  Tensor targets = from_ints(t, {N}, DType::I64, b.dev());
+  Tensor losses = empty({N}, DType::F32, b.dev()), dlogits = empty({N, V}, DType::BF16, b.dev());
+  const double bytes = static_cast<double>(N) * V * 2;
+  b.run("cross_entropy_fwd_bf16", "8192x32000", bytes, 0,
+        [&] { b.backend().cross_entropy_forward(logits, targets, losses); });
+  b.run("cross_entropy_bwd_bf16", "8192x32000", 2 * bytes, 0,
+        [&] { b.backend().cross_entropy_backward(logits, targets, 1.0f / N, dlogits); });
+}
+
+void bench_adamw(Bench& b) {
+  const int64_t n = 100'000'000;
+  Tensor p = randn_on({n}, DType::F32, b.dev(), 11), g = randn_on({n}, DType::BF16, b.dev(), 12);
+  Tensor m = zeros({n}, DType::F32, b.dev()), v = zeros({n}, DType::F32, b.dev());
+  int64_t step = 0;
+  // p, m, v read and written (f32) and a bf16 gradient read.
+  b.run("adamw_f32_bf16grad", "100M params", n * (3.0 * 4 * 2 + 2), 0, [&] {
+    b.backend().adamw(p, g, m, v, {1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, ++step});
+  });
+}
+
+void bench_elementwise(Bench& b) {
+  const int64_t n = int64_t{64} << 20;
+  Tensor gte = randn_on({n}, DType::BF16, b.dev(), 13), up = randn_on({n}, DType::BF16, b.dev(), 14);
+  Tensor out = empty({n}, DType::BF16, b.dev());
+  b.run("swiglu_fwd_bf16", "64M", 3.0 * n * 2, 0,
+        [&] { b.backend().swiglu_forward(gte, up, out); });
+  b.run("add_bf16", "64M", 3.0 * n * 2, 0, [&] { b.backend().add(gte, up, out, 1.0f, 1.0f); });
+  Tensor x = randn_on({4, 2048, 32, 128}, DType::BF16, b.dev(), 15);
+  b.run("rope_bf16", "4x2048x32x128", 2.0 * x.numel() * 2, 0,
+        [&] { b.backend().rope(x, x, 10000.0f, 0, false); });
+  const int64_t V = 32000, H = 4096, N = 8192;
+  Tensor table = randn_on({V, H}, DType::BF16, b.dev(), 16);
+  std::vector<int64_t> ids(static_cast<size_t>(N));
+  for (int64_t i = 0; i < N; ++i) ids[static_cast<size_t>(i)] = (i * 104729) % V;
+  Tensor id_t = from_ints(ids, {N}, DType::I64, b.dev());
+  Tensor emb = empty({N, H}, DType::BF16, b.dev()), gw = zeros({V, H}, DType::F32, b.dev());
+  b.run("embedding_fwd_bf16", "8192 of 32000x4096", 2.0 * N * H * 2, 0,
+        [&] { b.backend().embedding_forward(table, id_t, emb); });
+  b.run("embedding_bwd_bf16", "8192 of 32000x4096", N * H * (2.0 + 8.0), 0,
+        [&] { b.backend().embedding_backward(emb, id_t, gw); });
+  Tensor big = randn_on({n}, DType::F32, b.dev(), 17);
+  b.run("sum_squares_f32", "64M", 4.0 * n, 0, [&] { (void)b.backend().sum_squares(big); });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Options o = parse(argc, argv);
+    if (!cuda_backend_available()) {
+      std::fprintf(stderr, "shardtrain-kernel-bench: no CUDA GPU (cuda::device_count() = %d)\n",
+                   cuda::device_count());
+      return 2;
+    }
+    cuda::DeviceGuard guard(o.device);
+    const std::string device = cuda::device_description(o.device);
+    std::printf("device: %s\niterations: %d (median reported), warmup %d\n\n", device.c_str(),
+                o.iters, o.warmup);
+    Bench b(o);
+    bench_gemm(b);
+    bench_attention(b);
+    bench_rmsnorm(b);
+    bench_cross_entropy(b);
+    bench_adamw(b);
+    bench_elementwise(b);
+    if (!o.json.empty()) {
+      nlohmann::json j;
+      j["device"] = device;
+      j["iters"] = o.iters;
+      j["results"] = nlohmann::json::array();
+      for (const Result& r : b.results())
+        j["results"].push_back({{"name", r.name},
+                                {"shape", r.shape},
+                                {"median_ms", r.median_ms},
+                                {"gbps", r.gbps},
+                                {"tflops", r.tflops}});
+      std::ofstream out(o.json);
+      if (!out) throw ConfigError("cannot write --json file '" + o.json + "'");
+      out << j.dump(2) << "\n";
+      std::printf("\nwrote %s\n", o.json.c_str());
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shardtrain-kernel-bench: %s\n", e.what());
+    return 1;
+  }
+}

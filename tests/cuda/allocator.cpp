@@ -1,0 +1,176 @@
+// The CUDA caching allocator (statistics, caching per stream, deferred reuse across streams,
+// empty_cache, out-of-memory errors) and the pinned host pool.
+#include <gtest/gtest.h>
+
+#include "cuda_test_util.h"
+#include "shardtrain/core/units.h"
+#include "shardtrain/memory/allocator.h"
+#ifdef SHARDTRAIN_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace shardtrain {
+namespace {
+
+using testing::cuda0;
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+#ifdef SHARDTRAIN_HAVE_CUDA
+
+TEST(CudaAllocator, CountsBytesAndCachesFreedBlocks) {
+  REQUIRE_CUDA();
+  Allocator& alloc = allocator_for(cuda0());
+  alloc.empty_cache();
+  const MemoryStats before = alloc.stats();
+  void* first = nullptr;
+  {
+    CategoryScope scope(MemoryCategory::Gradients);
+    Tensor t = empty({1000}, DType::BF16, cuda0());  // 2000 bytes, counted as 2048
+    first = t.data_ptr();
+    const MemoryStats during = alloc.stats();
+    EXPECT_EQ(during.in_use_of(MemoryCategory::Gradients) -
+                  before.in_use_of(MemoryCategory::Gradients),
+              2048);
+    EXPECT_EQ(during.total_in_use - before.total_in_use, 2048);
+    // A small request takes a 2 MiB segment from the driver.
+    EXPECT_EQ(during.reserved - before.reserved, 2 * kMiB);
+    EXPECT_GE(during.total_peak, during.total_in_use);
+  }
+  const MemoryStats after = alloc.stats();
+  EXPECT_EQ(after.total_in_use, before.total_in_use);
+  EXPECT_EQ(after.reserved - before.reserved, 2 * kMiB) << "freed blocks stay cached";
+  {
+    Tensor again = empty({1000}, DType::BF16, cuda0());
+    EXPECT_EQ(again.data_ptr(), first) << "a freed block is reused on the same stream";
+  }
+  alloc.empty_cache();
+  EXPECT_EQ(alloc.stats().reserved, before.reserved);
+}
+
+TEST(CudaAllocator, LargeBlocksRoundToTwoMiBAndSplit) {
+  REQUIRE_CUDA();
+  Allocator& alloc = allocator_for(cuda0());
+  alloc.empty_cache();
+  const int64_t base = alloc.stats().reserved;
+  {
+    Tensor big = empty({5 * kMiB + 1}, DType::U8, cuda0());
+    EXPECT_EQ(alloc.stats().reserved - base, 6 * kMiB);
+  }
+  {
+    // A 3 MiB request is carved out of the cached 6 MiB segment (no new driver memory).
+    Tensor part = empty({3 * kMiB}, DType::U8, cuda0());
+    EXPECT_EQ(alloc.stats().reserved - base, 6 * kMiB);
+    Tensor rest = empty({3 * kMiB}, DType::U8, cuda0());
+    EXPECT_EQ(alloc.stats().reserved - base, 6 * kMiB);
+    EXPECT_EQ(static_cast<char*>(rest.data_ptr()) - static_cast<char*>(part.data_ptr()),
+              3 * kMiB);
+  }
+  alloc.empty_cache();  // the two halves merged back into one free segment
+  EXPECT_EQ(alloc.stats().reserved, base);
+}
+
+TEST(CudaAllocator, BlocksAreReusedOnlyOnTheirStream) {
+  REQUIRE_CUDA();
+  Allocator& alloc = allocator_for(cuda0());
+  cuda::Stream side(0);
+  void* on_side = nullptr;
+  {
+    cuda::StreamGuard guard(side.view());
+    Tensor t = empty({4096}, DType::F32, cuda0());
+    on_side = t.data_ptr();
+  }
+  Tensor t = empty({4096}, DType::F32, cuda0());  // default stream: must not get the side block
+  EXPECT_NE(t.data_ptr(), on_side);
+  {
+    cuda::StreamGuard guard(side.view());
+    Tensor again = empty({4096}, DType::F32, cuda0());
+    EXPECT_EQ(again.data_ptr(), on_side);
+  }
+  alloc.empty_cache();
+}
+
+TEST(CudaAllocator, RecordStreamDefersReuse) {
+  REQUIRE_CUDA();
+  allocator_for(cuda0()).empty_cache();
+  cuda::Stream side(0);
+  Tensor busy;
+  {
+    // About a millisecond of work queued on the side stream.
+    cuda::StreamGuard guard(side.view());
+    busy = empty({int64_t{1} << 28}, DType::F32, cuda0());
+    backend_for(cuda0()).fill(busy, 1.0f);
+  }
+  void* ptr = nullptr;
+  {
+    Tensor t = empty({kMiB}, DType::F32, cuda0());  // 4 MiB: one whole large segment
+    ptr = t.data_ptr();
+    cuda::record_stream(t.data_ptr(), side.view());
+  }
+  // The side stream has not finished, so the block is not handed out again yet.
+  Tensor while_busy = empty({kMiB}, DType::F32, cuda0());
+  EXPECT_NE(while_busy.data_ptr(), ptr);
+  side.synchronize();
+  Tensor after = empty({kMiB}, DType::F32, cuda0());
+  EXPECT_EQ(after.data_ptr(), ptr);
+  EXPECT_THROW(cuda::record_stream(reinterpret_cast<void*>(16), side.view()), Error);
+}
+
+TEST(CudaAllocator, CapacityGivesOutOfMemoryWithTheLedgerMessage) {
+  REQUIRE_CUDA();
+  Allocator& alloc = allocator_for(cuda0());
+  const int64_t in_use = alloc.stats().total_in_use;
+  alloc.set_capacity(in_use + 4 * kMiB);
+  Tensor fits = empty({kMiB}, DType::F32, cuda0());
+  try {
+    Tensor too_big = empty({kMiB}, DType::F32, cuda0());
+    FAIL() << "expected OutOfMemoryError";
+  } catch (const OutOfMemoryError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("out of memory on cuda:0: tried to allocate 4.00 MiB for activations"),
+              std::string::npos)
+        << msg;
+    EXPECT_EQ(e.requested_bytes(), 4 * kMiB);
+  }
+  alloc.set_capacity(0);
+  EXPECT_EQ(alloc.stats().total_in_use, in_use + 4 * kMiB);
+}
+
+TEST(CudaAllocator, DriverRefusalIsOutOfMemory) {
+  REQUIRE_CUDA();
+  Allocator& alloc = allocator_for(cuda0());
+  const int64_t in_use = alloc.stats().total_in_use;
+  // Far beyond any GPU: cudaMalloc fails even after the cache is released.
+  EXPECT_THROW(empty({int64_t{1} << 50}, DType::U8, cuda0()), OutOfMemoryError);
+  EXPECT_EQ(alloc.stats().total_in_use, in_use) << "a refused request is not counted";
+  Tensor ok = empty({16}, DType::F32, cuda0());  // the allocator still works afterwards
+  backend_for(cuda0()).fill(ok, 2.0f);
+  EXPECT_EQ(ok.to_float_vector()[15], 2.0f);
+}
+
+TEST(CudaAllocator, HostPoolIsPinnedAndCopiesRoundTrip) {
+  REQUIRE_CUDA();
+  Tensor host = from_floats({1, 2, 3, 4, 5}, {5}, DType::F32, Device::host());
+  cudaPointerAttributes attr{};
+  ASSERT_EQ(cudaPointerGetAttributes(&attr, host.data_ptr()), cudaSuccess);
+  EXPECT_EQ(attr.type, cudaMemoryTypeHost) << "host-pool tensors live in page-locked memory";
+  Tensor dev = host.to(cuda0());
+  Tensor back = dev.to(Device::host(), MemoryCategory::Offloaded);
+  EXPECT_EQ(back.to_float_vector(), (std::vector<float>{1, 2, 3, 4, 5}));
+  EXPECT_GE(allocator_for(Device::host()).stats().in_use_of(MemoryCategory::Offloaded), 64);
+  // CPU-device memory is ordinary pageable memory and copies just as well.
+  Tensor cpu_copy = dev.to(Device::cpu());
+  EXPECT_EQ(cpu_copy.to_float_vector(), host.to_float_vector());
+  // Device to device, and a dtype conversion on the device.
+  Tensor dev2 = dev.clone();
+  EXPECT_EQ(dev2.to(DType::BF16).to_float_vector(), host.to_float_vector());
+}
+
+#else
+
+TEST(CudaAllocator, NeedsCudaBuild) { REQUIRE_CUDA(); }
+
+#endif
+
+}  // namespace
+}  // namespace shardtrain

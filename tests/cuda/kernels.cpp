@@ -1,0 +1,371 @@
+// Every non-matmul, non-attention kernel of the CUDA backend against the CPU backend, on random
+// inputs of several shapes (including ones that are not multiples of any vector or tile width)
+// and every float dtype.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "cuda_test_util.h"
+
+namespace shardtrain {
+namespace {
+
+using testing::cpu;
+using testing::cuda0;
+using testing::expect_close;
+using testing::expect_close_scaled;
+using testing::gpu;
+using testing::random_cpu;
+using testing::tolerance;
+
+constexpr DType kFloatTypes[] = {DType::F32, DType::BF16, DType::F16};
+
+std::string label(const char* op, DType t, const Shape& s) {
+  return std::string(op) + " " + std::string(dtype_name(t)) + shape_str(s);
+}
+
+TEST(CudaKernels, FillAndCast) {
+  REQUIRE_CUDA();
+  for (DType t : {DType::F32, DType::BF16, DType::F16, DType::I32, DType::I64, DType::U8}) {
+    for (int64_t n : {1, 7, 1000, 4099}) {
+      Tensor g = empty({n}, t, cuda0());
+      gpu().fill(g, 3.0f);
+      Tensor c = empty({n}, t, Device::cpu());
+      cpu().fill(c, 3.0f);
+      testing::expect_bitwise_equal(g, c, label("fill", t, {n}));
+    }
+  }
+  // Casts between every pair of dtypes, including integers.
+  const DType all[] = {DType::F32, DType::BF16, DType::F16, DType::I32, DType::I64, DType::U8};
+  for (DType from : all) {
+    for (DType to : all) {
+      const Shape shape{3, 37};
+      Generator gen(11);
+      Tensor src = rand_uniform(shape, gen, 0.0f, 100.0f, DType::F32).to(from);
+      Tensor want = empty(shape, to);
+      cpu().cast(src, want);
+      Tensor got = empty(shape, to, cuda0());
+      gpu().cast(src.to(cuda0()), got);
+      testing::expect_bitwise_equal(got, want, std::string("cast ") + testing::name(from) +
+                                                   " -> " + testing::name(to));
+    }
+  }
+}
+
+TEST(CudaKernels, AddMulScale) {
+  REQUIRE_CUDA();
+  for (DType ta : kFloatTypes) {
+    for (DType tb : kFloatTypes) {
+      for (DType to : kFloatTypes) {
+        for (int64_t n : {1, 5, 1027, 70001}) {
+          const Shape s{n};
+          Tensor a = random_cpu(s, ta, 1), b = random_cpu(s, tb, 2);
+          Tensor ga = a.to(cuda0()), gb = b.to(cuda0());
+          Tensor want = empty(s, to), got = empty(s, to, cuda0());
+          cpu().add(a, b, want, 0.5f, -2.0f);
+          gpu().add(ga, gb, got, 0.5f, -2.0f);
+          expect_close(got, want, 1e-6f, tolerance(to), label("add", to, s));
+          cpu().mul(a, b, want);
+          gpu().mul(ga, gb, got);
+          expect_close(got, want, 1e-6f, 1e-6f, label("mul", to, s));
+        }
+      }
+      const Shape s{333};
+      Tensor a = random_cpu(s, ta, 3);
+      Tensor want = empty(s, tb), got = empty(s, tb, cuda0());
+      cpu().scale(a, want, -1.5f);
+      gpu().scale(a.to(cuda0()), got, -1.5f);
+      expect_close(got, want, 1e-6f, 1e-6f, label("scale", tb, s));
+    }
+  }
+  // In place (out aliases a) on an offset view, so vectors are misaligned.
+  Tensor base = random_cpu({2, 1001}, DType::BF16, 4);
+  Tensor g = base.to(cuda0());
+  Tensor gv = g.slice_rows(1, 1).view({1001}), cv = base.slice_rows(1, 1).view({1001});
+  Tensor other = random_cpu({1001}, DType::F32, 5);
+  gpu().add(gv, other.to(cuda0()), gv, 1.0f, 3.0f);
+  cpu().add(cv, other, cv, 1.0f, 3.0f);
+  expect_close(g, base, 0.0f, tolerance(DType::BF16), "in-place add on a view");
+}
+
+TEST(CudaKernels, MulLastdimAndWeightGradient) {
+  REQUIRE_CUDA();
+  for (DType t : kFloatTypes) {
+    for (Shape s : {Shape{4, 64}, Shape{3, 7, 33}, Shape{300, 4096}, Shape{1, 1}}) {
+      const int64_t w_n = s.back();
+      Tensor x = random_cpu(s, t, 6), w = random_cpu({w_n}, DType::F32, 7);
+      Tensor want = empty(s, t), got = empty(s, t, cuda0());
+      cpu().mul_lastdim(x, w, want);
+      gpu().mul_lastdim(x.to(cuda0()), w.to(cuda0()), got);
+      expect_close(got, want, 1e-6f, 1e-6f, label("mul_lastdim", t, s));
+
+      Tensor dy = random_cpu(s, t, 8);
+      Tensor gw_want = random_cpu({w_n}, DType::F32, 9);  // accumulates into existing values
+      Tensor gw_got = gw_want.to(cuda0());
+      cpu().mul_lastdim_backward_weight(dy, x, gw_want);
+      gpu().mul_lastdim_backward_weight(dy.to(cuda0()), x.to(cuda0()), gw_got);
+      expect_close_scaled(gw_got, gw_want, 1e-5f, label("mul_lastdim_backward_weight", t, s));
+    }
+  }
+}
+
+TEST(CudaKernels, Permute0213) {
+  REQUIRE_CUDA();
+  for (DType t : {DType::F32, DType::BF16, DType::I64}) {
+    for (Shape s : {Shape{2, 3, 4, 64}, Shape{1, 5, 3, 7}, Shape{3, 17, 2, 1}}) {
+      Generator gen(12);
+      Tensor x = rand_uniform(s, gen, -50.0f, 50.0f, DType::F32).to(t);
+      const Shape o{s[0], s[2], s[1], s[3]};
+      Tensor want = empty(o, t), got = empty(o, t, cuda0());
+      cpu().permute_0213(x, want);
+      gpu().permute_0213(x.to(cuda0()), got);
+      testing::expect_bitwise_equal(got, want, label("permute_0213", t, s));
+    }
+  }
+  // Output dtype differing from the input.
+  Tensor x = random_cpu({2, 3, 5, 8}, DType::F32, 13);
+  Tensor want = empty({2, 5, 3, 8}, DType::BF16), got = empty({2, 5, 3, 8}, DType::BF16, cuda0());
+  cpu().permute_0213(x, want);
+  gpu().permute_0213(x.to(cuda0()), got);
+  testing::expect_bitwise_equal(got, want, "permute_0213 f32 -> bf16");
+}
+
+TEST(CudaKernels, Embedding) {
+  REQUIRE_CUDA();
+  for (DType t : kFloatTypes) {
+    for (auto [V, H, N] : {std::tuple<int64_t, int64_t, int64_t>{50, 64, 200}, {7, 33, 19},
+                           {1000, 256, 4096}, {3, 8, 1}}) {
+      Tensor w = random_cpu({V, H}, t, 14);
+      // Many repeats (small vocab relative to tokens) exercise the ordered per-id sums.
+      Tensor ids = from_ints(testing::random_ids(N, V, 15), {N});
+      Tensor want = empty({N, H}, t), got = empty({N, H}, t, cuda0());
+      cpu().embedding_forward(w, ids, want);
+      gpu().embedding_forward(w.to(cuda0()), ids.to(cuda0()), got);
+      testing::expect_bitwise_equal(got, want, label("embedding_forward", t, {V, H, N}));
+
+      Tensor dy = random_cpu({N, H}, t, 16);
+      Tensor gw_want = random_cpu({V, H}, DType::F32, 17);
+      Tensor gw_got = gw_want.to(cuda0());
+      cpu().embedding_backward(dy, ids, gw_want);
+      gpu().embedding_backward(dy.to(cuda0()), ids.to(cuda0()), gw_got);
+      expect_close(gw_got, gw_want, 2e-5f, 2e-5f, label("embedding_backward", t, {V, H, N}));
+      // Deterministic: a second run from the same start gives the same bits.
+      Tensor again = random_cpu({V, H}, DType::F32, 17).to(cuda0());
+      gpu().embedding_backward(dy.to(cuda0()), ids.to(cuda0()), again);
+      testing::expect_bitwise_equal(again, gw_got, "embedding_backward determinism");
+    }
+  }
+  // Mixed dtypes: bf16 table into an f32 output.
+  Tensor w = random_cpu({10, 12}, DType::BF16, 18);
+  Tensor ids = from_ints({9, 0, 3}, {3});
+  Tensor want = empty({3, 12}, DType::F32), got = empty({3, 12}, DType::F32, cuda0());
+  cpu().embedding_forward(w, ids, want);
+  gpu().embedding_forward(w.to(cuda0()), ids.to(cuda0()), got);
+  testing::expect_bitwise_equal(got, want, "embedding bf16 -> f32");
+}
+
+TEST(CudaKernels, EmbeddingRejectsOutOfRangeIds) {
+  REQUIRE_CUDA();
+  Tensor w = zeros({10, 4}, DType::F32, cuda0());
+  Tensor ids = from_ints({1, 2, 12, 3}, {4}, DType::I64, cuda0());
+  Tensor out = empty({4, 4}, DType::F32, cuda0());
+  try {
+    gpu().embedding_forward(w, ids, out);
+    FAIL() << "expected ShapeError";
+  } catch (const ShapeError& e) {
+    EXPECT_NE(std::string(e.what()).find("token id 12 at position 2 is outside [0, 10)"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(CudaKernels, RmsNorm) {
+  REQUIRE_CUDA();
+  for (DType t : kFloatTypes) {
+    for (DType tw : {DType::F32, t}) {
+      for (Shape s : {Shape{4, 64}, Shape{3, 5, 37}, Shape{33, 4096}, Shape{2, 1}}) {
+        const int64_t H = s.back(), N = numel(s) / H;
+        Tensor x = random_cpu(s, t, 20), w = random_cpu({H}, tw, 21, 0.5f);
+        Tensor y_want = empty(s, t), r_want = empty({N});
+        Tensor y_got = empty(s, t, cuda0()), r_got = empty({N}, DType::F32, cuda0());
+        cpu().rmsnorm_forward(x, w, 1e-5f, y_want, r_want);
+        gpu().rmsnorm_forward(x.to(cuda0()), w.to(cuda0()), 1e-5f, y_got, r_got);
+        expect_close(r_got, r_want, 0.0f, 1e-5f, label("rmsnorm rstd", t, s));
+        expect_close(y_got, y_want, 1e-5f, tolerance(t), label("rmsnorm y", t, s));
+
+        Tensor dy = random_cpu(s, t, 22);
+        Tensor dx_want = empty(s, t), dw_want = random_cpu({H}, DType::F32, 23);
+        Tensor dx_got = empty(s, t, cuda0()), dw_got = dw_want.to(cuda0());
+        cpu().rmsnorm_backward(dy, x, w, r_want, dx_want, dw_want);
+        gpu().rmsnorm_backward(dy.to(cuda0()), x.to(cuda0()), w.to(cuda0()), r_want.to(cuda0()),
+                               dx_got, dw_got);
+        expect_close_scaled(dx_got, dx_want, 2 * tolerance(t), label("rmsnorm dx", t, s));
+        expect_close_scaled(dw_got, dw_want, 1e-5f, label("rmsnorm dw", t, s));
+      }
+    }
+  }
+  // dx may share memory with dy.
+  Tensor x = random_cpu({8, 48}, DType::F32, 24), w = random_cpu({48}, DType::F32, 25);
+  Tensor r = empty({8}), y = empty({8, 48});
+  cpu().rmsnorm_forward(x, w, 1e-6f, y, r);
+  Tensor dy = random_cpu({8, 48}, DType::F32, 26);
+  Tensor dx_want = empty({8, 48}), dw_want = zeros({48});
+  cpu().rmsnorm_backward(dy, x, w, r, dx_want, dw_want);
+  Tensor g = dy.to(cuda0()), dw = zeros({48}, DType::F32, cuda0());
+  gpu().rmsnorm_backward(g, x.to(cuda0()), w.to(cuda0()), r.to(cuda0()), g, dw);
+  expect_close_scaled(g, dx_want, 1e-5f, "rmsnorm dx aliasing dy");
+  expect_close_scaled(dw, dw_want, 1e-5f, "rmsnorm dw with aliasing");
+}
+
+TEST(CudaKernels, Rope) {
+  REQUIRE_CUDA();
+  for (DType t : kFloatTypes) {
+    for (Shape s : {Shape{2, 17, 3, 64}, Shape{1, 300, 2, 128}, Shape{1, 5, 1, 6}}) {
+      for (bool inverse : {false, true}) {
+        Tensor x = random_cpu(s, t, 30);
+        Tensor want = empty(s, t), got = empty(s, t, cuda0());
+        cpu().rope(x, want, 10000.0f, 7, inverse);
+        gpu().rope(x.to(cuda0()), got, 10000.0f, 7, inverse);
+        expect_close(got, want, 2e-5f, tolerance(t), label("rope", t, s));
+      }
+    }
+  }
+  // In place, and forward then inverse is the identity.
+  Tensor x = random_cpu({2, 9, 2, 32}, DType::F32, 31);
+  Tensor g = x.to(cuda0());
+  gpu().rope(g, g, 500000.0f, 100, false);
+  gpu().rope(g, g, 500000.0f, 100, true);
+  expect_close(g, x, 1e-5f, 1e-5f, "rope round trip");
+}
+
+TEST(CudaKernels, CausalSoftmax) {
+  REQUIRE_CUDA();
+  for (DType t : kFloatTypes) {
+    // [N, Sq, Sk] with Sk >= Sq (keys include a prefix) and a few ragged lengths.
+    for (Shape s : {Shape{2, 16, 16}, Shape{3, 5, 9}, Shape{1, 33, 33}, Shape{2, 7, 1030},
+                    Shape{1, 4, 2}}) {
+      Tensor x = random_cpu(s, t, 40, 3.0f);
+      Tensor want = empty(s, t), got = empty(s, t, cuda0());
+      cpu().causal_softmax(x, 0.7f, want);
+      gpu().causal_softmax(x.to(cuda0()), 0.7f, got);
+      expect_close(got, want, 1e-6f, tolerance(t), label("causal_softmax", t, s));
+
+      Tensor dp = random_cpu(s, t, 41);
+      Tensor ds_want = empty(s, t), ds_got = empty(s, t, cuda0());
+      cpu().causal_softmax_backward(want, dp, 0.7f, ds_want);
+      gpu().causal_softmax_backward(want.to(cuda0()), dp.to(cuda0()), 0.7f, ds_got);
+      expect_close_scaled(ds_got, ds_want, 2 * tolerance(t),
+                          label("causal_softmax_backward", t, s));
+    }
+  }
+}
+
+TEST(CudaKernels, SwiGlu) {
+  REQUIRE_CUDA();
+  for (DType t : kFloatTypes) {
+    for (int64_t n : {1, 9, 4096, 100003}) {
+      const Shape s{n};
+      Tensor gte = random_cpu(s, t, 50, 2.0f), up = random_cpu(s, t, 51);
+      Tensor want = empty(s, t), got = empty(s, t, cuda0());
+      cpu().swiglu_forward(gte, up, want);
+      gpu().swiglu_forward(gte.to(cuda0()), up.to(cuda0()), got);
+      expect_close(got, want, 1e-6f, tolerance(t), label("swiglu", t, s));
+
+      Tensor d = random_cpu(s, t, 52);
+      Tensor dg_want = empty(s, t), du_want = empty(s, t);
+      Tensor dg_got = empty(s, t, cuda0()), du_got = empty(s, t, cuda0());
+      cpu().swiglu_backward(d, gte, up, dg_want, du_want);
+      gpu().swiglu_backward(d.to(cuda0()), gte.to(cuda0()), up.to(cuda0()), dg_got, du_got);
+      expect_close(dg_got, dg_want, 1e-6f, tolerance(t), label("swiglu dgate", t, s));
+      expect_close(du_got, du_want, 1e-6f, tolerance(t), label("swiglu dup", t, s));
+    }
+  }
+}
+
+TEST(CudaKernels, CrossEntropy) {
+  REQUIRE_CUDA();
+  for (DType t : kFloatTypes) {
+    for (auto [N, V] : {std::pair<int64_t, int64_t>{4, 10}, {7, 32000}, {3, 1001}, {1, 1}}) {
+      Tensor logits = random_cpu({N, V}, t, 60, 4.0f);
+      std::vector<int64_t> tv = testing::random_ids(N, V, 61);
+      if (N > 2) tv[1] = -100;  // ignored row
+      Tensor targets = from_ints(tv, {N});
+      Tensor want = empty({N}), got = empty({N}, DType::F32, cuda0());
+      cpu().cross_entropy_forward(logits, targets, want);
+      gpu().cross_entropy_forward(logits.to(cuda0()), targets.to(cuda0()), got);
+      expect_close(got, want, 1e-4f, 1e-5f, label("cross_entropy", t, {N, V}));
+
+      Tensor d_want = empty({N, V}, t), d_got = empty({N, V}, t, cuda0());
+      cpu().cross_entropy_backward(logits, targets, 0.25f, d_want);
+      gpu().cross_entropy_backward(logits.to(cuda0()), targets.to(cuda0()), 0.25f, d_got);
+      expect_close(d_got, d_want, 1e-6f, tolerance(t),
+                   label("cross_entropy_backward", t, {N, V}));
+    }
+  }
+  Tensor logits = zeros({2, 5}, DType::F32, cuda0());
+  Tensor targets = from_ints({1, 5}, {2}, DType::I64, cuda0());
+  Tensor losses = empty({2}, DType::F32, cuda0());
+  EXPECT_THROW(gpu().cross_entropy_forward(logits, targets, losses), ShapeError);
+}
+
+TEST(CudaKernels, Reductions) {
+  REQUIRE_CUDA();
+  for (DType t : kFloatTypes) {
+    for (int64_t n : {1, 3, 1000, 1 << 20, 3000017}) {
+      Tensor x = random_cpu({n}, t, 70);
+      Tensor g = x.to(cuda0());
+      const double s_want = cpu().sum(x), q_want = cpu().sum_squares(x);
+      const double s_got = gpu().sum(g), q_got = gpu().sum_squares(g);
+      EXPECT_NEAR(s_got, s_want, 1e-9 * q_want + 1e-9) << label("sum", t, {n});
+      EXPECT_NEAR(q_got, q_want, 1e-9 * q_want) << label("sum_squares", t, {n});
+      EXPECT_EQ(gpu().sum(g), s_got) << "sum must be deterministic";
+    }
+  }
+}
+
+TEST(CudaKernels, UnscaleAndCheck) {
+  REQUIRE_CUDA();
+  for (DType t : kFloatTypes) {
+    for (int64_t n : {1, 17, 65537}) {
+      Tensor x = random_cpu({n}, t, 80);
+      Tensor want = x.clone();
+      Tensor g = x.to(cuda0());
+      EXPECT_FALSE(gpu().unscale_and_check(g, 0.125f));
+      EXPECT_FALSE(cpu().unscale_and_check(want, 0.125f));
+      expect_close(g, want, 0.0f, 0.0f, label("unscale", t, {n}));
+
+      std::vector<float> v = x.to_float_vector();
+      v[static_cast<size_t>(n / 2)] = std::numeric_limits<float>::infinity();
+      Tensor bad = from_floats(v, {n}, t, cuda0());
+      EXPECT_TRUE(gpu().unscale_and_check(bad, 0.5f)) << label("inf detection", t, {n});
+      v[static_cast<size_t>(n / 2)] = std::numeric_limits<float>::quiet_NaN();
+      Tensor nan = from_floats(v, {n}, t, cuda0());
+      EXPECT_TRUE(gpu().unscale_and_check(nan, 0.5f)) << label("nan detection", t, {n});
+    }
+  }
+}
+
+TEST(CudaKernels, AdamW) {
+  REQUIRE_CUDA();
+  for (DType tg : kFloatTypes) {
+    for (int64_t n : {1, 7, 100001}) {
+      Tensor p = random_cpu({n}, DType::F32, 90), m = zeros({n}), v = zeros({n});
+      Tensor gp = p.to(cuda0()), gm = m.to(cuda0()), gv = v.to(cuda0());
+      const Backend::AdamWArgs base{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1};
+      for (int64_t step = 1; step <= 3; ++step) {
+        Tensor g = random_cpu({n}, tg, 91 + static_cast<uint64_t>(step));
+        Backend::AdamWArgs args = base;
+        args.step = step;
+        cpu().adamw(p, g, m, v, args);
+        gpu().adamw(gp, g.to(cuda0()), gm, gv, args);
+      }
+      expect_close(gp, p, 1e-7f, 1e-6f, label("adamw param", tg, {n}));
+      expect_close(gm, m, 1e-8f, 1e-6f, label("adamw m", tg, {n}));
+      expect_close(gv, v, 1e-10f, 1e-6f, label("adamw v", tg, {n}));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace shardtrain

@@ -1,0 +1,283 @@
+// Sharded training against a single-process computation of the same global batch: every rank
+// also runs the whole batch through an unsharded copy of the model and compares.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "shardtrain/amp/mixed_precision.h"
+#include "shardtrain/autograd/grad_mode.h"
+#include "shardtrain/fsdp/fsdp.h"
+#include "tiny_llama.h"
+
+namespace shardtrain::fsdp {
+namespace {
+
+using test::MicroBatch;
+using test::NamedValues;
+
+constexpr uint64_t kInitSeed = 11;
+constexpr int kPerRank = 2;  // micro-batches per rank per step
+constexpr float kLr = 1e-2f;
+
+struct Case {
+  std::string name;
+  ShardingStrategy strategy;
+  bool prefetch = true;
+  bool sync_every_microbatch = true;
+  int ranks_per_node = 0;
+  bool tie_embeddings = false;
+};
+
+// The single-process result every rank computes for itself.
+struct Reference {
+  double loss = 0, eval_loss_after_step = 0, grad_sum_squares = 0;
+  NamedValues grads, params_after_step;
+};
+
+std::vector<optim::NamedParam> all_params(nn::LlamaModel& model) {
+  std::vector<optim::NamedParam> out;
+  for (auto& [name, slot] : model.named_parameters()) out.push_back({name, slot});
+  return out;
+}
+
+double eval_loss_sum(nn::LlamaModel& model, const std::vector<MicroBatch>& mbs) {
+  autograd::NoGrad no_grad;
+  double sum = 0;
+  for (const auto& mb : mbs) sum += model.loss_sum(mb.ids, mb.targets).item();
+  return sum;
+}
+
+Reference single_process(const nn::LlamaConfig& cfg, const std::vector<MicroBatch>& all) {
+  Reference ref;
+  nn::LlamaModel model(cfg, Device::cpu());
+  model.init_weights(kInitSeed);
+  const int64_t tokens = test::total_tokens(all);
+  ref.loss = test::forward_backward(model, all, tokens) / static_cast<double>(tokens);
+  ref.grads = test::grads_of(model);
+  std::vector<optim::NamedParam> params = all_params(model);
+  ref.grad_sum_squares = optim::grad_sum_squares(params);
+  optim::AdamW opt(params, {});
+  opt.step(kLr);
+  ref.params_after_step = test::params_of(model);
+  ref.eval_loss_after_step = eval_loss_sum(model, all) / static_cast<double>(tokens);
+  return ref;
+}
+
+class FsdpMatchesSingleProcess : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FsdpMatchesSingleProcess, LossGradientsAndOneStep) {
+  const Case& c = GetParam();
+  dist::DistOptions dist_options;
+  dist_options.ranks_per_node = c.ranks_per_node;
+  dist_options.timeout_s = 60;
+  dist::DistEnv env(dist_options);
+  const int n = env.world_size(), rank = env.rank();
+
+  nn::LlamaConfig cfg = test::tiny_config(2);
+  cfg.tie_embeddings = c.tie_embeddings;
+  std::vector<MicroBatch> all = test::make_micro_batches(n * kPerRank, 2, 8, cfg.vocab_size, 5);
+  const int64_t tokens = test::total_tokens(all);
+  const Reference ref = single_process(cfg, all);
+
+  nn::LlamaModel model(cfg, Device::cpu());
+  model.init_weights(kInitSeed);
+  FsdpOptions options;
+  options.strategy = c.strategy;
+  options.prefetch = c.prefetch;
+  options.sync_every_microbatch = c.sync_every_microbatch;
+  ShardedModel sharded(model, env, options);
+  if (c.strategy == ShardingStrategy::HybridShard) {
+    EXPECT_EQ(sharded.shard_group().size(), c.ranks_per_node);
+    ASSERT_NE(sharded.replicate_group(), nullptr);
+    EXPECT_EQ(sharded.replicate_group()->size(), n / c.ranks_per_node);
+  }
+
+  std::vector<MicroBatch> mine(all.begin() + rank * kPerRank, all.begin() + (rank + 1) * kPerRank);
+  double local = 0;
+  for (int k = 0; k < kPerRank; ++k) {
+    sharded.set_microbatch(k, kPerRank);
+    local += test::forward_backward(model, {mine[static_cast<size_t>(k)]}, tokens);
+    // Everything gathered for the micro-batch is released after its backward.
+    EXPECT_EQ(sharded.num_gathered_units(), 0) << "after micro-batch " << k;
+  }
+  double loss = env.world().all_reduce_host(local, dist::ReduceOp::Sum) / static_cast<double>(tokens);
+  EXPECT_NEAR(loss, ref.loss, 1e-5 * ref.loss);
+
+  size_t seen = 0;
+  sharded.for_each_full_gradient([&](const std::string& name, const Tensor& full) {
+    auto it = ref.grads.find(name);
+    ASSERT_NE(it, ref.grads.end()) << name;
+    EXPECT_LT(test::max_relative_error(full.to_float_vector(), it->second), 1e-5) << name;
+    ++seen;
+  });
+  EXPECT_EQ(seen, ref.grads.size());
+  EXPECT_NEAR(sharded.grad_sum_squares(), ref.grad_sum_squares, 1e-5 * ref.grad_sum_squares);
+
+  optim::AdamW opt(sharded.optimizer_params(), {});
+  opt.step(kLr);
+  sharded.for_each_full_parameter([&](const std::string& name, const Tensor& full) {
+    EXPECT_LT(test::max_relative_error(full.to_float_vector(), ref.params_after_step.at(name)),
+              1e-5)
+        << name;
+  });
+  // Evaluation (no graph) sees the updated shards.
+  double eval = env.world().all_reduce_host(eval_loss_sum(model, mine), dist::ReduceOp::Sum) /
+                static_cast<double>(tokens);
+  EXPECT_NEAR(eval, ref.eval_loss_after_step, 1e-5 * ref.eval_loss_after_step);
+  EXPECT_EQ(sharded.num_gathered_units(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Strategies, FsdpMatchesSingleProcess,
+    ::testing::Values(Case{"full_shard", ShardingStrategy::FullShard},
+                      Case{"full_shard_no_prefetch_sync_last", ShardingStrategy::FullShard, false,
+                           false},
+                      Case{"full_shard_tied", ShardingStrategy::FullShard, true, true, 0, true},
+                      Case{"grad_op_shard", ShardingStrategy::GradOpShard},
+                      Case{"no_shard", ShardingStrategy::NoShard},
+                      Case{"no_shard_sync_last", ShardingStrategy::NoShard, true, false},
+                      Case{"hybrid_shard", ShardingStrategy::HybridShard, true, true, 2},
+                      Case{"hybrid_shard_sync_last", ShardingStrategy::HybridShard, true, false,
+                           2}),
+    [](const auto& info) { return info.param.name; });
+
+// ---- memory -----------------------------------------------------------------------------------
+
+int64_t rounded(int64_t bytes) { return (bytes + 63) / 64 * 64; }  // the allocators' granularity
+
+int64_t model_state_bytes() {
+  MemoryStats s = allocator_for(Device::cpu()).stats();
+  return s.in_use_of(MemoryCategory::Parameters) + s.in_use_of(MemoryCategory::Gradients) +
+         s.in_use_of(MemoryCategory::OptimizerState);
+}
+
+TEST(FsdpMemory, FullShardKeepsOneNthOfTheModelStatePerRank) {
+  dist::DistEnv env;
+  const int n = env.world_size();
+  nn::LlamaConfig cfg = test::tiny_config(4);
+  std::vector<MicroBatch> all = test::make_micro_batches(n, 2, 8, cfg.vocab_size, 9);
+  const int64_t tokens = test::total_tokens(all);
+  Allocator& cpu = allocator_for(Device::cpu());
+
+  const int64_t before = model_state_bytes();
+  const int64_t params_before = cpu.stats().in_use_of(MemoryCategory::Parameters);
+  nn::LlamaModel model(cfg, Device::cpu());
+  model.init_weights(kInitSeed);
+  // One process (N = 1) holds parameter, gradient and two AdamW moments for every parameter.
+  int64_t single_process = 0;
+  for (auto& [name, slot] : model.named_parameters()) single_process += 4 * rounded(slot->nbytes());
+
+  ShardedModel sharded(model, env, {});
+  int64_t shards = 0, pieces = 0, padding_and_rounding = 0, largest_layer = 0;
+  for (int u = 0; u < sharded.num_units(); ++u) {
+    const FlatParamLayout& l = sharded.unit_layout(u);
+    shards += rounded(l.shard_numel * 4);
+    padding_and_rounding += 4 * (l.padded - l.total) + 64 * 4 * (static_cast<int64_t>(l.entries.size()) + 1);
+    if (u + 1 < sharded.num_units()) largest_layer = std::max(largest_layer, rounded(l.padded * 4));
+  }
+  for (const ParamPiece& p : sharded.param_pieces()) pieces += rounded(p.length * 4);
+  EXPECT_EQ(model_state_bytes() - before, shards) << "only the shards remain after sharding";
+
+  optim::AdamW opt(sharded.optimizer_params(), {});
+  cpu.reset_peak();
+  test::forward_backward(model, {all[static_cast<size_t>(env.rank())]}, tokens);
+  opt.step(kLr);
+  const int64_t per_rank = model_state_bytes() - before;
+  EXPECT_EQ(per_rank, shards + 3 * pieces) << "shard + gradient + 2 moments of this rank's pieces";
+  EXPECT_LE(std::abs(per_rank * n - single_process), n * padding_and_rounding)
+      << "per rank " << per_rank << " x " << n << " ranks vs " << single_process
+      << " in one process";
+
+  // Gathered parameters are freed as the step goes: at most the root and two layers (one being
+  // computed, one prefetched) are ever gathered at once.
+  const int64_t root = rounded(sharded.unit_layout(sharded.num_units() - 1).padded * 4);
+  const int64_t peak = cpu.stats().peak_of(MemoryCategory::Parameters) - params_before;
+  EXPECT_LE(peak, shards + root + 2 * largest_layer);
+  EXPECT_GT(peak, shards + root) << "the gathered parameters are counted as Parameters";
+}
+
+// ---- mixed precision --------------------------------------------------------------------------
+
+TEST(FsdpMixedPrecision, Bf16ComputeMatchesSingleProcessCasts) {
+  dist::DistEnv env;
+  const int n = env.world_size(), rank = env.rank();
+  nn::LlamaConfig cfg = test::tiny_config(2);
+  std::vector<MicroBatch> all = test::make_micro_batches(n, 2, 8, cfg.vocab_size, 13);
+  const int64_t tokens = test::total_tokens(all);
+
+  // Single process: bf16 compute copies of fp32 masters, fp32 gradients.
+  nn::LlamaModel ref(cfg, Device::cpu());
+  ref.init_weights(kInitSeed);
+  amp::install_mixed_precision(ref, {DType::BF16, DType::F32});
+  double ref_loss = test::forward_backward(ref, all, tokens) / static_cast<double>(tokens);
+  NamedValues ref_grads = test::grads_of(ref);
+
+  for (DType reduce : {DType::F32, DType::BF16}) {
+    nn::LlamaModel model(cfg, Device::cpu());
+    model.init_weights(kInitSeed);
+    FsdpOptions options;
+    options.param_dtype = DType::BF16;
+    options.reduce_dtype = reduce;
+    ShardedModel sharded(model, env, options);
+    double local = test::forward_backward(model, {all[static_cast<size_t>(rank)]}, tokens);
+    double loss = env.world().all_reduce_host(local, dist::ReduceOp::Sum) / static_cast<double>(tokens);
+    EXPECT_NEAR(loss, ref_loss, 1e-5 * ref_loss);
+    // bf16 gradients reduced in fp32 differ from the single process only in summation order;
+    // reduced in bf16 they are rounded once more (8 significant bits).
+    double tolerance = reduce == DType::F32 ? 1e-5 : 1e-2;
+    sharded.for_each_full_gradient([&](const std::string& name, const Tensor& full) {
+      EXPECT_LT(test::max_relative_error(full.to_float_vector(), ref_grads.at(name)), tolerance)
+          << name << " reduced in " << dtype_name(reduce);
+    });
+  }
+}
+
+// ---- loading and errors -----------------------------------------------------------------------
+
+TEST(FsdpState, LoadFullParametersRoundTrips) {
+  dist::DistEnv env;
+  nn::LlamaConfig cfg = test::tiny_config(2);
+  nn::LlamaModel source(cfg, Device::cpu());
+  source.init_weights(77);
+  NamedValues expected = test::params_of(source);
+
+  nn::LlamaModel model(cfg, Device::cpu());
+  model.init_weights(kInitSeed);
+  ShardedModel sharded(model, env, {});
+  std::map<std::string, Tensor*> slots;
+  for (auto& [name, slot] : source.named_parameters()) slots[name] = slot;
+  sharded.load_full_parameters([&](const std::string& name) { return slots.at(name)->to(DType::BF16); });
+  sharded.for_each_full_parameter([&](const std::string& name, const Tensor& full) {
+    std::vector<float> got = full.to_float_vector(), want = expected.at(name);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i)
+      ASSERT_EQ(got[i], round_to(DType::BF16, want[i])) << name << "[" << i << "]";
+  });
+  EXPECT_THROW(sharded.load_full_parameters([](const std::string&) { return zeros({3}); }),
+               ShapeError);
+}
+
+TEST(FsdpState, ParsesStrategies) {
+  EXPECT_EQ(parse_sharding_strategy("hybrid_shard"), ShardingStrategy::HybridShard);
+  EXPECT_EQ(sharding_strategy_name(ShardingStrategy::GradOpShard), "grad_op_shard");
+  EXPECT_THROW(parse_sharding_strategy("zero3"), ConfigError);
+}
+
+TEST(FsdpState, ForwardWithGradientsTwiceWithoutBackwardIsAnError) {
+  dist::DistEnv env;
+  nn::LlamaConfig cfg = test::tiny_config(2);
+  std::vector<MicroBatch> all = test::make_micro_batches(1, 1, 4, cfg.vocab_size, 1);
+  nn::LlamaModel model(cfg, Device::cpu());
+  model.init_weights(kInitSeed);
+  ShardedModel sharded(model, env, {});
+  Tensor kept = model.loss_sum(all[0].ids, all[0].targets);
+  EXPECT_THROW(model.loss_sum(all[0].ids, all[0].targets), Error);
+  // Once the first graph is dropped, a new forward starts cleanly.
+  kept = Tensor();
+  Tensor loss = model.loss_sum(all[0].ids, all[0].targets);
+  autograd::backward(loss);
+  EXPECT_EQ(sharded.num_gathered_units(), 0);
+}
+
+}  // namespace
+}  // namespace shardtrain::fsdp

@@ -1,0 +1,55 @@
+// A rank that fails ends the whole mpirun job, non-zero, with its message, in bounded time.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+namespace {
+
+struct JobResult {
+  int exit_code = -1;
+  std::string output;
+  double seconds = 0;
+};
+
+// Runs `np` ranks of a job under mpirun, killed after 60 s (exit code 124) if still running.
+JobResult run_job(const std::string& job, int np) {
+  std::string command = std::string("timeout -k 5 60 ") + SHARDTRAIN_MPIEXEC +
+                        " --oversubscribe -np " + std::to_string(np) + " " +
+                        SHARDTRAIN_MPI_JOB_DIR + "/mpi_job_" + job + " 2>&1";
+  JobResult r;
+  auto start = std::chrono::steady_clock::now();
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return r;
+  std::array<char, 4096> buf{};
+  size_t got = 0;
+  while ((got = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.output.append(buf.data(), got);
+  int status = pclose(pipe);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return r;
+}
+
+class RankFailure : public ::testing::TestWithParam<int> {};
+
+TEST_P(RankFailure, EndsTheJobNonZeroWithTheRanksMessage) {
+  const int np = GetParam();
+  JobResult r = run_job("failing_rank", np);
+  const std::string expected =
+      "rank " + std::to_string(np - 1) + ": simulated failure in step 1 (layer 1 forward)";
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.exit_code, 124) << "the job hung until the launcher's timeout killed it\n" << r.output;
+  EXPECT_NE(r.output.find(expected), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 30.0) << r.output;
+  // Step 0 completed everywhere before the failure.
+  EXPECT_NE(r.output.find("rank 0 finished step 0"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("finished step 1"), std::string::npos) << r.output;
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, RankFailure, ::testing::Values(2, 4),
+                         [](const auto& info) { return "np" + std::to_string(info.param); });
+
+}  // namespace

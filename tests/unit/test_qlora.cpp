@@ -1,0 +1,636 @@
+// QLoRA: NF4 storage (code values, error, double quantization, bytes per weight, file round
+// trip), the NF4 linear op (values, gradient, no dense weight kept), LoRA adapters (exact base
+// equivalence at init, gradients, freezing), PEFT files (names, config keys, load errors), merged
+// export and a short training run.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "gradcheck.h"
+#include "shardtrain/autograd/engine.h"
+#include "shardtrain/autograd/grad_mode.h"
+#include "shardtrain/backend/nf4_codebook.h"
+#include "shardtrain/io/hf_model.h"
+#include "shardtrain/io/peft.h"
+#include "shardtrain/nn/lora.h"
+#include "shardtrain/nn/nf4.h"
+#include "shardtrain/optim/optimizer.h"
+
+namespace shardtrain {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::gradcheck;
+
+// Measured on 2^20 N(0, 1) weights (seed 11); see docs/qlora.md.
+constexpr double kNf4RelativeRmsError = 0.0;         // exact block absmax
+constexpr double kNf4RelativeRmsErrorDq = 0.0;       // double-quantized block absmax
+
+class TempDir {
+ public:
+  TempDir() {
+    path_ = fs::temp_directory_path() /
+            ("st_qlora_" + std::to_string(::getpid()) + "_" +
+             ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(path_);
+    fs::create_directories(path_);
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  std::string str(const std::string& name = "") const { return (path_ / name).string(); }
+
+ private:
+  fs::path path_;
+};
+
+template <typename E, typename Fn>
+void expect_error(Fn fn, std::initializer_list<std::string> parts) {
+  try {
+    fn();
+    FAIL() << "no exception thrown";
+  } catch (const E& e) {
+    const std::string message = e.what();
+    for (const std::string& part : parts)
+      EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' not in: " << message;
+  }
+}
+
+bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+std::vector<float> exact_block_absmax(const std::vector<float>& w) {
+  std::vector<float> out((w.size() + 63) / 64, 0.0f);
+  for (size_t i = 0; i < w.size(); ++i) out[i / 64] = std::max(out[i / 64], std::fabs(w[i]));
+  return out;
+}
+
+// Index of the NF4 value nearest to x by distance.
+int nearest_code(float x) {
+  int best = 0;
+  for (int k = 1; k < 16; ++k)
+    if (std::fabs(x - nf4::kNf4Code[static_cast<size_t>(k)]) <
+        std::fabs(x - nf4::kNf4Code[static_cast<size_t>(best)]))
+      best = k;
+  return best;
+}
+
+// ---- code books -------------------------------------------------------------------------------
+
+TEST(Nf4, CodeBooksMatchBitsandbytes) {
+  EXPECT_EQ(nf4::kNf4Code[0], -1.0f);
+  EXPECT_EQ(nf4::kNf4Code[7], 0.0f);
+  EXPECT_EQ(nf4::kNf4Code[15], 1.0f);
+  EXPECT_TRUE(std::is_sorted(nf4::kNf4Code.begin(), nf4::kNf4Code.end()));
+  const auto& map = nf4::dynamic_map_8bit();
+  EXPECT_TRUE(std::is_sorted(map.begin(), map.end()));
+  EXPECT_EQ(map[255], 1.0f);
+  EXPECT_FLOAT_EQ(map[0], -0.99296875f);  // -(0.9859375 + 1) / 2
+  EXPECT_EQ(std::count(map.begin(), map.end(), 0.0f), 1);
+  // The smallest magnitudes: 1e-6 * (0.1 + 1) / 2.
+  auto zero = std::find(map.begin(), map.end(), 0.0f) - map.begin();
+  EXPECT_FLOAT_EQ(map[static_cast<size_t>(zero) + 1], 5.5e-7f);
+  EXPECT_FLOAT_EQ(map[static_cast<size_t>(zero) - 1], -5.5e-7f);
+}
+
+// ---- quantization -----------------------------------------------------------------------------
+
+TEST(Nf4, DequantizedValuesAreScaledCodes) {
+  Generator gen(5);
+  Tensor w = randn({128, 640}, gen);  // 1280 blocks, 5 absmax groups
+  nn::Nf4Tensor q = nn::Nf4Tensor::quantize(w);
+  const std::vector<float> wv = w.to_float_vector(), dq = q.dequantize().to_float_vector();
+  const std::vector<float> absmax = q.block_absmax(), exact = exact_block_absmax(wv);
+  const std::vector<int64_t> codes = q.codes.to_int_vector();
+  std::set<int> used;
+  for (size_t i = 0; i < wv.size(); ++i) {
+    const int code = static_cast<int>(i % 2 == 0 ? codes[i / 2] >> 4 : codes[i / 2] & 15);
+    used.insert(code);
+    // The stored code is the nearest NF4 value to the weight over its exact block absmax ...
+    ASSERT_EQ(code, nearest_code(wv[i] / exact[i / 64])) << "element " << i;
+    // ... and dequantizes to exactly that value times the double-quantized absmax.
+    const float expected = nf4::kNf4Code[static_cast<size_t>(code)] * absmax[i / 64];
+    ASSERT_EQ(std::memcmp(&dq[i], &expected, sizeof(float)), 0) << "element " << i;
+  }
+  EXPECT_EQ(used.size(), 16u);
+}
+
+TEST(Nf4, RmsErrorMatchesNf4) {
+  Generator gen(11);
+  Tensor w = randn({1024, 1024}, gen);
+  nn::Nf4Tensor q = nn::Nf4Tensor::quantize(w);
+  const std::vector<float> wv = w.to_float_vector(), dq = q.dequantize().to_float_vector();
+  const std::vector<float> exact = exact_block_absmax(wv);
+  const std::vector<int64_t> codes = q.codes.to_int_vector();
+  double sq = 0, err = 0, err_exact = 0;
+  for (size_t i = 0; i < wv.size(); ++i) {
+    const int code = static_cast<int>(i % 2 == 0 ? codes[i / 2] >> 4 : codes[i / 2] & 15);
+    const double e = static_cast<double>(nf4::kNf4Code[static_cast<size_t>(code)]) * exact[i / 64];
+    sq += static_cast<double>(wv[i]) * wv[i];
+    err += (static_cast<double>(dq[i]) - wv[i]) * (static_cast<double>(dq[i]) - wv[i]);
+    err_exact += (e - wv[i]) * (e - wv[i]);
+  }
+  const double rel = std::sqrt(err / sq), rel_exact = std::sqrt(err_exact / sq);
+  std::printf("NF4 relative RMS error: %.5f (exact absmax %.5f)\n", rel, rel_exact);
+  EXPECT_NEAR(rel_exact, kNf4RelativeRmsError, 0.002);
+  EXPECT_NEAR(rel, kNf4RelativeRmsErrorDq, 0.002);
+  // Double quantization costs almost nothing on top of the 4-bit codes.
+  EXPECT_LT(rel - rel_exact, 0.001);
+}
+
+TEST(Nf4, DoubleQuantizedAbsmaxWithin8BitError) {
+  Generator gen(13);
+  Tensor w = randn({300, 1000}, gen, 0.02f);  // 4688 blocks: 18 full groups and a partial one
+  nn::Nf4Tensor q = nn::Nf4Tensor::quantize(w);
+  const std::vector<float> exact = exact_block_absmax(w.to_float_vector());
+  const std::vector<float> absmax = q.block_absmax();
+  const std::vector<float> scales = q.absmax_scale.to_float_vector();
+  ASSERT_EQ(absmax.size(), exact.size());
+  ASSERT_EQ(scales.size(), (exact.size() + 255) / 256);
+  double mean = 0;
+  for (float m : exact) mean += m;
+  mean /= static_cast<double>(exact.size());
+  EXPECT_NEAR(q.absmax_offset, mean, 1e-6 * mean);
+  // The coarsest step of the dynamic map is 0.9/64 in its top decade: half of it bounds the
+  // error relative to each group's scale.
+  const auto& map = nf4::dynamic_map_8bit();
+  float max_gap = 0;
+  for (size_t i = 1; i < map.size(); ++i) max_gap = std::max(max_gap, map[i] - map[i - 1]);
+  EXPECT_NEAR(max_gap, 0.9f / 64, 1e-6f);
+  double worst = 0;
+  for (size_t b = 0; b < exact.size(); ++b) {
+    const double bound = 0.5 * max_gap * scales[b / 256] + 1e-6 * exact[b];
+    const double error = std::fabs(static_cast<double>(absmax[b]) - exact[b]);
+    ASSERT_LE(error, bound) << "block " << b;
+    worst = std::max(worst, error / exact[b]);
+  }
+  EXPECT_LT(worst, 0.01);  // under 1% of any block's absmax
+}
+
+TEST(Nf4, BytesPerWeightFromParametersLedger) {
+  Generator gen(17);
+  Tensor w = randn({1024, 4096}, gen);
+  Allocator& cpu = allocator_for(Device::cpu());
+  const int64_t before = cpu.stats().in_use_of(MemoryCategory::Parameters);
+  nn::Nf4Tensor q = nn::Nf4Tensor::quantize(w);
+  const int64_t bytes = cpu.stats().in_use_of(MemoryCategory::Parameters) - before;
+  const double per_weight = static_cast<double>(bytes) / static_cast<double>(w.numel());
+  EXPECT_NEAR(per_weight, 4.127 / 8, 0.01 * 4.127 / 8);
+  EXPECT_EQ(q.nbytes(), w.numel() / 2 + w.numel() / 64 + 4 * w.numel() / 64 / 256);
+}
+
+TEST(Nf4, OddSizesAndSafetensorsRoundTrip) {
+  TempDir dir;
+  Generator gen(19);
+  Tensor w = randn({27, 37}, gen);  // 999 weights: a partial block and a half-used last byte
+  nn::Nf4Tensor q = nn::Nf4Tensor::quantize(w);
+  EXPECT_EQ(q.codes.numel(), 500);
+  EXPECT_EQ(q.absmax_q.numel(), 16);
+  EXPECT_EQ(q.absmax_scale.numel(), 1);
+  const std::vector<float> dq = q.dequantize().to_float_vector();
+  const std::vector<float> wv = w.to_float_vector();
+  for (size_t i = 0; i < wv.size(); ++i) ASSERT_NEAR(dq[i], wv[i], 0.25f) << i;
+
+  NamedTensors tensors;
+  io::append_nf4(tensors, "layer.weight", q);
+  save_safetensors(dir.str("q.safetensors"), tensors);
+  SafetensorsFile file = SafetensorsFile::open(dir.str("q.safetensors"));
+  EXPECT_EQ(file.names(),
+            (std::vector<std::string>{"layer.weight.nf4.absmax", "layer.weight.nf4.absmax_offset",
+                                      "layer.weight.nf4.absmax_scale", "layer.weight.nf4.codes",
+                                      "layer.weight.nf4.shape"}));
+  nn::Nf4Tensor back = io::read_nf4(file, "layer.weight");
+  EXPECT_EQ(back.shape, q.shape);
+  EXPECT_EQ(back.absmax_offset, q.absmax_offset);
+  EXPECT_TRUE(bitwise_equal(back.dequantize().to_float_vector(), dq));
+  // bf16 output rounds the same values.
+  const std::vector<float> bf = q.dequantize(DType::BF16).to_float_vector();
+  for (size_t i = 0; i < dq.size(); ++i) ASSERT_EQ(bf[i], round_to(DType::BF16, dq[i]));
+
+  tensors.erase(tensors.begin() + 1);  // drop the absmax
+  save_safetensors(dir.str("broken.safetensors"), tensors);
+  SafetensorsFile broken = SafetensorsFile::open(dir.str("broken.safetensors"));
+  expect_error<FormatError>([&] { io::read_nf4(broken, "layer.weight"); },
+                            {"broken.safetensors", "layer.weight.nf4.absmax'"});
+}
+
+// ---- Nf4Linear ----------------------------------------------------------------------------------
+
+TEST(Nf4Linear, ForwardAndBackwardEqualLinearWithDequantizedWeight) {
+  Generator gen(23);
+  nn::Linear dense(64, 48, Device::cpu());
+  dense.weight.copy_from(randn({48, 64}, gen, 0.1f));
+  auto q = nn::Nf4Linear::from_linear(dense);
+  EXPECT_TRUE(q->named_parameters().empty());
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    Tensor x = randn({2, 3, 64}, gen, 1.0f, dtype);
+    autograd::set_requires_grad(x);
+    Tensor x_ref = x.detach().clone();
+    autograd::set_requires_grad(x_ref);
+    Tensor w_ref = q->dequantized_weight(dtype);
+    Tensor y = q->forward(x), y_ref = ops::linear(x_ref, w_ref);
+    EXPECT_EQ(y.dtype(), dtype);
+    EXPECT_TRUE(bitwise_equal(y.to_float_vector(), y_ref.to_float_vector()));
+    Tensor dy = randn(y.shape(), gen, 1.0f, dtype);
+    autograd::backward(y, dy);
+    autograd::backward(y_ref, dy);
+    EXPECT_TRUE(bitwise_equal(autograd::grad(x).to_float_vector(),
+                              autograd::grad(x_ref).to_float_vector()));
+    EXPECT_FALSE(autograd::grad(w_ref).defined());
+  }
+  Tensor x = testing::param({5, 64}, gen);
+  gradcheck([&](const std::vector<Tensor>& t) { return q->forward(t[0]); }, {x});
+}
+
+TEST(Nf4Linear, KeepsNoDenseWeightForBackward) {
+  Generator gen(29);
+  nn::Linear dense(1024, 1024, Device::cpu());
+  dense.weight.copy_from(randn({1024, 1024}, gen, 0.02f));
+  auto q = nn::Nf4Linear::from_linear(dense);
+  Tensor x = testing::param({2, 1024}, gen);
+  Allocator& cpu = allocator_for(Device::cpu());
+  const MemoryStats before = cpu.stats();
+  cpu.reset_peak();
+  Tensor y = q->forward(x);
+  const MemoryStats after = cpu.stats();
+  // The f32 dense weight (4 MiB) existed only as workspace during the product ...
+  EXPECT_GE(after.peak_of(MemoryCategory::Workspace), 1024 * 1024 * 4);
+  EXPECT_EQ(after.in_use_of(MemoryCategory::Workspace),
+            before.in_use_of(MemoryCategory::Workspace));
+  // ... and the graph holds only the output.
+  EXPECT_LT(after.total_in_use - before.total_in_use, 64 * 1024);
+  autograd::backward(ops::scale(y, 1.0f), ones(y.shape()));
+  EXPECT_TRUE(autograd::grad(x).defined());
+}
+
+// ---- LoRA -------------------------------------------------------------------------------------
+
+nn::LlamaConfig tiny_config() {
+  nn::LlamaConfig c;
+  c.vocab_size = 64;
+  c.hidden_size = 64;
+  c.intermediate_size = 128;
+  c.num_layers = 2;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.max_seq_len = 32;
+  c.init_std = 0.05f;
+  return c;
+}
+
+std::unique_ptr<nn::LlamaModel> tiny_model(uint64_t seed = 3) {
+  auto m = std::make_unique<nn::LlamaModel>(tiny_config(), Device::cpu());
+  m->init_weights(seed);
+  return m;
+}
+
+struct Batch {
+  Tensor ids, targets;
+};
+
+Batch fixed_batch(int64_t b = 2, int64_t s = 16) {
+  std::vector<int64_t> ids(static_cast<size_t>(b * s)), targets(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    ids[i] = static_cast<int64_t>((i * 7 + 3) % 64);
+    targets[i] = static_cast<int64_t>((i * 7 + 10) % 64);
+  }
+  return {from_ints(ids, {b, s}), from_ints(targets, {b, s})};
+}
+
+float loss_of(nn::LlamaModel& m, const Batch& batch) {
+  autograd::NoGrad no_grad;
+  return m.loss_sum(batch.ids, batch.targets).item();
+}
+
+nn::LoraOptions options(nn::BaseQuantization quant, int64_t r = 4, float alpha = 16) {
+  nn::LoraOptions o;
+  o.r = r;
+  o.alpha = alpha;
+  o.quantize_base = quant;
+  o.seed = 99;
+  return o;
+}
+
+void randomize_b(nn::LlamaModel& m, uint64_t seed) {
+  Generator gen(seed);
+  autograd::NoGrad no_grad;
+  for (auto& [name, lora] : nn::lora_modules(m)) lora->lora_B.copy_from(randn(lora->lora_B.shape(), gen, 0.05f));
+}
+
+TEST(Lora, ZeroBGivesTheBaseModelsLoss) {
+  const Batch batch = fixed_batch();
+  auto base = tiny_model();
+  const float base_loss = loss_of(*base, batch);
+
+  auto plain = tiny_model();
+  nn::LoraSummary s = nn::apply_lora(*plain, options(nn::BaseQuantization::None));
+  EXPECT_EQ(s.adapted_modules, 14);
+  EXPECT_EQ(s.nf4_bytes, 0);
+  const float plain_loss = loss_of(*plain, batch);
+  EXPECT_EQ(std::memcmp(&plain_loss, &base_loss, sizeof(float)), 0) << plain_loss << " vs " << base_loss;
+
+  // NF4: the same as a dense model holding the dequantized weights.
+  auto quantized = tiny_model();
+  auto reference = tiny_model();
+  {
+    autograd::NoGrad no_grad;
+    for (auto& layer : reference->layers)
+      for (const std::string& name : nn::lora_projection_names()) {
+        nn::Linear& p = name.find("proj") != std::string::npos &&
+                                (name[0] == 'q' || name[0] == 'k' || name[0] == 'v' ||
+                                 name[0] == 'o')
+                            ? layer->self_attn.projection(name)
+                            : layer->mlp.projection(name);
+        p.weight.copy_from(nn::Nf4Tensor::quantize(p.weight).dequantize());
+      }
+  }
+  s = nn::apply_lora(*quantized, options(nn::BaseQuantization::Nf4));
+  EXPECT_GT(s.nf4_bytes, 0);
+  const float nf4_loss = loss_of(*quantized, batch), ref_loss = loss_of(*reference, batch);
+  EXPECT_EQ(std::memcmp(&nf4_loss, &ref_loss, sizeof(float)), 0) << nf4_loss << " vs " << ref_loss;
+  EXPECT_NEAR(nf4_loss, base_loss, 0.02 * base_loss);
+}
+
+TEST(Lora, AdapterGradientsPassGradcheck) {
+  Generator gen(31);
+  for (nn::BaseQuantization quant : {nn::BaseQuantization::None, nn::BaseQuantization::Nf4}) {
+    for (float dropout : {0.0f, 0.3f}) {
+      auto dense = std::make_unique<nn::Linear>(10, 12, Device::cpu());
+      dense->weight.copy_from(randn({12, 10}, gen, 0.3f));
+      autograd::set_requires_grad(dense->weight, false);
+      std::unique_ptr<nn::Linear> base = std::move(dense);
+      if (quant == nn::BaseQuantization::Nf4) base = nn::Nf4Linear::from_linear(*base);
+      nn::LoraLinear lora(std::move(base), 3, 6.0f, dropout, 5, Device::cpu());
+      {
+        autograd::NoGrad no_grad;
+        lora.lora_B.copy_from(randn({12, 3}, gen, 0.5f));
+      }
+      Tensor x = testing::param({2, 4, 10}, gen);
+      // The dropout mask is fixed by resetting its generator before each evaluation.
+      gradcheck(
+          [&](const std::vector<Tensor>& t) {
+            lora.dropout_generator().set_state(1234, 0);
+            return lora.forward(t[0]);
+          },
+          {x, lora.lora_A, lora.lora_B});
+    }
+  }
+}
+
+TEST(Lora, OnlyAdaptersReceiveGradients) {
+  auto m = tiny_model();
+  nn::LoraSummary s = nn::apply_lora(*m, options(nn::BaseQuantization::Nf4, 4, 8));
+  const nn::LlamaConfig c = tiny_config();
+  const int64_t kv = c.num_kv_heads * c.head_dim();
+  const int64_t per_layer = 4 * ((64 + 64) + (64 + kv) + (64 + kv) + (64 + 64) + (64 + 128) +
+                                 (64 + 128) + (128 + 64));
+  EXPECT_EQ(s.trainable_parameters, 2 * per_layer);
+  EXPECT_EQ(s.trainable_parameters + s.frozen_parameters, c.num_parameters() + s.trainable_parameters);
+  randomize_b(*m, 41);
+  const Batch batch = fixed_batch();
+  autograd::backward(m->loss_sum(batch.ids, batch.targets));
+  int adapters = 0;
+  for (auto& [name, slot] : m->named_parameters()) {
+    const bool adapter = name.find(".lora_") != std::string::npos;
+    EXPECT_EQ(autograd::requires_grad(*slot), adapter) << name;
+    Tensor g = autograd::grad(*slot);
+    EXPECT_EQ(g.defined(), adapter) << name;
+    if (adapter) {
+      ++adapters;
+      EXPECT_GT(ops::sum_squares(g), 0.0) << name;
+    }
+  }
+  EXPECT_EQ(adapters, 28);
+}
+
+TEST(Lora, FrozenDtypeAndValidation) {
+  auto m = tiny_model();
+  nn::LoraOptions o = options(nn::BaseQuantization::Nf4);
+  o.frozen_dtype = DType::BF16;
+  o.target_modules = {"q_proj", "v_proj"};
+  nn::LoraSummary s = nn::apply_lora(*m, o);
+  EXPECT_EQ(s.adapted_modules, 4);
+  EXPECT_EQ(m->embed_tokens.weight.dtype(), DType::BF16);
+  EXPECT_EQ(m->norm.weight.dtype(), DType::BF16);
+  EXPECT_EQ(nn::lora_modules(*m).front().second->lora_A.dtype(), DType::F32);
+  // Non-targeted projections are quantized too.
+  EXPECT_NE(dynamic_cast<nn::Nf4Linear*>(&m->layers[0]->mlp.projection("up_proj")), nullptr);
+  const Batch batch = fixed_batch();
+  Tensor loss = m->loss_sum(batch.ids, batch.targets);
+  EXPECT_TRUE(std::isfinite(loss.item()));
+  autograd::backward(loss);
+
+  expect_error<ConfigError>([&] { nn::apply_lora(*m, o); }, {"already has a LoRA adapter"});
+  auto fresh = tiny_model();
+  o.target_modules = {"q_prj"};
+  expect_error<ConfigError>([&] { nn::apply_lora(*fresh, o); },
+                            {"lora.target_modules", "q_prj", "did you mean 'q_proj'"});
+  o = options(nn::BaseQuantization::None, 0);
+  expect_error<ConfigError>([&] { nn::apply_lora(*fresh, o); }, {"lora.r"});
+  expect_error<ConfigError>([] { nn::parse_base_quantization("int4"); },
+                            {"lora.quantize_base", "int4"});
+}
+
+// ---- PEFT files ---------------------------------------------------------------------------------
+
+TEST(Peft, AdapterFilesHavePeftNamesAndConfigKeys) {
+  TempDir dir;
+  auto m = tiny_model();
+  nn::apply_lora(*m, options(nn::BaseQuantization::Nf4, 4, 16));
+  randomize_b(*m, 43);
+  io::save_peft_adapter(*m, dir.str("adapter"), "meta-llama/Llama-3.1-8B");
+
+  SafetensorsFile file = SafetensorsFile::open(dir.str("adapter/adapter_model.safetensors"));
+  std::vector<std::string> expected;
+  for (int l = 0; l < 2; ++l)
+    for (const char* p : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                          "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"})
+      for (const char* ab : {"lora_A", "lora_B"})
+        expected.push_back("base_model.model.model.layers." + std::to_string(l) + "." + p + "." +
+                           ab + ".weight");
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(file.names(), expected);
+  EXPECT_EQ(file.info("base_model.model.model.layers.1.self_attn.k_proj.lora_A.weight").shape,
+            (Shape{4, 64}));
+  EXPECT_EQ(file.info("base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight").shape,
+            (Shape{32, 4}));
+  EXPECT_EQ(file.info("base_model.model.model.layers.0.mlp.down_proj.lora_A.weight").dtype,
+            DType::F32);
+  EXPECT_EQ(file.metadata().at("format"), "pt");
+
+  std::ifstream in(dir.str("adapter/adapter_config.json"));
+  const nlohmann::json config = nlohmann::json::parse(in);
+  std::set<std::string> keys;
+  for (auto it = config.begin(); it != config.end(); ++it) keys.insert(it.key());
+  EXPECT_EQ(keys, (std::set<std::string>{"peft_type", "task_type", "r", "lora_alpha",
+                                         "lora_dropout", "target_modules",
+                                         "base_model_name_or_path", "bias", "fan_in_fan_out",
+                                         "inference_mode", "init_lora_weights", "modules_to_save",
+                                         "revision", "use_rslora", "use_dora"}));
+  EXPECT_EQ(config["peft_type"], "LORA");
+  EXPECT_EQ(config["task_type"], "CAUSAL_LM");
+  EXPECT_EQ(config["r"], 4);
+  EXPECT_TRUE(config["lora_alpha"].is_number_integer());
+  EXPECT_EQ(config["lora_alpha"], 16);
+  EXPECT_EQ(config["lora_dropout"], 0);
+  EXPECT_EQ(config["target_modules"],
+            nlohmann::json({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                            "down_proj"}));
+  EXPECT_EQ(config["base_model_name_or_path"], "meta-llama/Llama-3.1-8B");
+  EXPECT_EQ(config["bias"], "none");
+  EXPECT_EQ(config["fan_in_fan_out"], false);
+  EXPECT_EQ(config["inference_mode"], true);
+  EXPECT_TRUE(config["modules_to_save"].is_null());
+  EXPECT_EQ(config["use_dora"], false);
+
+  // Round trip into a fresh model built from the config.
+  std::string base_name;
+  nn::LoraOptions read = io::read_peft_config(dir.str("adapter"), &base_name);
+  EXPECT_EQ(base_name, "meta-llama/Llama-3.1-8B");
+  EXPECT_EQ(read.r, 4);
+  EXPECT_EQ(read.alpha, 16.0f);
+  EXPECT_EQ(read.target_modules, nn::lora_projection_names());
+  auto other = tiny_model();
+  nn::apply_lora(*other, read);
+  io::load_peft_adapter(*other, dir.str("adapter"));
+  const Batch batch = fixed_batch();
+  const float a = loss_of(*m, batch), b = loss_of(*other, batch);
+  EXPECT_EQ(std::memcmp(&a, &b, sizeof(float)), 0);
+}
+
+TEST(Peft, LoadErrorsNameTheFileAndTensor) {
+  TempDir dir;
+  auto m = tiny_model();
+  nn::apply_lora(*m, options(nn::BaseQuantization::None, 4, 16));
+  io::save_peft_adapter(*m, dir.str("adapter"));
+  const std::string weights = dir.str("adapter/adapter_model.safetensors");
+
+  // A missing tensor.
+  {
+    SafetensorsFile file = SafetensorsFile::open(weights);
+    NamedTensors kept;
+    for (const std::string& name : file.names())
+      if (name.find("layers.1.mlp.up_proj.lora_B") == std::string::npos)
+        kept.emplace_back(name, file.load(name));
+    fs::create_directories(dir.str("missing"));
+    fs::copy_file(dir.str("adapter/adapter_config.json"), dir.str("missing/adapter_config.json"));
+    save_safetensors(dir.str("missing/adapter_model.safetensors"), kept);
+  }
+  expect_error<FormatError>([&] { io::load_peft_adapter(*m, dir.str("missing")); },
+                            {"missing/adapter_model.safetensors",
+                             "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"});
+
+  // A model with another rank.
+  auto r8 = tiny_model();
+  nn::apply_lora(*r8, options(nn::BaseQuantization::None, 8, 16));
+  expect_error<FormatError>([&] { io::load_peft_adapter(*r8, dir.str("adapter")); },
+                            {"adapter_config.json", "r=4", "rank 8"});
+
+  // A model with fewer adapters than the file.
+  auto fewer = tiny_model();
+  nn::LoraOptions o = options(nn::BaseQuantization::None, 4, 16);
+  o.target_modules = {"q_proj", "v_proj"};
+  nn::apply_lora(*fewer, o);
+  expect_error<FormatError>([&] { io::load_peft_adapter(*fewer, dir.str("adapter")); },
+                            {"adapter_model.safetensors", "k_proj.lora_A.weight",
+                             "no adapter of this model"});
+
+  // Unsupported PEFT features.
+  {
+    std::ifstream in(dir.str("adapter/adapter_config.json"));
+    nlohmann::json config = nlohmann::json::parse(in);
+    config["use_dora"] = true;
+    fs::create_directories(dir.str("dora"));
+    std::ofstream(dir.str("dora/adapter_config.json")) << config.dump();
+  }
+  expect_error<FormatError>([&] { io::read_peft_config(dir.str("dora")); },
+                            {"dora/adapter_config.json", "use_dora"});
+  expect_error<ConfigError>([&] { io::read_peft_config(dir.str("nowhere")); },
+                            {"nowhere/adapter_config.json"});
+}
+
+TEST(Peft, MergedExportComputesWhatTheAdaptedModelComputes) {
+  TempDir dir;
+  auto m = tiny_model();
+  nn::apply_lora(*m, options(nn::BaseQuantization::Nf4, 4, 16));
+  randomize_b(*m, 47);
+  io::save_merged_hf_model(*m, dir.str("merged"));
+  nn::LlamaModel merged(tiny_config(), Device::cpu());
+  io::load_hf_weights(merged, dir.str("merged"));
+  const Batch batch = fixed_batch();
+  autograd::NoGrad no_grad;
+  const std::vector<float> a = m->forward(batch.ids).to_float_vector();
+  const std::vector<float> b = merged.forward(batch.ids).to_float_vector();
+  double max_diff = 0, max_abs = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    max_diff = std::max(max_diff, static_cast<double>(std::fabs(a[i] - b[i])));
+    max_abs = std::max(max_abs, static_cast<double>(std::fabs(a[i])));
+  }
+  EXPECT_LT(max_diff, 1e-4 * max_abs);
+  // The adapters matter: the base alone computes something else.
+  auto base_only = tiny_model();
+  const std::vector<float> c = base_only->forward(batch.ids).to_float_vector();
+  double base_diff = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    base_diff = std::max(base_diff, static_cast<double>(std::fabs(a[i] - c[i])));
+  EXPECT_GT(base_diff, 100 * max_diff);
+}
+
+TEST(Peft, Nf4BaseRoundTrip) {
+  TempDir dir;
+  auto m = tiny_model(3);
+  nn::apply_lora(*m, options(nn::BaseQuantization::Nf4));
+  io::save_nf4_base(*m, dir.str("base.safetensors"));
+  auto other = tiny_model(4);  // different weights, same shapes and adapters
+  nn::apply_lora(*other, options(nn::BaseQuantization::Nf4));
+  const Batch batch = fixed_batch();
+  ASSERT_NE(loss_of(*m, batch), loss_of(*other, batch));
+  io::load_nf4_base(*other, dir.str("base.safetensors"));
+  const float a = loss_of(*m, batch), b = loss_of(*other, batch);
+  EXPECT_EQ(std::memcmp(&a, &b, sizeof(float)), 0);
+
+  auto plain = tiny_model();
+  nn::apply_lora(*plain, options(nn::BaseQuantization::None));
+  expect_error<ConfigError>([&] { io::load_nf4_base(*plain, dir.str("base.safetensors")); },
+                            {"no NF4 projections"});
+}
+
+// ---- training -----------------------------------------------------------------------------------
+
+TEST(Lora, AdamWStepsLowerTheLoss) {
+  auto m = tiny_model();
+  nn::LoraOptions o = options(nn::BaseQuantization::Nf4, 8, 16);
+  o.dropout = 0.05f;
+  nn::apply_lora(*m, o);
+  std::vector<optim::NamedParam> params;
+  for (auto& [name, slot] : m->named_parameters())
+    if (autograd::requires_grad(*slot)) params.push_back({name, slot});
+  ASSERT_EQ(params.size(), 28u);
+  optim::AdamWOptions ao;
+  ao.weight_decay = 0.0f;
+  optim::AdamW adamw(params, ao);
+  const Batch batch = fixed_batch();
+  m->train(false);
+  const float first = loss_of(*m, batch);
+  m->train(true);
+  for (int step = 0; step < 8; ++step) {
+    adamw.zero_grad();
+    int64_t counted = 0;
+    Tensor loss = m->loss_sum(batch.ids, batch.targets, &counted);
+    autograd::backward(ops::scale(loss, 1.0f / static_cast<float>(counted)));
+    adamw.step(1e-2f);
+  }
+  m->train(false);
+  const float last = loss_of(*m, batch);
+  std::printf("LoRA loss %.4f -> %.4f\n", first, last);
+  EXPECT_LT(last, 0.8f * first);
+}
+
+}  // namespace
+}  // namespace shardtrain
