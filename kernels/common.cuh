@@ -144,29 +144,31 @@ inline unsigned grid_for(int64_t items, int threads = kThreads) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min(needed, cap)));
 }
 
-inline unsigned ceil_div(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
+inline unsigned ceil_div(int64_t a, int64_t b) {
+  return static_cast<unsigned>((a + b - 1) / b);
+}
 
 }  // namespace shardtrain::kernels
 
 #define ST_CHECK_LAUNCH() ST_CUDA_CHECK(cudaGetLastError())
 
 // Runs the statement list with T bound to the storage type of a float dtype.
-#define ST_DISPATCH_FLOAT(dtype, T, ...)                                              \
-  switch (dtype) {                                                                    \
-    case ::shardtrain::DType::F32: {                                                  \
-      using T = float;                                                                \
-      __VA_ARGS__;                                                                    \
-    } break;                                                                          \
-    case ::shardtrain::DType::BF16: {                                                 \
-      using T = ::shardtrain::kernels::bf16;                                          \
-      __VA_ARGS__;                                                                    \
-    } break;                                                                          \
-    case ::shardtrain::DType::F16: {                                                  \
-      using T = ::shardtrain::kernels::f16;                                           \
-      __VA_ARGS__;                                                                    \
-    } break;                                                                          \
-    default:                                                                          \
-      throw ::shardtrain::ShapeError(::shardtrain::detail::concat(                    \
+#define ST_DISPATCH_FLOAT(dtype, T, ...)                                                  \
+  switch (dtype) {                                                                        \
+    case ::shardtrain::DType::F32: {                                                      \
+      using T = float;                                                                    \
+      __VA_ARGS__;                                                                        \
+    } break;                                                                              \
+    case ::shardtrain::DType::BF16: {                                                     \
+      using T = ::shardtrain::kernels::bf16;                                              \
+      __VA_ARGS__;                                                                        \
+    } break;                                                                              \
+    case ::shardtrain::DType::F16: {                                                      \
+      using T = ::shardtrain::kernels::f16;                                               \
+      __VA_ARGS__;                                                                        \
+    } break;                                                                              \
+    default:                                                                              \
+      throw ::shardtrain::ShapeError(::shardtrain::detail::concat(                        \
           "CUDA kernel needs a float tensor (f32, bf16, f16), got ", dtype_name(dtype))); \
   }
 
@@ -188,8 +190,8 @@ inline int64_t column_sum_splits(int64_t rows) {
 }
 
 template <typename Term>
-__global__ void column_partial_kernel(Term term, int64_t rows, int64_t cols,
-                                      int64_t rows_per_split, float* partial) {
+__global__ void column_partial_kernel(Term term, int64_t rows, int64_t cols, int64_t rows_per_split,
+                                      float* partial) {
   __shared__ float lanes[kRowLanes][kColumnTile + 1];
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kColumnTile + threadIdx.x;
   const int64_t split = blockIdx.y;
@@ -227,11 +229,11 @@ void column_sum(Term term, int64_t rows, int64_t cols, float* out, Scratch& scra
   const int64_t rows_per_split = (rows + splits - 1) / splits;
   float* partial = static_cast<float*>(scratch.get(sizeof(float) * splits * cols));
   const dim3 grid(ceil_div(cols, kColumnTile), static_cast<unsigned>(splits));
-  column_partial_kernel<<<grid, dim3(kColumnTile, kRowLanes), 0, stream>>>(
-      term, rows, cols, rows_per_split, partial);
+  column_partial_kernel<<<grid, dim3(kColumnTile, kRowLanes), 0, stream>>>(term, rows, cols,
+                                                                           rows_per_split, partial);
   ST_CHECK_LAUNCH();
-  column_finish_kernel<><<<ceil_div(cols, kThreads), kThreads, 0, stream>>>(partial, splits, cols,
-                                                                           out);
+  column_finish_kernel<>
+      <<<ceil_div(cols, kThreads), kThreads, 0, stream>>>(partial, splits, cols, out);
   ST_CHECK_LAUNCH();
 }
 

@@ -110,11 +110,11 @@ void cross_entropy_forward(const void* logits, DType type, const int64_t* target
   ST_DISPATCH_FLOAT(type, T, {
     const T* l = static_cast<const T*>(logits);
     if (rows_vectorizable<T>(vocab, l, l))
-      cross_entropy_forward_kernel<kVec<T>><<<static_cast<unsigned>(rows), kRowThreads, 0,
-                                              stream>>>(l, targets, losses, vocab);
+      cross_entropy_forward_kernel<kVec<T>>
+          <<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(l, targets, losses, vocab);
     else
-      cross_entropy_forward_kernel<1><<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
-          l, targets, losses, vocab);
+      cross_entropy_forward_kernel<1>
+          <<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(l, targets, losses, vocab);
     ST_CHECK_LAUNCH();
   });
 }
@@ -127,8 +127,9 @@ void cross_entropy_backward(const void* logits, DType type, const int64_t* targe
     const T* l = static_cast<const T*>(logits);
     T* d = static_cast<T*>(dlogits);
     if (rows_vectorizable<T>(vocab, l, d))
-      cross_entropy_backward_kernel<kVec<T>><<<static_cast<unsigned>(rows), kRowThreads, 0,
-                                               stream>>>(l, targets, grad_scale, d, vocab);
+      cross_entropy_backward_kernel<kVec<T>>
+          <<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(l, targets, grad_scale, d,
+                                                                    vocab);
     else
       cross_entropy_backward_kernel<1><<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
           l, targets, grad_scale, d, vocab);

@@ -42,8 +42,8 @@ void fill_words(void* out, int64_t n, const char* pattern, cudaStream_t stream) 
     done = n16 * 16 / static_cast<int64_t>(sizeof(W));
   }
   if (done < n) {
-    fill_kernel<W><<<grid_for(n - done), kThreads, 0, stream>>>(static_cast<W*>(out) + done,
-                                                                 n - done, value);
+    fill_kernel<W>
+        <<<grid_for(n - done), kThreads, 0, stream>>>(static_cast<W*>(out) + done, n - done, value);
     ST_CHECK_LAUNCH();
   }
 }
@@ -89,22 +89,22 @@ __global__ void cast_vec4_kernel(const S* src, D* dst, int64_t n4) {
   }
 }
 
-#define ST_DISPATCH_ANY(dtype, T, ...)                              \
-  switch (dtype) {                                                  \
-    case DType::I32: {                                              \
-      using T = int32_t;                                            \
-      __VA_ARGS__;                                                  \
-    } break;                                                        \
-    case DType::I64: {                                              \
-      using T = int64_t;                                            \
-      __VA_ARGS__;                                                  \
-    } break;                                                        \
-    case DType::U8: {                                               \
-      using T = uint8_t;                                            \
-      __VA_ARGS__;                                                  \
-    } break;                                                        \
-    default:                                                        \
-      ST_DISPATCH_FLOAT(dtype, T, __VA_ARGS__);                     \
+#define ST_DISPATCH_ANY(dtype, T, ...)          \
+  switch (dtype) {                              \
+    case DType::I32: {                          \
+      using T = int32_t;                        \
+      __VA_ARGS__;                              \
+    } break;                                    \
+    case DType::I64: {                          \
+      using T = int64_t;                        \
+      __VA_ARGS__;                              \
+    } break;                                    \
+    case DType::U8: {                           \
+      using T = uint8_t;                        \
+      __VA_ARGS__;                              \
+    } break;                                    \
+    default:                                    \
+      ST_DISPATCH_FLOAT(dtype, T, __VA_ARGS__); \
   }
 
 template <typename S, typename D>
@@ -176,21 +176,25 @@ __global__ void unary_kernel(const TA* a, TO* out, int64_t n, Op op) {
 }
 
 template <typename Op>
-void launch_binary(const void* a, DType ta, const void* b, DType tb, void* out, DType to,
-                   int64_t n, Op op, cudaStream_t stream) {
+void launch_binary(const void* a, DType ta, const void* b, DType tb, void* out, DType to, int64_t n,
+                   Op op, cudaStream_t stream) {
   if (n <= 0) return;
-  ST_DISPATCH_FLOAT(ta, TA, ST_DISPATCH_FLOAT(tb, TB, ST_DISPATCH_FLOAT(to, TO, {
-    const TA* pa = static_cast<const TA*>(a);
-    const TB* pb = static_cast<const TB*>(b);
-    TO* po = static_cast<TO*>(out);
-    const bool vec = aligned(pa, 4 * sizeof(TA)) && aligned(pb, 4 * sizeof(TB)) &&
-                     aligned(po, 4 * sizeof(TO));
-    if (vec)
-      binary_kernel<4><<<grid_for(n / 4 + 1), kThreads, 0, stream>>>(pa, pb, po, n, op);
-    else
-      binary_kernel<1><<<grid_for(n), kThreads, 0, stream>>>(pa, pb, po, n, op);
-    ST_CHECK_LAUNCH();
-  })));
+  ST_DISPATCH_FLOAT(
+      ta, TA, ST_DISPATCH_FLOAT(tb, TB, ST_DISPATCH_FLOAT(to, TO, {
+                                  const TA* pa = static_cast<const TA*>(a);
+                                  const TB* pb = static_cast<const TB*>(b);
+                                  TO* po = static_cast<TO*>(out);
+                                  const bool vec = aligned(pa, 4 * sizeof(TA)) &&
+                                                   aligned(pb, 4 * sizeof(TB)) &&
+                                                   aligned(po, 4 * sizeof(TO));
+                                  if (vec)
+                                    binary_kernel<4><<<grid_for(n / 4 + 1), kThreads, 0, stream>>>(
+                                        pa, pb, po, n, op);
+                                  else
+                                    binary_kernel<1>
+                                        <<<grid_for(n), kThreads, 0, stream>>>(pa, pb, po, n, op);
+                                  ST_CHECK_LAUNCH();
+                                })));
 }
 
 // ---- last-dimension broadcast ---------------------------------------------------------------
@@ -231,18 +235,38 @@ void fill(void* out, DType type, int64_t n, float value, cudaStream_t stream) {
   char pattern[8] = {};
   auto put = [&](auto v) { std::memcpy(pattern, &v, sizeof(v)); };
   switch (type) {
-    case DType::F32: put(value); break;
-    case DType::BF16: put(float_to_bf16(value)); break;
-    case DType::F16: put(float_to_f16(value)); break;
-    case DType::I32: put(static_cast<int32_t>(value)); break;
-    case DType::I64: put(static_cast<int64_t>(value)); break;
-    case DType::U8: put(static_cast<uint8_t>(value)); break;
+    case DType::F32:
+      put(value);
+      break;
+    case DType::BF16:
+      put(float_to_bf16(value));
+      break;
+    case DType::F16:
+      put(float_to_f16(value));
+      break;
+    case DType::I32:
+      put(static_cast<int32_t>(value));
+      break;
+    case DType::I64:
+      put(static_cast<int64_t>(value));
+      break;
+    case DType::U8:
+      put(static_cast<uint8_t>(value));
+      break;
   }
   switch (dtype_size(type)) {
-    case 1: fill_words<uint8_t>(out, n, pattern, stream); break;
-    case 2: fill_words<uint16_t>(out, n, pattern, stream); break;
-    case 4: fill_words<uint32_t>(out, n, pattern, stream); break;
-    default: fill_words<uint64_t>(out, n, pattern, stream); break;
+    case 1:
+      fill_words<uint8_t>(out, n, pattern, stream);
+      break;
+    case 2:
+      fill_words<uint16_t>(out, n, pattern, stream);
+      break;
+    case 4:
+      fill_words<uint32_t>(out, n, pattern, stream);
+      break;
+    default:
+      fill_words<uint64_t>(out, n, pattern, stream);
+      break;
   }
 }
 
@@ -254,7 +278,8 @@ void cast(const void* src, DType src_type, void* dst, DType dst_type, int64_t n,
                                   cudaMemcpyDeviceToDevice, stream));
     return;
   }
-  ST_DISPATCH_ANY(src_type, S, ST_DISPATCH_ANY(dst_type, D, launch_cast<S, D>(src, dst, n, stream)));
+  ST_DISPATCH_ANY(src_type, S,
+                  ST_DISPATCH_ANY(dst_type, D, launch_cast<S, D>(src, dst, n, stream)));
 }
 
 void add(const void* a, DType ta, const void* b, DType tb, void* out, DType to, int64_t n,
@@ -270,39 +295,45 @@ void mul(const void* a, DType ta, const void* b, DType tb, void* out, DType to, 
 void scale(const void* a, DType ta, void* out, DType to, int64_t n, float alpha,
            cudaStream_t stream) {
   if (n <= 0) return;
-  ST_DISPATCH_FLOAT(ta, TA, ST_DISPATCH_FLOAT(to, TO, {
-    const TA* pa = static_cast<const TA*>(a);
-    TO* po = static_cast<TO*>(out);
-    if (aligned(pa, 4 * sizeof(TA)) && aligned(po, 4 * sizeof(TO)))
-      unary_kernel<4><<<grid_for(n / 4 + 1), kThreads, 0, stream>>>(pa, po, n, ScaleOp{alpha});
-    else
-      unary_kernel<1><<<grid_for(n), kThreads, 0, stream>>>(pa, po, n, ScaleOp{alpha});
-    ST_CHECK_LAUNCH();
-  }));
+  ST_DISPATCH_FLOAT(
+      ta, TA, ST_DISPATCH_FLOAT(to, TO, {
+        const TA* pa = static_cast<const TA*>(a);
+        TO* po = static_cast<TO*>(out);
+        if (aligned(pa, 4 * sizeof(TA)) && aligned(po, 4 * sizeof(TO)))
+          unary_kernel<4><<<grid_for(n / 4 + 1), kThreads, 0, stream>>>(pa, po, n, ScaleOp{alpha});
+        else
+          unary_kernel<1><<<grid_for(n), kThreads, 0, stream>>>(pa, po, n, ScaleOp{alpha});
+        ST_CHECK_LAUNCH();
+      }));
 }
 
 void mul_lastdim(const void* x, DType tx, const void* w, DType tw, void* out, DType to, int64_t n,
                  int64_t width, cudaStream_t stream) {
   if (n <= 0 || width <= 0) return;
-  ST_DISPATCH_FLOAT(tx, TX, ST_DISPATCH_FLOAT(tw, TW, ST_DISPATCH_FLOAT(to, TO, {
-    const TX* px = static_cast<const TX*>(x);
-    const TW* pw = static_cast<const TW*>(w);
-    TO* po = static_cast<TO*>(out);
-    if (width % 4 == 0 && aligned(px, 4 * sizeof(TX)) && aligned(po, 4 * sizeof(TO)))
-      mul_lastdim_kernel<4><<<grid_for(n / 4 + 1), kThreads, 0, stream>>>(px, pw, po, n, width);
-    else
-      mul_lastdim_kernel<1><<<grid_for(n), kThreads, 0, stream>>>(px, pw, po, n, width);
-    ST_CHECK_LAUNCH();
-  })));
+  ST_DISPATCH_FLOAT(
+      tx, TX,
+      ST_DISPATCH_FLOAT(
+          tw, TW, ST_DISPATCH_FLOAT(to, TO, {
+            const TX* px = static_cast<const TX*>(x);
+            const TW* pw = static_cast<const TW*>(w);
+            TO* po = static_cast<TO*>(out);
+            if (width % 4 == 0 && aligned(px, 4 * sizeof(TX)) && aligned(po, 4 * sizeof(TO)))
+              mul_lastdim_kernel<4>
+                  <<<grid_for(n / 4 + 1), kThreads, 0, stream>>>(px, pw, po, n, width);
+            else
+              mul_lastdim_kernel<1><<<grid_for(n), kThreads, 0, stream>>>(px, pw, po, n, width);
+            ST_CHECK_LAUNCH();
+          })));
 }
 
-void mul_lastdim_backward_weight(const void* dy, DType tdy, const void* x, DType tx,
-                                 float* grad_w, int64_t rows, int64_t width, Scratch& scratch,
+void mul_lastdim_backward_weight(const void* dy, DType tdy, const void* x, DType tx, float* grad_w,
+                                 int64_t rows, int64_t width, Scratch& scratch,
                                  cudaStream_t stream) {
   ST_DISPATCH_FLOAT(tdy, TA, ST_DISPATCH_FLOAT(tx, TB, {
-    column_sum(ProductTerm<TA, TB>{static_cast<const TA*>(dy), static_cast<const TB*>(x), width},
-               rows, width, grad_w, scratch, stream);
-  }));
+                      column_sum(ProductTerm<TA, TB>{static_cast<const TA*>(dy),
+                                                     static_cast<const TB*>(x), width},
+                                 rows, width, grad_w, scratch, stream);
+                    }));
 }
 
 }  // namespace shardtrain::kernels

@@ -24,8 +24,8 @@ __global__ void first_bad_kernel(const int64_t* ids, int64_t n, int64_t limit, i
 }
 
 template <int N, typename TW, typename TO>
-__global__ void embedding_forward_kernel(const TW* weight, const int64_t* ids, TO* out,
-                                         int64_t n, int64_t hidden) {
+__global__ void embedding_forward_kernel(const TW* weight, const int64_t* ids, TO* out, int64_t n,
+                                         int64_t hidden) {
   const int64_t per_row = hidden / N;
   const int64_t total = n * per_row;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
@@ -110,17 +110,18 @@ int64_t first_bad_index(const int64_t* ids, int64_t n, int64_t limit, int64_t ig
 void embedding_forward(const void* weight, DType tw, const int64_t* ids, void* out, DType to,
                        int64_t n, int64_t vocab, int64_t hidden, cudaStream_t stream) {
   if (n <= 0 || hidden <= 0) return;
-  ST_DISPATCH_FLOAT(tw, TW, ST_DISPATCH_FLOAT(to, TO, {
-    const TW* w = static_cast<const TW*>(weight);
-    TO* o = static_cast<TO*>(out);
-    if (hidden % 4 == 0 && aligned(w, 4 * sizeof(TW)) && aligned(o, 4 * sizeof(TO)))
-      embedding_forward_kernel<4><<<grid_for(n * hidden / 4), kThreads, 0, stream>>>(w, ids, o, n,
-                                                                                   hidden);
-    else
-      embedding_forward_kernel<1><<<grid_for(n * hidden), kThreads, 0, stream>>>(w, ids, o, n,
-                                                                               hidden);
-    ST_CHECK_LAUNCH();
-  }));
+  ST_DISPATCH_FLOAT(
+      tw, TW, ST_DISPATCH_FLOAT(to, TO, {
+        const TW* w = static_cast<const TW*>(weight);
+        TO* o = static_cast<TO*>(out);
+        if (hidden % 4 == 0 && aligned(w, 4 * sizeof(TW)) && aligned(o, 4 * sizeof(TO)))
+          embedding_forward_kernel<4>
+              <<<grid_for(n * hidden / 4), kThreads, 0, stream>>>(w, ids, o, n, hidden);
+        else
+          embedding_forward_kernel<1>
+              <<<grid_for(n * hidden), kThreads, 0, stream>>>(w, ids, o, n, hidden);
+        ST_CHECK_LAUNCH();
+      }));
 }
 
 void embedding_backward(const void* grad_out, DType tg, const int64_t* ids, float* grad_weight,

@@ -436,8 +436,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 template <int D>
 struct DqTiles {
   static constexpr int kRows = 64, kKeys = 32, kLd = D + 8, kLdT = kKeys + 8;
-  static constexpr size_t kSmem =
-      sizeof(uint16_t) * (2 * kRows * kLd + 2 * kKeys * kLd + D * kLdT);
+  static constexpr size_t kSmem = sizeof(uint16_t) * (2 * kRows * kLd + 2 * kKeys * kLd + D * kLdT);
 };
 
 template <typename T, int D>
@@ -776,8 +775,8 @@ void tc_backward(const AttentionDims& d, const void* q, const void* k, const voi
   }
 
 void check_dims(const AttentionDims& d) {
-  ST_CHECK_SHAPE(d.head_dim <= kSimtMaxD, "attention head dim ", d.head_dim,
-                 " is larger than the ", kSimtMaxD, " the CUDA kernels support");
+  ST_CHECK_SHAPE(d.head_dim <= kSimtMaxD, "attention head dim ", d.head_dim, " is larger than the ",
+                 kSimtMaxD, " the CUDA kernels support");
   ST_CHECK_SHAPE(d.heads_kv > 0 && d.heads_q % d.heads_kv == 0, "attention: ", d.heads_q,
                  " query heads are not a multiple of ", d.heads_kv, " key/value heads");
   ST_CHECK_SHAPE(d.heads_q <= 65535 && d.batch <= 65535, "attention: batch ", d.batch,
@@ -844,8 +843,7 @@ void attention_backward(const AttentionDims& d, const void* q, const void* k, co
     const T* vt = static_cast<const T*>(v);
     const T* dot = static_cast<const T*>(dout);
     simt_backward_dq_kernel<T><<<ceil_div(rows, kSimtWarps), 32 * kSimtWarps, 0, stream>>>(
-        qt, kt, vt, dot, lse, delta, static_cast<T*>(dq), rows, heads_q, group, d.seq, D,
-        d.scale);
+        qt, kt, vt, dot, lse, delta, static_cast<T*>(dq), rows, heads_q, group, d.seq, D, d.scale);
     ST_CHECK_LAUNCH();
     simt_backward_dkdv_kernel<T><<<ceil_div(kv_rows, kSimtWarps), 32 * kSimtWarps, 0, stream>>>(
         qt, kt, vt, dot, lse, delta, static_cast<T*>(dk), static_cast<T*>(dv), kv_rows, heads_q,

@@ -40,8 +40,8 @@ void scale(const void* a, DType ta, void* out, DType to, int64_t n, float alpha,
 void mul_lastdim(const void* x, DType tx, const void* w, DType tw, void* out, DType to, int64_t n,
                  int64_t width, cudaStream_t stream);
 // grad_w[j] += sum_r dy[r, j] * x[r, j] (deterministic two-stage column sums)
-void mul_lastdim_backward_weight(const void* dy, DType tdy, const void* x, DType tx,
-                                 float* grad_w, int64_t rows, int64_t width, Scratch& scratch,
+void mul_lastdim_backward_weight(const void* dy, DType tdy, const void* x, DType tx, float* grad_w,
+                                 int64_t rows, int64_t width, Scratch& scratch,
                                  cudaStream_t stream);
 
 // ---- swiglu.cu ------------------------------------------------------------------------------
@@ -110,11 +110,11 @@ bool unscale_and_check(void* x, DType type, int64_t n, float inv_scale, Scratch&
 // ---- adamw.cu -------------------------------------------------------------------------------
 // Per-element constants of one AdamW step, formed on the host as the CPU backend does.
 struct AdamWConstants {
-  float decay;            // 1 - lr * weight_decay
+  float decay;  // 1 - lr * weight_decay
   float beta1, beta2;
   float one_minus_beta1, one_minus_beta2;
-  float step_size;        // lr / (1 - beta1^step)
-  float bias2_sqrt;       // sqrt(1 - beta2^step)
+  float step_size;   // lr / (1 - beta1^step)
+  float bias2_sqrt;  // sqrt(1 - beta2^step)
   float eps;
 };
 void adamw(float* param, const void* grad, DType tg, float* m, float* v, int64_t n,

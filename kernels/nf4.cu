@@ -20,15 +20,14 @@ struct Nf4Tables {
 
 __device__ __forceinline__ float block_absmax(const uint8_t* absmax_q, const float* absmax_scale,
                                               float offset, int64_t block, const float* map) {
-  const float scaled =
-      __fmul_rn(map[absmax_q[block]], absmax_scale[block / nf4::kAbsmaxGroupSize]);
+  const float scaled = __fmul_rn(map[absmax_q[block]], absmax_scale[block / nf4::kAbsmaxGroupSize]);
   return __fadd_rn(scaled, offset);
 }
 
 template <typename T>
 __global__ void nf4_vector_kernel(const uint2* codes, const uint8_t* absmax_q,
-                                  const float* absmax_scale, float offset, T* out,
-                                  int64_t groups, Nf4Tables tables) {
+                                  const float* absmax_scale, float offset, T* out, int64_t groups,
+                                  Nf4Tables tables) {
   __shared__ float code[16];
   __shared__ float map[256];
   for (int i = threadIdx.x; i < 256; i += blockDim.x) map[i] = tables.absmax_map[i];
@@ -66,8 +65,8 @@ __global__ void nf4_scalar_kernel(const uint8_t* codes, const uint8_t* absmax_q,
                                   int64_t n, Nf4Tables tables) {
   for (int64_t i = begin + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float absmax = block_absmax(absmax_q, absmax_scale, offset, i / nf4::kNf4BlockSize,
-                                      tables.absmax_map);
+    const float absmax =
+        block_absmax(absmax_q, absmax_scale, offset, i / nf4::kNf4BlockSize, tables.absmax_map);
     const unsigned byte = codes[i / 2];
     const unsigned c = (i % 2 == 0) ? byte >> 4 : byte & 0x0fu;
     out[i] = from_float<T>(__fmul_rn(tables.code[c], absmax));
@@ -94,8 +93,7 @@ void nf4_dequantize(const uint8_t* codes, const uint8_t* absmax_q, const float* 
     const int64_t groups = n / kWeightsPerThread;
     if (groups > 0 && aligned(codes, 8) && aligned(out, 16)) {
       nf4_vector_kernel<T><<<grid_for(groups), kThreads, 0, stream>>>(
-          reinterpret_cast<const uint2*>(codes), absmax_q, absmax_scale, offset, o, groups,
-          tables);
+          reinterpret_cast<const uint2*>(codes), absmax_q, absmax_scale, offset, o, groups, tables);
       ST_CHECK_LAUNCH();
       done = groups * kWeightsPerThread;
     }

@@ -97,38 +97,41 @@ bool can_vectorize(int64_t hidden, std::initializer_list<const void*> ptrs) {
 void rmsnorm_forward(const void* x, DType type, const void* w, DType tw, float eps, void* y,
                      float* rstd, int64_t rows, int64_t hidden, cudaStream_t stream) {
   if (rows <= 0 || hidden <= 0) return;
-  ST_DISPATCH_FLOAT(type, T, ST_DISPATCH_FLOAT(tw, TW, {
-    const T* px = static_cast<const T*>(x);
-    const TW* pw = static_cast<const TW*>(w);
-    T* py = static_cast<T*>(y);
-    if (can_vectorize<T>(hidden, {px, py}))
-      rmsnorm_forward_kernel<kVec<T>><<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
-          px, pw, eps, py, rstd, hidden);
-    else
-      rmsnorm_forward_kernel<1><<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
-          px, pw, eps, py, rstd, hidden);
-    ST_CHECK_LAUNCH();
-  }));
+  ST_DISPATCH_FLOAT(
+      type, T, ST_DISPATCH_FLOAT(tw, TW, {
+        const T* px = static_cast<const T*>(x);
+        const TW* pw = static_cast<const TW*>(w);
+        T* py = static_cast<T*>(y);
+        if (can_vectorize<T>(hidden, {px, py}))
+          rmsnorm_forward_kernel<kVec<T>><<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
+              px, pw, eps, py, rstd, hidden);
+        else
+          rmsnorm_forward_kernel<1><<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
+              px, pw, eps, py, rstd, hidden);
+        ST_CHECK_LAUNCH();
+      }));
 }
 
 void rmsnorm_backward(const void* dy, const void* x, DType type, const void* w, DType tw,
                       const float* rstd, void* dx, float* dw, int64_t rows, int64_t hidden,
                       Scratch& scratch, cudaStream_t stream) {
   if (rows <= 0 || hidden <= 0) return;
-  ST_DISPATCH_FLOAT(type, T, ST_DISPATCH_FLOAT(tw, TW, {
-    const T* pdy = static_cast<const T*>(dy);
-    const T* px = static_cast<const T*>(x);
-    const TW* pw = static_cast<const TW*>(w);
-    T* pdx = static_cast<T*>(dx);
-    column_sum(NormWeightTerm<T>{pdy, px, rstd, hidden}, rows, hidden, dw, scratch, stream);
-    if (can_vectorize<T>(hidden, {pdy, px, pdx}))
-      rmsnorm_backward_dx_kernel<kVec<T>><<<static_cast<unsigned>(rows), kRowThreads, 0,
-                                            stream>>>(pdy, px, pw, rstd, pdx, hidden);
-    else
-      rmsnorm_backward_dx_kernel<1><<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
-          pdy, px, pw, rstd, pdx, hidden);
-    ST_CHECK_LAUNCH();
-  }));
+  ST_DISPATCH_FLOAT(
+      type, T, ST_DISPATCH_FLOAT(tw, TW, {
+        const T* pdy = static_cast<const T*>(dy);
+        const T* px = static_cast<const T*>(x);
+        const TW* pw = static_cast<const TW*>(w);
+        T* pdx = static_cast<T*>(dx);
+        column_sum(NormWeightTerm<T>{pdy, px, rstd, hidden}, rows, hidden, dw, scratch, stream);
+        if (can_vectorize<T>(hidden, {pdy, px, pdx}))
+          rmsnorm_backward_dx_kernel<kVec<T>>
+              <<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(pdy, px, pw, rstd, pdx,
+                                                                        hidden);
+        else
+          rmsnorm_backward_dx_kernel<1><<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
+              pdy, px, pw, rstd, pdx, hidden);
+        ST_CHECK_LAUNCH();
+      }));
 }
 
 }  // namespace shardtrain::kernels

@@ -64,8 +64,8 @@ void causal_softmax_backward(const void* probs, const void* dprobs, void* dscore
   ST_DISPATCH_FLOAT(type, T, {
     causal_softmax_backward_kernel<T>
         <<<ceil_div(rows, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, stream>>>(
-            static_cast<const T*>(probs), static_cast<const T*>(dprobs),
-            static_cast<T*>(dscores), rows, sk, scale);
+            static_cast<const T*>(probs), static_cast<const T*>(dprobs), static_cast<T*>(dscores),
+            rows, sk, scale);
     ST_CHECK_LAUNCH();
   });
 }

@@ -6,7 +6,9 @@ namespace shardtrain::kernels {
 
 namespace {
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) {
+  return 1.0f / (1.0f + expf(-x));
+}
 
 template <int N, typename T>
 __global__ void swiglu_forward_kernel(const T* gate, const T* up, T* out, int64_t n) {
@@ -34,8 +36,8 @@ __device__ __forceinline__ void swiglu_grad(float d, float g, float u, float& dg
 }
 
 template <int N, typename T>
-__global__ void swiglu_backward_kernel(const T* dout, const T* gate, const T* up, T* dgate,
-                                       T* dup, int64_t n) {
+__global__ void swiglu_backward_kernel(const T* dout, const T* gate, const T* up, T* dgate, T* dup,
+                                       int64_t n) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t i = first; i < n / N; i += stride) {

@@ -188,6 +188,8 @@ class Frame : public std::enable_shared_from_this<Frame> {
     ST_CHECK(capture->count == needed, "checkpoint: the re-run of a region saved ", capture->count,
              " tensors but its forward saved ", needed, "; the region is not deterministic");
     recomputed_ = true;
+    // The slots now hold what backward needs (the inputs too, where an op saved them).
+    for (SavedTensor& s : inputs) s.release();
     detail::count_rerun(seconds_since(start));
   }
 

@@ -51,8 +51,8 @@ void check_dequantize_operands(const Tensor& codes, const Tensor& absmax_q,
   ST_CHECK_SHAPE(absmax_scale.dtype() == DType::F32 && absmax_scale.numel() >= num_absmax_groups(n),
                  "nf4_dequantize: absmax_scale must be f32 with at least ", num_absmax_groups(n),
                  " groups, got ", absmax_scale.describe());
-  ST_CHECK_SHAPE(is_floating(out.dtype()), "nf4_dequantize: the output must be a float tensor, got ",
-                 out.describe());
+  ST_CHECK_SHAPE(is_floating(out.dtype()),
+                 "nf4_dequantize: the output must be a float tensor, got ", out.describe());
   for (const Tensor* t : {&codes, &absmax_q, &absmax_scale})
     ST_CHECK_SHAPE(t->device() == out.device(), "nf4_dequantize: ", t->describe(),
                    " is not on the output's device (", out.device().str(), ")");

@@ -5,6 +5,7 @@
 
 #include "shardtrain/cli/command.h"
 #include "shardtrain/core/suggest.h"
+#include "shardtrain/dist/env.h"
 
 namespace shardtrain::cli {
 
@@ -14,11 +15,15 @@ Command config_command();
 Command prepare_data_command();
 Command train_command();
 Command check_command();
+Command bench_command();
+Command plan_command();
 
 const std::vector<Command>& commands() {
   static const std::vector<Command> all = {
       train_command(),
       check_command(),
+      bench_command(),
+      plan_command(),
       config_command(),
       prepare_data_command(),
   };
@@ -102,9 +107,13 @@ int run(const std::vector<std::string>& args) {
     std::cerr << "error: " << e.what() << "\n" << hint << "\n";
     return 2;
   } catch (const Error& e) {
+    // Under mpirun one failing rank must end the whole job: the others may be blocked in a
+    // collective it will never join.
+    if (dist::job_world_size() > 1) dist::abort_job(std::string("error: ") + e.what(), 1);
     std::cerr << "error: " << e.what() << "\n";
     return 1;
   } catch (const std::exception& e) {
+    if (dist::job_world_size() > 1) dist::abort_job(std::string("internal error: ") + e.what(), 3);
     std::cerr << "internal error: " << e.what() << "\n";
     return 3;
   } catch (...) {

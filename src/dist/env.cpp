@@ -39,7 +39,8 @@ int world_size_now() {
 std::unique_ptr<ProcessGroup> make_group(const MpiCommunicator& comm, const std::string& backend,
                                          const DistOptions& options) {
   std::unique_ptr<ProcessGroup> group;
-  if (comm.size() == 1) group = std::make_unique<LocalProcessGroup>();
+  if (comm.size() == 1)
+    group = std::make_unique<LocalProcessGroup>();
   else if (backend == "nccl")
     group = make_nccl_process_group(comm.get(), options.device.index, options.timeout_s);
   else
@@ -66,7 +67,8 @@ LaunchInfo detect_launch() {
   } else if (env_int("PMI_RANK") && env_int("PMI_SIZE")) {
     fill("pmi", env_int("PMI_RANK"), env_int("PMI_SIZE"), env_int("MPI_LOCALRANKID"),
          env_int("MPI_LOCALNRANKS"));
-  } else if (env_int("SLURM_PROCID") && (env_int("SLURM_STEP_NUM_TASKS") || env_int("SLURM_NTASKS"))) {
+  } else if (env_int("SLURM_PROCID") &&
+             (env_int("SLURM_STEP_NUM_TASKS") || env_int("SLURM_NTASKS"))) {
     std::optional<int> size = env_int("SLURM_STEP_NUM_TASKS");
     if (!size) size = env_int("SLURM_NTASKS");
     std::optional<int> local_size = env_int("SLURM_STEP_TASKS_PER_NODE");
@@ -104,14 +106,16 @@ DistEnv::DistEnv(const DistOptions& options) : options_(options), launch_(detect
   if (backend == "nccl") {
     ST_CHECK_AS(ConfigError, nccl_available(),
                 "dist.backend: nccl was asked for but this build has no NCCL; use mpi or auto");
-    ST_CHECK_AS(ConfigError, options.device.is_cuda(), "dist.backend: nccl needs a CUDA device, "
-                "but the training device is ", options.device.str(), "; use mpi or auto");
+    ST_CHECK_AS(ConfigError, options.device.is_cuda(),
+                "dist.backend: nccl needs a CUDA device, "
+                "but the training device is ",
+                options.device.str(), "; use mpi or auto");
   }
 
   if (!launch_.launched() && !MpiRuntime::initialized()) {
     // Started on its own: a world of one, no MPI.
-    ST_CHECK_AS(ConfigError, options.ranks_per_node <= 1, "dist.ranks_per_node=",
-                options.ranks_per_node,
+    ST_CHECK_AS(ConfigError, options.ranks_per_node <= 1,
+                "dist.ranks_per_node=", options.ranks_per_node,
                 " but this process was not started by mpirun or srun (a world of one rank)");
     world_ = std::make_unique<LocalProcessGroup>();
     intra_ = std::make_unique<LocalProcessGroup>();
@@ -124,8 +128,9 @@ DistEnv::DistEnv(const DistOptions& options) : options_(options), launch_(detect
   world_size_ = world_size_now();
   MpiCommunicator intra;
   if (options.ranks_per_node > 0) {
-    ST_CHECK_AS(ConfigError, world_size_ % options.ranks_per_node == 0, "dist.ranks_per_node=",
-                options.ranks_per_node, " does not divide the ", world_size_,
+    ST_CHECK_AS(ConfigError, world_size_ % options.ranks_per_node == 0,
+                "dist.ranks_per_node=", options.ranks_per_node, " does not divide the ",
+                world_size_,
                 " ranks of this job; use a divisor of the world size or 0 to detect nodes");
     intra = MpiCommunicator::split(MPI_COMM_WORLD, rank_ / options.ranks_per_node, rank_);
   } else {

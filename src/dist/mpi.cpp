@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <climits>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -44,7 +45,11 @@ MpiRuntime::MpiRuntime() {
 }
 
 MpiRuntime::~MpiRuntime() {
-  if (owns_ && initialized()) MPI_Finalize();
+  // MPI_Finalize is collective: while an exception unwinds (this rank failed, and the others may
+  // be blocked in a collective it will never join) it could wait forever, so MPI is left running
+  // for the top-level handler to call abort_job(). A rank that exits without finalising makes
+  // mpirun end the job as failed, too.
+  if (owns_ && initialized() && std::uncaught_exceptions() == 0) MPI_Finalize();
 }
 
 std::shared_ptr<MpiRuntime> MpiRuntime::acquire() {
@@ -86,7 +91,9 @@ MpiCommunicator MpiCommunicator::split_shared(MPI_Comm comm) {
   return MpiCommunicator(out);
 }
 
-MpiCommunicator::~MpiCommunicator() { reset(); }
+MpiCommunicator::~MpiCommunicator() {
+  reset();
+}
 
 MpiCommunicator::MpiCommunicator(MpiCommunicator&& other) noexcept : comm_(other.comm_) {
   other.comm_ = MPI_COMM_NULL;
@@ -102,8 +109,9 @@ MpiCommunicator& MpiCommunicator::operator=(MpiCommunicator&& other) noexcept {
 }
 
 void MpiCommunicator::reset() {
+  // Not while an exception unwinds: the job is failing and freeing may synchronise.
   if (comm_ != MPI_COMM_NULL && comm_ != MPI_COMM_WORLD && comm_ != MPI_COMM_SELF &&
-      MpiRuntime::initialized())
+      MpiRuntime::initialized() && std::uncaught_exceptions() == 0)
     MPI_Comm_free(&comm_);
   comm_ = MPI_COMM_NULL;
 }
@@ -126,20 +134,29 @@ namespace {
 
 MPI_Datatype mpi_type(DType t) {
   switch (t) {
-    case DType::F32: return MPI_FLOAT;
+    case DType::F32:
+      return MPI_FLOAT;
     case DType::BF16:
-    case DType::F16: return MPI_UINT16_T;  // moved as bits; never reduced in 16-bit
-    case DType::I32: return MPI_INT32_T;
-    case DType::I64: return MPI_INT64_T;
-    case DType::U8: return MPI_UINT8_T;
+    case DType::F16:
+      return MPI_UINT16_T;  // moved as bits; never reduced in 16-bit
+    case DType::I32:
+      return MPI_INT32_T;
+    case DType::I64:
+      return MPI_INT64_T;
+    case DType::U8:
+      return MPI_UINT8_T;
   }
   return MPI_BYTE;
 }
 
-MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::Sum ? MPI_SUM : MPI_MAX; }
+MPI_Op mpi_op(ReduceOp op) {
+  return op == ReduceOp::Sum ? MPI_SUM : MPI_MAX;
+}
 
 // The dtype a reduction is carried out in: 16-bit floats go through f32.
-DType reduction_dtype(DType t) { return t == DType::BF16 || t == DType::F16 ? DType::F32 : t; }
+DType reduction_dtype(DType t) {
+  return t == DType::BF16 || t == DType::F16 ? DType::F32 : t;
+}
 
 int mpi_count(int64_t n, const char* what) {
   ST_CHECK_AS(DistributedError, n <= INT_MAX, what, ": ", n,
@@ -209,8 +226,10 @@ class MpiWork : public Work {
       }
       // Spin briefly (collectives of small tensors finish in microseconds), then back off so
       // that oversubscribed ranks leave the cores to the ranks doing work.
-      if (polls < 200) std::this_thread::yield();
-      else std::this_thread::sleep_for(std::chrono::microseconds(polls < 2000 ? 20 : 200));
+      if (polls < 200)
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(polls < 2000 ? 20 : 200));
     }
     complete();
   }
@@ -264,8 +283,7 @@ WorkPtr MpiProcessGroup::reduce_scatter(const Tensor& input, Tensor& output) {
   check_reduce_scatter(input, output);
   int n = mpi_count(output.numel(), "reduce_scatter");
   DType rt = reduction_dtype(input.dtype());
-  auto work =
-      std::make_shared<MpiWork>("reduce_scatter of " + input.describe(), rank_, timeout_s_);
+  auto work = std::make_shared<MpiWork>("reduce_scatter of " + input.describe(), rank_, timeout_s_);
   Tensor in = staged(input, rt, true);
   Tensor out = staged(output, rt, false);
   check_mpi(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), n, mpi_type(rt), MPI_SUM,
@@ -284,8 +302,8 @@ WorkPtr MpiProcessGroup::all_reduce(Tensor& tensor, ReduceOp op) {
       detail::concat("all_reduce(", reduce_op_name(op), ") of ", tensor.describe()), rank_,
       timeout_s_);
   Tensor buf = staged(tensor, rt, true);
-  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, buf.data_ptr(), n, mpi_type(rt), mpi_op(op),
-                           comm_.get(), &work->request),
+  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, buf.data_ptr(), n, mpi_type(rt), mpi_op(op), comm_.get(),
+                           &work->request),
             "MPI_Iallreduce");
   work->keep = {buf, tensor};
   if (!buf.is_same(tensor)) work->finish = [tensor, buf]() mutable { tensor.copy_from(buf); };
@@ -299,9 +317,9 @@ WorkPtr MpiProcessGroup::broadcast(Tensor& tensor, int root) {
   int n = mpi_count(tensor.numel(), "broadcast");
   auto work = std::make_shared<MpiWork>("broadcast of " + tensor.describe(), rank_, timeout_s_);
   Tensor buf = staged(tensor, tensor.dtype(), rank_ == root);
-  check_mpi(MPI_Ibcast(buf.data_ptr(), n, mpi_type(tensor.dtype()), root, comm_.get(),
-                       &work->request),
-            "MPI_Ibcast");
+  check_mpi(
+      MPI_Ibcast(buf.data_ptr(), n, mpi_type(tensor.dtype()), root, comm_.get(), &work->request),
+      "MPI_Ibcast");
   work->keep = {buf, tensor};
   if (!buf.is_same(tensor)) work->finish = [tensor, buf]() mutable { tensor.copy_from(buf); };
   return work;
@@ -314,20 +332,22 @@ void MpiProcessGroup::barrier() {
 }
 
 void MpiProcessGroup::all_reduce_host(std::vector<double>& values, ReduceOp op) {
-  MpiWork work(detail::concat("all_reduce(", reduce_op_name(op), ") of ", values.size(),
-                              " host numbers"),
-               rank_, timeout_s_);
-  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, values.data(), mpi_count(static_cast<int64_t>(values.size()), "all_reduce"),
-                           MPI_DOUBLE, mpi_op(op), comm_.get(), &work.request),
+  MpiWork work(
+      detail::concat("all_reduce(", reduce_op_name(op), ") of ", values.size(), " host numbers"),
+      rank_, timeout_s_);
+  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, values.data(),
+                           mpi_count(static_cast<int64_t>(values.size()), "all_reduce"), MPI_DOUBLE,
+                           mpi_op(op), comm_.get(), &work.request),
             "MPI_Iallreduce");
   work.wait();
 }
 
 void MpiProcessGroup::all_reduce_host(std::vector<int64_t>& values, ReduceOp op) {
-  MpiWork work(detail::concat("all_reduce(", reduce_op_name(op), ") of ", values.size(),
-                              " host integers"),
-               rank_, timeout_s_);
-  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, values.data(), mpi_count(static_cast<int64_t>(values.size()), "all_reduce"),
+  MpiWork work(
+      detail::concat("all_reduce(", reduce_op_name(op), ") of ", values.size(), " host integers"),
+      rank_, timeout_s_);
+  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, values.data(),
+                           mpi_count(static_cast<int64_t>(values.size()), "all_reduce"),
                            MPI_INT64_T, mpi_op(op), comm_.get(), &work.request),
             "MPI_Iallreduce");
   work.wait();

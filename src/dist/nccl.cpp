@@ -17,7 +17,9 @@ namespace shardtrain::dist {
 
 #ifndef SHARDTRAIN_HAVE_NCCL
 
-bool nccl_available() { return false; }
+bool nccl_available() {
+  return false;
+}
 
 std::unique_ptr<ProcessGroup> make_nccl_process_group(MPI_Comm, int, double) {
   throw ConfigError(
@@ -27,7 +29,9 @@ std::unique_ptr<ProcessGroup> make_nccl_process_group(MPI_Comm, int, double) {
 
 #else
 
-bool nccl_available() { return true; }
+bool nccl_available() {
+  return true;
+}
 
 namespace {
 
@@ -40,19 +44,29 @@ void check_nccl(ncclResult_t r, const char* call) {
 
 ncclDataType_t nccl_type(DType t) {
   switch (t) {
-    case DType::F32: return ncclFloat32;
-    case DType::BF16: return ncclBfloat16;
-    case DType::F16: return ncclFloat16;
-    case DType::I32: return ncclInt32;
-    case DType::I64: return ncclInt64;
-    case DType::U8: return ncclUint8;
+    case DType::F32:
+      return ncclFloat32;
+    case DType::BF16:
+      return ncclBfloat16;
+    case DType::F16:
+      return ncclFloat16;
+    case DType::I32:
+      return ncclInt32;
+    case DType::I64:
+      return ncclInt64;
+    case DType::U8:
+      return ncclUint8;
   }
   return ncclUint8;
 }
 
-ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::Sum ? ncclSum : ncclMax; }
+ncclRedOp_t nccl_op(ReduceOp op) {
+  return op == ReduceOp::Sum ? ncclSum : ncclMax;
+}
 
-cudaStream_t as_stream(void* h) { return static_cast<cudaStream_t>(h); }
+cudaStream_t as_stream(void* h) {
+  return static_cast<cudaStream_t>(h);
+}
 
 // Shared by the group and its pending works: aborting it makes every pending work fail.
 struct NcclComm {
@@ -149,9 +163,8 @@ class NcclProcessGroup : public ProcessGroup {
     check_device(input, "all_gather");
     check_device(output, "all_gather");
     return launch("all_gather of " + input.describe(), {input, output}, [&](cudaStream_t s) {
-      return ncclAllGather(input.data_ptr(), output.data_ptr(),
-                           static_cast<size_t>(input.numel()), nccl_type(input.dtype()),
-                           comm_->comm, s);
+      return ncclAllGather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),
+                           nccl_type(input.dtype()), comm_->comm, s);
     });
   }
 
@@ -197,8 +210,7 @@ class NcclProcessGroup : public ProcessGroup {
  private:
   void check_device(const Tensor& t, const char* what) const {
     ST_CHECK_SHAPE(t.device().is_cuda() && t.device().index == device_, what,
-                   " on the NCCL backend needs tensors on cuda:", device_, ", got ",
-                   t.describe());
+                   " on the NCCL backend needs tensors on cuda:", device_, ", got ", t.describe());
   }
 
   template <typename Call>
@@ -225,8 +237,7 @@ class NcclProcessGroup : public ProcessGroup {
 
 }  // namespace
 
-std::unique_ptr<ProcessGroup> make_nccl_process_group(MPI_Comm comm, int device,
-                                                      double timeout_s) {
+std::unique_ptr<ProcessGroup> make_nccl_process_group(MPI_Comm comm, int device, double timeout_s) {
   return std::make_unique<NcclProcessGroup>(comm, device, timeout_s);
 }
 

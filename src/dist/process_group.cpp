@@ -10,9 +10,13 @@ class CompletedWork : public Work {
 };
 }  // namespace
 
-std::string_view reduce_op_name(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "max"; }
+std::string_view reduce_op_name(ReduceOp op) {
+  return op == ReduceOp::Sum ? "sum" : "max";
+}
 
-WorkPtr completed_work() { return std::make_shared<CompletedWork>(); }
+WorkPtr completed_work() {
+  return std::make_shared<CompletedWork>();
+}
 
 double ProcessGroup::all_reduce_host(double value, ReduceOp op) {
   std::vector<double> v{value};
@@ -31,8 +35,8 @@ void ProcessGroup::check_all_gather(const Tensor& input, const Tensor& output) c
   ST_CHECK_SHAPE(input.dtype() == output.dtype(), "all_gather: input ", input.describe(),
                  " and output ", output.describe(), " have different dtypes");
   ST_CHECK_SHAPE(output.numel() == input.numel() * size(), "all_gather over ", size(),
-                 " ranks: output ", output.describe(), " must hold ", size(), " x ",
-                 input.numel(), " elements");
+                 " ranks: output ", output.describe(), " must hold ", size(), " x ", input.numel(),
+                 " elements");
 }
 
 void ProcessGroup::check_reduce_scatter(const Tensor& input, const Tensor& output) const {
@@ -40,18 +44,17 @@ void ProcessGroup::check_reduce_scatter(const Tensor& input, const Tensor& outpu
   ST_CHECK_SHAPE(input.dtype() == output.dtype(), "reduce_scatter: input ", input.describe(),
                  " and output ", output.describe(), " have different dtypes");
   ST_CHECK_SHAPE(input.numel() == output.numel() * size(), "reduce_scatter over ", size(),
-                 " ranks: input ", input.describe(), " must hold ", size(), " x ",
-                 output.numel(), " elements");
+                 " ranks: input ", input.describe(), " must hold ", size(), " x ", output.numel(),
+                 " elements");
   check_reduce(input, "reduce_scatter");
 }
 
 void ProcessGroup::check_reduce(const Tensor& tensor, const char* what) const {
   ST_CHECK_SHAPE(tensor.defined(), what, ": undefined tensor");
   DType t = tensor.dtype();
-  ST_CHECK_SHAPE(t == DType::F32 || t == DType::BF16 || t == DType::F16 || t == DType::I32 ||
-                     t == DType::I64,
-                 what, ": cannot reduce ", tensor.describe(),
-                 " (floating or 32/64-bit integer tensors only)");
+  ST_CHECK_SHAPE(
+      t == DType::F32 || t == DType::BF16 || t == DType::F16 || t == DType::I32 || t == DType::I64,
+      what, ": cannot reduce ", tensor.describe(), " (floating or 32/64-bit integer tensors only)");
 }
 
 // ---- LocalProcessGroup ------------------------------------------------------------------------

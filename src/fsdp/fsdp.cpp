@@ -22,10 +22,14 @@ ShardingStrategy parse_sharding_strategy(const std::string& name) {
 
 std::string_view sharding_strategy_name(ShardingStrategy s) {
   switch (s) {
-    case ShardingStrategy::FullShard: return "full_shard";
-    case ShardingStrategy::GradOpShard: return "grad_op_shard";
-    case ShardingStrategy::NoShard: return "no_shard";
-    case ShardingStrategy::HybridShard: return "hybrid_shard";
+    case ShardingStrategy::FullShard:
+      return "full_shard";
+    case ShardingStrategy::GradOpShard:
+      return "grad_op_shard";
+    case ShardingStrategy::NoShard:
+      return "no_shard";
+    case ShardingStrategy::HybridShard:
+      return "hybrid_shard";
   }
   return "?";
 }
@@ -107,15 +111,26 @@ ShardedModel::ShardedModel(nn::LlamaModel& model, dist::DistEnv& env, FsdpOption
     case ShardingStrategy::HybridShard: {
       std::vector<int64_t> sizes{env.local_size(), -static_cast<int64_t>(env.local_size())};
       env.world().all_reduce_host(sizes, dist::ReduceOp::Max);
-      ST_CHECK_AS(ConfigError, sizes[0] == -sizes[1], "dist.sharding=hybrid_shard needs the same "
-                  "number of ranks on every node, but nodes have between ", -sizes[1], " and ",
-                  sizes[0], " ranks; launch the same number per node or set dist.ranks_per_node");
+      ST_CHECK_AS(ConfigError, sizes[0] == -sizes[1],
+                  "dist.sharding=hybrid_shard needs the same "
+                  "number of ranks on every node, but nodes have between ",
+                  -sizes[1], " and ", sizes[0],
+                  " ranks; launch the same number per node or set dist.ranks_per_node");
       shard_group_ = &env.intra_node();
       if (env.num_nodes() > 1) replicate_group_ = &env.inter_node();
       break;
     }
   }
   const int S = shard_group_->size(), s = shard_group_->rank();
+  // Check every parameter before changing any, so that a refused model is left intact.
+  for (auto& [pname, slot] : model.named_parameters())
+    ST_CHECK_AS(ConfigError,
+                slot->defined() && slot->dtype() == DType::F32 && autograd::requires_grad(*slot) &&
+                    autograd::is_leaf(*slot),
+                "sharded training needs every parameter to be a trainable fp32 tensor, but '",
+                pname, "' is ", slot->defined() ? slot->describe() : std::string("empty"),
+                slot->defined() && autograd::requires_grad(*slot) ? "" : " without a gradient",
+                " (frozen or quantized models, e.g. QLoRA, train without sharding)");
 
   auto add_unit = [&](std::string name, bool is_root,
                       std::vector<std::pair<std::string, Tensor*>> params) {
@@ -126,12 +141,6 @@ ShardedModel::ShardedModel(nn::LlamaModel& model, dist::DistEnv& env, FsdpOption
     unit->is_root = is_root;
     std::vector<std::pair<std::string, Shape>> shapes;
     for (auto& [pname, slot] : params) {
-      ST_CHECK_AS(ConfigError, slot->defined() && slot->dtype() == DType::F32 &&
-                                   autograd::requires_grad(*slot) && autograd::is_leaf(*slot),
-                  "sharded training needs every parameter to be a trainable fp32 tensor, but '",
-                  pname, "' is ", slot->describe(),
-                  autograd::requires_grad(*slot) ? "" : " without a gradient",
-                  " (frozen or quantized models, e.g. QLoRA, train without sharding)");
       shapes.emplace_back(pname, slot->shape());
       unit->slots.push_back(slot);
     }
@@ -216,6 +225,10 @@ void ShardedModel::start_gather(Unit& u) {
   }
   u.gather_input = input;
   u.gather_work = shard_group_->all_gather(input, flat);
+  if (shard_group_->size() > 1) {
+    comm_stats_.all_gathers += 1;
+    comm_stats_.gathered_bytes += bytes;
+  }
   u.state = Unit::State::Gathering;
 }
 
@@ -248,7 +261,8 @@ int ShardedModel::num_gathered_units() const {
 std::vector<Tensor> ShardedModel::make_views(Unit& u, bool with_graph) {
   Tensor flat = gathered_flat(u);
   std::vector<Tensor> views;
-  for (const auto& e : u.layout.entries) views.push_back(flat.slice_rows(e.offset, e.numel).view(e.shape));
+  for (const auto& e : u.layout.entries)
+    views.push_back(flat.slice_rows(e.offset, e.numel).view(e.shape));
   if (with_graph) {
     auto node = std::make_shared<UnitParamsNode>();
     node->owner = this;
@@ -290,7 +304,9 @@ void ShardedModel::begin_forward() {
     long owners = node ? node.use_count() - 1 : 0;
     ST_CHECK(owners <= static_cast<long>(u->views.size()),
              "a forward pass with gradients started while the previous forward's backward has "
-             "not run (unit ", u->name, "); call backward on each micro-batch's loss before the "
+             "not run (unit ",
+             u->name,
+             "); call backward on each micro-batch's loss before the "
              "next forward, and evaluate under autograd::NoGrad");
   }
   for (auto& u : units_) {
@@ -451,6 +467,8 @@ void ShardedModel::launch_reduce(Unit& u, Tensor flat) {
   } else {
     p->out = make_gradient({u.layout.shard_numel}, options_.reduce_dtype, device_);
     p->work = shard_group_->reduce_scatter(flat, p->out);
+    comm_stats_.reduce_scatters += 1;
+    comm_stats_.reduce_scattered_bytes += static_cast<int64_t>(flat.nbytes());
   }
   reduces_.push_back(std::move(p));
   // At most one reduction stays in flight: the unsharded gradients of earlier units must not
@@ -463,7 +481,11 @@ void ShardedModel::complete_oldest_reduce() {
   reduces_.erase(reduces_.begin());
   p->work->wait();
   p->flat = Tensor();
-  if (replicate_group_ != nullptr) replicate_group_->all_reduce(p->out, dist::ReduceOp::Sum)->wait();
+  if (replicate_group_ != nullptr) {
+    replicate_group_->all_reduce(p->out, dist::ReduceOp::Sum)->wait();
+    comm_stats_.all_reduces += 1;
+    comm_stats_.all_reduced_bytes += static_cast<int64_t>(p->out.nbytes());
+  }
   Unit& u = *p->unit;
   Backend& be = backend_for(device_);
   for (size_t k = 0; k < u.pieces.size(); ++k) {
@@ -505,8 +527,8 @@ std::vector<optim::NamedParam> ShardedModel::optimizer_params() {
   std::vector<optim::NamedParam> out;
   for (auto& u : units_)
     for (size_t k = 0; k < u->pieces.size(); ++k)
-      out.push_back({u->layout.entries[static_cast<size_t>(u->piece_layout[k].param)].name,
-                     &u->pieces[k]});
+      out.push_back(
+          {u->layout.entries[static_cast<size_t>(u->piece_layout[k].param)].name, &u->pieces[k]});
   return out;
 }
 
@@ -528,8 +550,7 @@ double ShardedModel::grad_sum_squares() {
 }
 
 bool ShardedModel::any_rank(bool flag) {
-  return env_.world().all_reduce_host(static_cast<int64_t>(flag ? 1 : 0), dist::ReduceOp::Max) >
-         0;
+  return env_.world().all_reduce_host(static_cast<int64_t>(flag ? 1 : 0), dist::ReduceOp::Max) > 0;
 }
 
 // ---- full state -------------------------------------------------------------------------------

@@ -27,9 +27,9 @@ std::vector<std::pair<std::string, nn::Linear*>> projections(nn::LlamaModel& mod
     nn::DecoderLayer& layer = *model.layers[static_cast<size_t>(l)];
     for (const std::string& name : nn::lora_projection_names()) {
       const bool attn = is_attention_projection(name);
-      out.emplace_back("model.layers." + std::to_string(l) + (attn ? ".self_attn." : ".mlp.") +
-                           name,
-                       attn ? &layer.self_attn.projection(name) : &layer.mlp.projection(name));
+      out.emplace_back(
+          "model.layers." + std::to_string(l) + (attn ? ".self_attn." : ".mlp.") + name,
+          attn ? &layer.self_attn.projection(name) : &layer.mlp.projection(name));
     }
   }
   return out;
@@ -43,8 +43,7 @@ nn::Nf4Linear* nf4_of(nn::Linear* linear) {
 
 // A float as the short decimal a person wrote (0.05f -> 0.05, not 0.0500000007).
 json decimal(float value) {
-  if (std::nearbyint(value) == value && std::fabs(value) < 1e9f)
-    return static_cast<int64_t>(value);
+  if (std::nearbyint(value) == value && std::fabs(value) < 1e9f) return static_cast<int64_t>(value);
   char text[32];
   std::snprintf(text, sizeof text, "%.7g", static_cast<double>(value));
   return std::stod(text);
@@ -166,7 +165,8 @@ nn::LoraOptions read_peft_config(const std::string& dir, std::string* base_model
   options.target_modules.clear();
   const auto& known = nn::lora_projection_names();
   for (const json& t : targets) {
-    if (!t.is_string() || std::find(known.begin(), known.end(), t.get<std::string>()) == known.end())
+    if (!t.is_string() ||
+        std::find(known.begin(), known.end(), t.get<std::string>()) == known.end())
       fail("target_modules", "names " + t.dump() +
                                  "; supported are q_proj, k_proj, v_proj, o_proj, gate_proj, "
                                  "up_proj, down_proj");
@@ -184,8 +184,8 @@ nn::LoraOptions read_peft_config(const std::string& dir, std::string* base_model
     if (config.contains(key) && !config[key].is_null())
       fail(key, "is set; only adapters on every layer's projections are supported");
   if (base_model != nullptr) {
-    const json& b = config.contains("base_model_name_or_path") ? config["base_model_name_or_path"]
-                                                               : json();
+    const json& b =
+        config.contains("base_model_name_or_path") ? config["base_model_name_or_path"] : json();
     *base_model = b.is_string() ? b.get<std::string>() : "";
   }
   return options;
@@ -201,12 +201,13 @@ void load_peft_adapter(nn::LlamaModel& model, const std::string& dir) {
   for (auto& [module, lora] : modules) {
     ST_CHECK_AS(FormatError, lora->rank() == config.r, "'", cfg, "' has r=", config.r, " but ",
                 module, " has an adapter of rank ", lora->rank());
-    ST_CHECK_AS(FormatError, std::fabs(lora->alpha() - config.alpha) <= 1e-6f * config.alpha,
-                "'", cfg, "' has lora_alpha=", config.alpha, " but ", module,
-                " has alpha ", lora->alpha());
+    ST_CHECK_AS(FormatError, std::fabs(lora->alpha() - config.alpha) <= 1e-6f * config.alpha, "'",
+                cfg, "' has lora_alpha=", config.alpha, " but ", module, " has alpha ",
+                lora->alpha());
   }
   SafetensorsFile file = SafetensorsFile::open(weights);
-  autograd::NoGrad no_grad;
+  // Everything is checked before anything is copied, so a failed load leaves the model as it was.
+  std::vector<std::pair<std::string, Tensor*>> slots;
   std::set<std::string> expected;
   for (auto& [module, lora] : modules) {
     for (bool b : {false, true}) {
@@ -221,7 +222,7 @@ void load_peft_adapter(nn::LlamaModel& model, const std::string& dir) {
         throw FormatError("'" + weights + "': tensor '" + name + "' has shape " +
                           shape_str(info.shape) + " but the model's adapter is " +
                           shape_str(slot.shape()) + " (a different base model or rank?)");
-      file.load_into(name, slot);
+      slots.emplace_back(name, &slot);
     }
   }
   for (const std::string& name : file.names())
@@ -229,6 +230,8 @@ void load_peft_adapter(nn::LlamaModel& model, const std::string& dir) {
       throw FormatError("'" + weights + "' has tensor '" + name +
                         "' that no adapter of this model takes (different target_modules or "
                         "number of layers?)");
+  autograd::NoGrad no_grad;
+  for (auto& [name, slot] : slots) file.load_into(name, *slot);
 }
 
 // ---- merged export ----------------------------------------------------------------------------
@@ -273,10 +276,10 @@ void append_nf4(NamedTensors& out, const std::string& name, const nn::Nf4Tensor&
   out.emplace_back(name + ".nf4.absmax_scale", tensor.absmax_scale);
   out.emplace_back(name + ".nf4.absmax_offset",
                    from_floats({tensor.absmax_offset}, {1}, DType::F32, Device::host()));
-  out.emplace_back(name + ".nf4.shape",
-                   from_ints(std::vector<int64_t>(tensor.shape.begin(), tensor.shape.end()),
-                             {static_cast<int64_t>(tensor.shape.size())}, DType::I64,
-                             Device::host()));
+  out.emplace_back(
+      name + ".nf4.shape",
+      from_ints(std::vector<int64_t>(tensor.shape.begin(), tensor.shape.end()),
+                {static_cast<int64_t>(tensor.shape.size())}, DType::I64, Device::host()));
 }
 
 nn::Nf4Tensor read_nf4(const SafetensorsFile& file, const std::string& name, Device device) {
@@ -310,7 +313,8 @@ nn::Nf4Tensor read_nf4(const SafetensorsFile& file, const std::string& name, Dev
 void save_nf4_base(nn::LlamaModel& model, const std::string& path) {
   NamedTensors tensors;
   for (auto& [module, linear] : projections(model))
-    if (nn::Nf4Linear* q = nf4_of(linear)) append_nf4(tensors, module + ".weight", q->quantized_weight());
+    if (nn::Nf4Linear* q = nf4_of(linear))
+      append_nf4(tensors, module + ".weight", q->quantized_weight());
   ST_CHECK_AS(ConfigError, !tensors.empty(), "save_nf4_base: the model has no NF4 projections ",
               "(apply_lora with quantize_base nf4 first)");
   save_safetensors(path, tensors, {{"format", "shardtrain-nf4"}});

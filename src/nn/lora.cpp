@@ -96,7 +96,8 @@ Tensor in_dtype(const Tensor& t, DType dtype) {
 BaseQuantization parse_base_quantization(const std::string& name) {
   if (name == "nf4") return BaseQuantization::Nf4;
   if (name == "none") return BaseQuantization::None;
-  throw ConfigError("lora.quantize_base: '" + name + "' is not a base quantization; use nf4 or none");
+  throw ConfigError("lora.quantize_base: '" + name +
+                    "' is not a base quantization; use nf4 or none");
 }
 
 const std::vector<std::string>& lora_projection_names() {
@@ -109,8 +110,8 @@ void LoraOptions::validate() const {
   ST_CHECK_AS(ConfigError, r >= 1, "lora.r: the adapter rank must be at least 1, got ", r);
   ST_CHECK_AS(ConfigError, alpha > 0 && std::isfinite(alpha),
               "lora.alpha: must be a positive number, got ", alpha);
-  ST_CHECK_AS(ConfigError, dropout >= 0 && dropout < 1,
-              "lora.dropout: must be in [0, 1), got ", dropout);
+  ST_CHECK_AS(ConfigError, dropout >= 0 && dropout < 1, "lora.dropout: must be in [0, 1), got ",
+              dropout);
   ST_CHECK_AS(ConfigError, !target_modules.empty(),
               "lora.target_modules: name at least one of q_proj, k_proj, v_proj, o_proj, "
               "gate_proj, up_proj, down_proj");
@@ -209,9 +210,9 @@ LoraSummary apply_lora(LlamaModel& model, const LoraOptions& options) {
       else
         base = std::move(slot);
       if (targeted(name)) {
-        base = std::make_unique<LoraLinear>(std::move(base), options.r, options.alpha,
-                                            options.dropout, module_seed(options.seed, l, p),
-                                            model.device());
+        base =
+            std::make_unique<LoraLinear>(std::move(base), options.r, options.alpha, options.dropout,
+                                         module_seed(options.seed, l, p), model.device());
         ++summary.adapted_modules;
       }
       // Replacing the slot drops the dense projection when it was quantized.

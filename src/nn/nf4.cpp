@@ -83,7 +83,7 @@ Nf4Tensor Nf4Tensor::quantize(const Tensor& w) {
   std::vector<uint8_t> codes(static_cast<size_t>(nf4::num_code_bytes(n)), 0);
   std::vector<float> absmax(static_cast<size_t>(blocks));
   bool finite = true;
-#pragma omp parallel for schedule(static) reduction(&& : finite)
+#pragma omp parallel for schedule(static) reduction(&& : finite) if (blocks > 64)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t lo = b * nf4::kNf4BlockSize, hi = std::min(n, lo + nf4::kNf4BlockSize);
     float m = 0.0f;
@@ -143,8 +143,8 @@ std::vector<float> Nf4Tensor::block_absmax() const {
   const std::array<float, 256>& map = nf4::dynamic_map_8bit();
   std::vector<float> out(q.size());
   for (size_t b = 0; b < q.size(); ++b) {
-    const float scaled = map[static_cast<size_t>(q[b])] *
-                         scales[b / static_cast<size_t>(nf4::kAbsmaxGroupSize)];
+    const float scaled =
+        map[static_cast<size_t>(q[b])] * scales[b / static_cast<size_t>(nf4::kAbsmaxGroupSize)];
     out[b] = scaled + absmax_offset;
   }
   return out;
@@ -179,8 +179,7 @@ void Nf4Tensor::validate(const std::string& what) const {
 
 Tensor nf4_linear(const Tensor& x, const std::shared_ptr<const Nf4Tensor>& w) {
   ST_CHECK_SHAPE(w != nullptr && w->shape.size() == 2, "nf4_linear: the weight must be 2-d");
-  ST_CHECK_SHAPE(x.defined() && is_floating(x.dtype()) && x.dim() >= 1 &&
-                     x.size(-1) == w->shape[1],
+  ST_CHECK_SHAPE(x.defined() && is_floating(x.dtype()) && x.dim() >= 1 && x.size(-1) == w->shape[1],
                  "nf4_linear: input ", x.defined() ? x.describe() : "undefined",
                  " does not match the NF4 weight ", shape_str(w->shape), " (expected [..., ",
                  w->shape[1], "])");
@@ -216,12 +215,15 @@ Nf4Linear::Nf4Linear(Nf4Tensor weight)
 }
 
 std::unique_ptr<Nf4Linear> Nf4Linear::from_linear(const Linear& linear) {
-  ST_CHECK_SHAPE(linear.weight.defined(), "Nf4Linear::from_linear: the projection has no dense "
-                                          "weight (is it already quantized or an adapter?)");
+  ST_CHECK_SHAPE(linear.weight.defined(),
+                 "Nf4Linear::from_linear: the projection has no dense "
+                 "weight (is it already quantized or an adapter?)");
   return std::make_unique<Nf4Linear>(Nf4Tensor::quantize(linear.weight));
 }
 
-Tensor Nf4Linear::forward(const Tensor& x) { return nf4_linear(x, weight_); }
+Tensor Nf4Linear::forward(const Tensor& x) {
+  return nf4_linear(x, weight_);
+}
 
 void Nf4Linear::set_quantized_weight(Nf4Tensor weight) {
   ST_CHECK_SHAPE(weight.shape == weight_->shape, "Nf4Linear: new weight of shape ",

@@ -14,9 +14,13 @@ namespace shardtrain::train {
 namespace {
 
 // The allocators hand out multiples of 64 bytes.
-int64_t r64(int64_t bytes) { return bytes <= 0 ? 0 : (bytes + 63) / 64 * 64; }
+int64_t r64(int64_t bytes) {
+  return bytes <= 0 ? 0 : (bytes + 63) / 64 * 64;
+}
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
 
 int64_t dtype_bytes(const std::string& name, const char* key) {
   DType t = dtype_from_name(name);
@@ -33,10 +37,9 @@ struct Weight {
 
 std::vector<Weight> layer_weights(const nn::LlamaConfig& c) {
   int64_t h = c.hidden_size, kv = c.num_kv_heads * c.head_dim(), i = c.intermediate_size;
-  return {{"q_proj", h, h},          {"k_proj", h, kv},      {"v_proj", h, kv},
-          {"o_proj", h, h},          {"gate_proj", h, i},    {"up_proj", h, i},
-          {"down_proj", i, h},       {"input_layernorm", 1, h},
-          {"post_attention_layernorm", 1, h}};
+  return {{"q_proj", h, h},    {"k_proj", h, kv},         {"v_proj", h, kv},
+          {"o_proj", h, h},    {"gate_proj", h, i},       {"up_proj", h, i},
+          {"down_proj", i, h}, {"input_layernorm", 1, h}, {"post_attention_layernorm", 1, h}};
 }
 
 std::vector<Weight> root_weights(const nn::LlamaConfig& c) {
@@ -46,30 +49,32 @@ std::vector<Weight> root_weights(const nn::LlamaConfig& c) {
   return w;
 }
 
-bool is_projection(const std::string& m) { return m.size() > 5 && m.substr(m.size() - 5) == "_proj"; }
+bool is_projection(const std::string& m) {
+  return m.size() > 5 && m.substr(m.size() - 5) == "_proj";
+}
 
 // Bytes of one unit (a decoder layer or the root: embeddings, final norm, head) by role.
 struct UnitBytes {
-  int64_t trainable_elems = 0;   // fp32 elements the optimizer updates
+  int64_t trainable_elems = 0;  // fp32 elements the optimizer updates
   int64_t trainable_tensors = 0;
-  int64_t master = 0;            // fp32 trainable weights, per-tensor rounding
-  int64_t frozen = 0;            // frozen weights (LoRA bases)
-  int64_t compute_copy = 0;      // 16-bit copies of the trainable fp32 weights
-  int64_t largest_grad = 0;      // the biggest single fp32 gradient
+  int64_t master = 0;        // fp32 trainable weights, per-tensor rounding
+  int64_t frozen = 0;        // frozen weights (LoRA bases)
+  int64_t compute_copy = 0;  // 16-bit copies of the trainable fp32 weights
+  int64_t largest_grad = 0;  // the biggest single fp32 gradient
 };
 
 struct ModelBytes {
   UnitBytes layer, root;
   int64_t head_grad = 0;   // fp32 gradient of the output projection (tied: the embedding)
   int64_t embed_grad = 0;  // fp32 gradient of the embedding (0 when frozen)
-  int64_t total_elems = 0;
+  int64_t layer_elems = 0, root_elems = 0;  // every element of one layer / of the root
 };
 
 ModelBytes model_bytes(const MemoryModelInput& in, int64_t param_bytes, int64_t frozen_bytes) {
   const nn::LlamaConfig& c = in.model;
   ModelBytes mb;
-  auto add = [&](UnitBytes& u, const Weight& w) {
-    mb.total_elems += w.numel();
+  auto add = [&](UnitBytes& u, int64_t& elems, const Weight& w) {
+    elems += w.numel();
     bool targeted = in.lora && std::find(in.lora_targets.begin(), in.lora_targets.end(),
                                          w.module) != in.lora_targets.end();
     if (in.lora) {
@@ -87,7 +92,7 @@ ModelBytes model_bytes(const MemoryModelInput& in, int64_t param_bytes, int64_t 
           u.trainable_tensors += 1;
           u.master += r64(4 * n);
           u.largest_grad = std::max(u.largest_grad, r64(4 * n));
-          mb.total_elems += n;
+          elems += n;
         }
       }
       return;
@@ -98,8 +103,8 @@ ModelBytes model_bytes(const MemoryModelInput& in, int64_t param_bytes, int64_t 
     if (param_bytes != 4) u.compute_copy += r64(param_bytes * w.numel());
     u.largest_grad = std::max(u.largest_grad, r64(4 * w.numel()));
   };
-  for (const Weight& w : layer_weights(c)) add(mb.layer, w);
-  for (const Weight& w : root_weights(c)) add(mb.root, w);
+  for (const Weight& w : layer_weights(c)) add(mb.layer, mb.layer_elems, w);
+  for (const Weight& w : root_weights(c)) add(mb.root, mb.root_elems, w);
   if (!in.lora) {
     mb.head_grad = r64(4 * c.vocab_size * c.hidden_size);
     mb.embed_grad = c.tie_embeddings ? 0 : mb.head_grad;
@@ -185,8 +190,8 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   ST_CHECK_AS(ConfigError, in.world_size >= 1, "world size must be at least 1, got ",
               in.world_size);
   ST_CHECK_AS(ConfigError, in.micro_batch > 0 && in.seq_len > 0,
-              "train.micro_batch and train.seq_len must be positive, got ", in.micro_batch,
-              " and ", in.seq_len);
+              "train.micro_batch and train.seq_len must be positive, got ", in.micro_batch, " and ",
+              in.seq_len);
   check_choice(in.sharding, {"full_shard", "grad_op_shard", "no_shard", "hybrid_shard"},
                "dist.sharding");
   check_choice(in.optimizer, {"adamw", "sgd"}, "optim.name");
@@ -194,8 +199,8 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   check_choice(in.attention, {"plain", "fused"}, "activation.attention");
   const std::string& strategy = in.activation_strategy;
   const int64_t e = dtype_bytes(in.compute, "precision.compute");
-  const int64_t pe = dtype_bytes(in.param_dtype.empty() ? in.compute : in.param_dtype,
-                                 "precision.param_dtype");
+  const int64_t pe =
+      dtype_bytes(in.param_dtype.empty() ? in.compute : in.param_dtype, "precision.param_dtype");
   const int64_t rb = dtype_bytes(in.reduce_dtype, "precision.reduce_dtype");
   // Frozen floating weights of a LoRA model are kept in the compute dtype (fp32 when training
   // in fp32).
@@ -213,13 +218,11 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   }
   auto shard_of = [&](const UnitBytes& u) { return ceil_div(u.trainable_elems, shards); };
   // fp32 master, gradient and one optimizer-state tensor per rank, per unit.
-  auto per_rank_fp32 = [&](const UnitBytes& u) {
-    return fsdp ? r64(4 * shard_of(u)) : u.master;
-  };
+  auto per_rank_fp32 = [&](const UnitBytes& u) { return fsdp ? r64(4 * shard_of(u)) : u.master; };
   auto gathered = [&](const UnitBytes& u) { return r64(pe * shards * shard_of(u)); };
 
   MemoryPrediction p;
-  p.total_parameters = mb.total_elems;
+  p.total_parameters = L * mb.layer_elems + mb.root_elems;
   p.trainable_parameters = L * mb.layer.trainable_elems + mb.root.trainable_elems;
   p.master_bytes = L * per_rank_fp32(mb.layer) + per_rank_fp32(mb.root);
   p.frozen_bytes = L * mb.layer.frozen + mb.root.frozen;
@@ -254,13 +257,14 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
                                                   c.num_kv_heads, c.intermediate_size, e,
                                                   shape.attention_impl, in.offload_min_bytes);
   };
-  const int64_t saved = per_layer("none");  // everything one layer's ops save
+  const int64_t saved = per_layer("none");   // everything one layer's ops save
   const int64_t kept = per_layer(strategy);  // what the strategy keeps of it on the device
   const int64_t inputs = 2 * r64(8 * T);     // ids and targets
   const int64_t logits = r64(T * V * e);
   // Layer starts of the segments sqrt_segment keeps the input of.
   std::vector<std::pair<int, int>> segments;
-  if (strategy == "sqrt_segment") segments = activation::sqrt_segments(static_cast<int>(L), nullptr);
+  if (strategy == "sqrt_segment")
+    segments = activation::sqrt_segments(static_cast<int>(L), nullptr);
 
   // Strategies whose saved tensors (and with them the weights the linears save) stay on the
   // device from a layer's forward to its backward.
@@ -342,9 +346,9 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
       m.gradients = acc_grads > 0 ? acc_grads : (L - 1 - i) * layer_grad;
     } else {
       // The head's, the finished layers' and the largest weight gradient of this layer.
-      m.gradients = (acc_grads > 0 ? acc_grads
-                                   : root_grad - mb.embed_grad + (L - 1 - i) * layer_grad) +
-                    mb.layer.largest_grad;
+      m.gradients =
+          (acc_grads > 0 ? acc_grads : root_grad - mb.embed_grad + (L - 1 - i) * layer_grad) +
+          mb.layer.largest_grad;
     }
     if (fsdp) {
       m.copies = root_copy + (all_gathered ? i + 1 : in_flight_units) * unit_copy;
@@ -356,11 +360,11 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   {
     Moment m{"backward of the embedding"};
     m.activations = inputs;
-    m.workspace = r64(T * H * e) + (mb.embed_grad > 0 || c.tie_embeddings
-                                        ? mb.head_grad + (e != 4 ? r64(e * V * H) : 0)
-                                        : 0);
-    m.gradients = acc_grads > 0 ? acc_grads
-                                : (fsdp ? L * layer_grad : p.gradient_bytes - mb.embed_grad);
+    m.workspace =
+        r64(T * H * e) +
+        (mb.embed_grad > 0 || c.tie_embeddings ? mb.head_grad + (e != 4 ? r64(e * V * H) : 0) : 0);
+    m.gradients =
+        acc_grads > 0 ? acc_grads : (fsdp ? L * layer_grad : p.gradient_bytes - mb.embed_grad);
     if (fsdp) {
       m.copies = root_copy;
       m.workspace += r64(mb.root.trainable_elems * pe) + r64(shards * shard_of(mb.root) * rb);

@@ -1,8 +1,13 @@
 #include "shardtrain/train/runtime.h"
 
+#include <cmath>
+
+#include "shardtrain/amp/mixed_precision.h"
 #include "shardtrain/autograd/engine.h"
 #include "shardtrain/autograd/grad_mode.h"
 #include "shardtrain/backend/backend.h"
+#include "shardtrain/dist/env.h"
+#include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/io/hf_model.h"
 #include "shardtrain/ops/ops.h"
 
@@ -38,6 +43,18 @@ nn::LlamaConfig llama_config_from(const ModelConfig& m) {
 }
 
 Runtime::Runtime(const Config& config) : config_(config), device_(resolve_device(config.train.device)) {
+  // Several ranks on a node use one GPU each: "auto" and "cuda" mean the local rank's device.
+  const dist::LaunchInfo launch = dist::detect_launch();
+  if (device_.is_cuda() && launch.local_size > 1 &&
+      (config_.train.device == "auto" || config_.train.device == "cuda"))
+    device_ = Device::cuda(launch.local_rank);
+  dist::DistOptions dist_options;
+  dist_options.backend = config_.dist.backend;
+  dist_options.ranks_per_node = static_cast<int>(config_.dist.ranks_per_node);
+  dist_options.timeout_s = static_cast<double>(config_.dist.timeout_s);
+  dist_options.device = device_;
+  dist_ = std::make_unique<dist::DistEnv>(dist_options);
+
   int64_t capacity = config_.train.device_memory_bytes();
   allocator_for(device_).set_capacity(capacity);
 
@@ -52,9 +69,30 @@ Runtime::Runtime(const Config& config) : config_(config), device_(resolve_device
   ST_CHECK_AS(ConfigError, config_.activation.strategy == "none",
               "activation.strategy '", config_.activation.strategy,
               "' is not available in this build yet; use none");
-  ST_CHECK_AS(ConfigError, config_.precision.compute == "fp32",
-              "precision.compute '", config_.precision.compute,
-              "' is not available in this build yet; use fp32");
+  if (dist_->world_size() > 1) {
+    // Sharded data parallelism over the job's ranks. It gathers the parameters in the compute
+    // dtype itself, so the mixed-precision wrappers below find nothing left to cast.
+    fsdp::FsdpOptions sharding;
+    sharding.strategy = fsdp::parse_sharding_strategy(config_.dist.sharding);
+    sharding.param_dtype = dtype_from_name(config_.precision.effective_param_dtype());
+    sharding.reduce_dtype = dtype_from_name(config_.precision.reduce_dtype);
+    sharding.prefetch = config_.dist.prefetch;
+    sharding.sync_every_microbatch = config_.dist.sync_every_microbatch;
+    sharded_ = std::make_unique<fsdp::ShardedModel>(*model_, *dist_, sharding);
+  }
+  // Mixed precision goes last so that its compute copies are made innermost (a recompute casts
+  // again rather than keeping 16-bit copies alive).
+  amp::PrecisionPolicy policy;
+  policy.param_dtype = dtype_from_name(config_.precision.effective_param_dtype());
+  policy.reduce_dtype = dtype_from_name(config_.precision.reduce_dtype);
+  amp::install_mixed_precision(*model_, policy);
+  amp::GradScalerOptions scaling;
+  scaling.enabled = config_.precision.effective_loss_scale() == "dynamic";
+  scaling.init_scale = static_cast<float>(config_.precision.init_scale);
+  scaling.growth_factor = static_cast<float>(config_.precision.growth_factor);
+  scaling.backoff_factor = static_cast<float>(config_.precision.backoff_factor);
+  scaling.growth_interval = config_.precision.growth_interval;
+  scaler_ = std::make_unique<amp::GradScaler>(scaling);
 
   std::vector<optim::NamedParam> params = trainable();
   const OptimConfig& o = config_.optim;
@@ -75,27 +113,41 @@ Runtime::Runtime(const Config& config) : config_(config), device_(resolve_device
 Runtime::~Runtime() = default;
 
 std::vector<optim::NamedParam> Runtime::trainable() const {
+  if (sharded_) return sharded_->optimizer_params();
   std::vector<optim::NamedParam> out;
   for (auto& [name, slot] : model_->named_parameters())
     if (autograd::requires_grad(*slot)) out.push_back({name, slot});
   return out;
 }
 
-double Runtime::forward_backward(const std::vector<Batch>& micro_batches) {
+Runtime::Gradients Runtime::forward_backward(const std::vector<Batch>& micro_batches) {
   int64_t tokens = 0;
   for (const Batch& mb : micro_batches) tokens += mb.num_target_tokens;
+  // The normaliser is the whole global batch's count, over every rank: gradients are then summed
+  // over ranks (never averaged).
+  tokens = dist_->world().all_reduce_host(tokens, dist::ReduceOp::Sum);
   ST_CHECK(tokens > 0, "the batch has no target tokens to learn from (every target is -100)");
   double loss_total = 0;
-  for (const Batch& mb : micro_batches) {
+  const int count = static_cast<int>(micro_batches.size());
+  for (int k = 0; k < count; ++k) {
+    const Batch& mb = micro_batches[static_cast<size_t>(k)];
+    if (sharded_) sharded_->set_microbatch(k, count);
     Tensor ids = mb.input_ids.to(device_, MemoryCategory::Activations);
     Tensor targets = mb.targets.to(device_, MemoryCategory::Activations);
     Tensor loss_sum = model_->loss_sum(ids, targets);
     loss_total += loss_sum.item();
     // Token-weighted: every micro-batch is divided by the tokens of the whole global batch, so
-    // any split into micro-batches gives the gradient of the whole batch.
-    autograd::backward(ops::scale(loss_sum, 1.0f / static_cast<float>(tokens)));
+    // any split into micro-batches gives the gradient of the whole batch. The loss scale (fp16)
+    // multiplies in here and is divided out of the gradients below, before clipping.
+    float factor = static_cast<float>(static_cast<double>(scaler_->scale()) / static_cast<double>(tokens));
+    autograd::backward(ops::scale(loss_sum, factor));
   }
-  return loss_total / static_cast<double>(tokens);
+  Gradients g;
+  loss_total = dist_->world().all_reduce_host(loss_total, dist::ReduceOp::Sum);
+  g.loss = loss_total / static_cast<double>(tokens);
+  g.found_inf = scaler_->unscale_and_check(trainable());
+  if (sharded_) g.found_inf = sharded_->any_rank(g.found_inf);  // every rank skips together
+  return g;
 }
 
 StepResult Runtime::train_step(const std::vector<Batch>& micro_batches, float lr) {
@@ -105,11 +157,22 @@ StepResult Runtime::train_step(const std::vector<Batch>& micro_batches, float lr
   host.reset_peak();
   StepResult r;
   for (const Batch& mb : micro_batches) r.tokens += mb.num_target_tokens;
+  r.tokens = dist_->world().all_reduce_host(r.tokens, dist::ReduceOp::Sum);
   optimizer_->zero_grad();
-  r.loss = forward_backward(micro_batches);
+  r.loss_scale = scaler_->scale();
+  Gradients g = forward_backward(micro_batches);
+  r.loss = g.loss;
+  r.skipped = g.found_inf;
   std::vector<optim::NamedParam> params = trainable();
-  r.grad_norm = optim::clip_grad_norm(params, config_.optim.grad_clip);
-  optimizer_->step(lr);
+  if (!g.found_inf) {
+    // Sharded: the squared norm summed over every rank's shard.
+    r.grad_norm = optim::clip_grad_norm(params, config_.optim.grad_clip,
+                                        sharded_ ? sharded_->grad_sum_squares() : -1.0);
+    optimizer_->step(lr);
+  } else {
+    r.grad_norm = INFINITY;  // weights and optimizer state stay untouched
+  }
+  scaler_->update(g.found_inf);
   r.lr = lr;
   r.device_memory = dev.stats();
   r.host_memory = host.stats();
@@ -126,6 +189,9 @@ double Runtime::eval_loss(const std::vector<Batch>& batches) {
     total += model_->loss_sum(ids, targets).item();
     tokens += b.num_target_tokens;
   }
+  // Over every rank's batches (ranks that evaluate the same batches give the same mean).
+  total = dist_->world().all_reduce_host(total, dist::ReduceOp::Sum);
+  tokens = dist_->world().all_reduce_host(tokens, dist::ReduceOp::Sum);
   return tokens > 0 ? total / static_cast<double>(tokens) : 0.0;
 }
 

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -11,6 +12,8 @@
 #include "shardtrain/data/corpus.h"
 #include "shardtrain/data/sampler.h"
 #include "shardtrain/data/tokenizer.h"
+#include "shardtrain/dist/env.h"
+#include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/io/hf_model.h"
 #include "shardtrain/train/progress.h"
 #include "shardtrain/train/runtime.h"
@@ -61,8 +64,12 @@ optim::LrSchedule schedule_from(const Config& c) {
 TrainSummary run_training(const Config& config) {
   const TrainConfig& t = config.train;
   TrainSummary summary;
+  // Under mpirun every rank runs this function on its share of each global batch; rank 0 alone
+  // writes files and prints progress.
+  const int world = dist::job_world_size();
+  const bool leader = dist::job_rank() == 0;
   std::filesystem::create_directories(t.out_dir);
-  {
+  if (leader) {
     std::ofstream out(t.out_dir + "/config.yaml");
     out << config.to_yaml();
   }
@@ -79,13 +86,17 @@ TrainSummary run_training(const Config& config) {
   sc.seed = static_cast<uint64_t>(config.data.seed);
   Sampler train_sampler(data, Split::Train, sc);
 
-  int64_t global_batch = t.global_batch > 0 ? t.global_batch : t.micro_batch;
+  int64_t global_batch = t.global_batch > 0 ? t.global_batch : t.micro_batch * world;
   if (t.global_batch_tokens > 0) global_batch = std::max<int64_t>(1, t.global_batch_tokens / t.seq_len);
-  ST_CHECK_AS(ConfigError, global_batch % t.micro_batch == 0, "train.global_batch ", global_batch,
-              " is not a multiple of train.micro_batch ", t.micro_batch);
-  int64_t accumulation = global_batch / t.micro_batch;
+  ST_CHECK_AS(ConfigError, global_batch % (t.micro_batch * world) == 0, "train.global_batch ",
+              global_batch, " is not a multiple of train.micro_batch ", t.micro_batch, " x ", world,
+              " rank(s)");
+  int64_t accumulation = global_batch / (t.micro_batch * world);  // micro-batches per rank
 
   Runtime rt(config);
+  const int rank = rt.dist().rank();
+  ST_CHECK(rt.dist().world_size() == world, "the launcher reported ", world,
+           " ranks but MPI started ", rt.dist().world_size());
   optim::LrSchedule schedule = schedule_from(config);
 
   // A fixed held-out set: the first eval_batches windows of the eval split, in stream order.
@@ -98,11 +109,16 @@ TrainSummary run_training(const Config& config) {
   }
 
   summary.metrics_path = t.out_dir + "/metrics.jsonl";
-  std::ofstream metrics(summary.metrics_path);
+  std::ofstream metrics;
+  if (leader) metrics.open(summary.metrics_path);
   metrics.precision(17);
-  Progress progress(t.progress, t.steps, "train");
-  progress.message("shardtrain: " + std::to_string(rt.model().num_parameters()) +
-                   " parameters on " + rt.device().str() + ", " + std::to_string(global_batch) +
+  Progress progress(leader ? t.progress : "none", t.steps, "train");
+  // Sharded parameter slots are empty outside a forward: count from the configuration.
+  const int64_t num_parameters =
+      rt.sharded() ? rt.model().config().num_parameters() : rt.model().num_parameters();
+  progress.message("shardtrain: " + std::to_string(num_parameters) + " parameters on " +
+                   (world > 1 ? std::to_string(world) + " ranks (" + config.dist.sharding + "), " : "") +
+                   rt.device().str() + ", " + std::to_string(global_batch) +
                    " x " + std::to_string(t.seq_len) + " tokens per step (" +
                    std::to_string(accumulation) + " micro-batches), data " + data.source() +
                    " (" + std::to_string(data.size()) + " tokens)");
@@ -121,7 +137,9 @@ TrainSummary run_training(const Config& config) {
   double total_tokens = 0, total_seconds = 0;
   for (int64_t step = 0; step < t.steps; ++step) {
     Batch batch = train_sampler.next_batch(global_batch);
-    std::vector<Batch> micro = split_batch(batch, accumulation);
+    std::vector<Batch> all = split_batch(batch, accumulation * world);
+    std::vector<Batch> micro(all.begin() + rank * accumulation,
+                             all.begin() + (rank + 1) * accumulation);
     auto start = std::chrono::steady_clock::now();
     StepResult r = rt.train_step(micro, schedule.at(step));
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -154,7 +172,22 @@ TrainSummary run_training(const Config& config) {
   summary.tokens_per_second = total_seconds > 0 ? total_tokens / total_seconds : 0;
   if (t.export_model) {
     summary.export_dir = t.out_dir + "/export";
-    io::save_hf_model(rt.model(), summary.export_dir);
+    if (rt.sharded() == nullptr) {
+      io::save_hf_model(rt.model(), summary.export_dir);
+    } else {
+      // Every rank gathers the weights one unit at a time; rank 0 copies them into an unsharded
+      // model in CPU memory and writes it.
+      std::unique_ptr<nn::LlamaModel> full;
+      std::map<std::string, Tensor*> slots;
+      if (leader) {
+        full = std::make_unique<nn::LlamaModel>(rt.model().config(), Device::cpu());
+        for (auto& [name, slot] : full->named_parameters()) slots[name] = slot;
+      }
+      rt.sharded()->for_each_full_parameter([&](const std::string& name, const Tensor& weights) {
+        if (leader) slots.at(name)->copy_from(weights);
+      });
+      if (leader) io::save_hf_model(*full, summary.export_dir);
+    }
     progress.message("exported the model to " + summary.export_dir);
   }
   return summary;

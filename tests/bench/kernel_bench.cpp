@@ -49,11 +49,16 @@ Options parse(int argc, char** argv) {
       if (i + 1 >= argc) throw ConfigError(a + " needs a value");
       return argv[++i];
     };
-    if (a == "--iters") o.iters = std::max(1, std::stoi(value()));
-    else if (a == "--warmup") o.warmup = std::max(0, std::stoi(value()));
-    else if (a == "--device") o.device = std::stoi(value());
-    else if (a == "--json") o.json = value();
-    else if (a == "--only") o.only = value();
+    if (a == "--iters")
+      o.iters = std::max(1, std::stoi(value()));
+    else if (a == "--warmup")
+      o.warmup = std::max(0, std::stoi(value()));
+    else if (a == "--device")
+      o.device = std::stoi(value());
+    else if (a == "--json")
+      o.json = value();
+    else if (a == "--only")
+      o.only = value();
     else if (a == "--help" || a == "-h") {
       std::cout << "usage: shardtrain-kernel-bench [--iters N] [--warmup N] [--device I] "
                    "[--json PATH] [--only NAME]\n";
@@ -120,13 +125,13 @@ Tensor randn_on(const Shape& shape, DType t, Device d, uint64_t seed, float stdd
 
 void bench_gemm(Bench& b) {
   const int64_t n = 4096;
-  Tensor a = randn_on({n, n}, DType::BF16, b.dev(), 1), w = randn_on({n, n}, DType::BF16, b.dev(), 2);
+  Tensor a = randn_on({n, n}, DType::BF16, b.dev(), 1),
+         w = randn_on({n, n}, DType::BF16, b.dev(), 2);
   Tensor c16 = empty({n, n}, DType::BF16, b.dev()), c32 = empty({n, n}, DType::F32, b.dev());
   GemmArgs g;
   g.m = g.n = g.k = n;
   const double flops = 2.0 * n * n * n;
-  b.run("gemm_bf16", "4096x4096x4096 -> bf16", 0, flops,
-        [&] { b.backend().gemm(g, a, w, c16); });
+  b.run("gemm_bf16", "4096x4096x4096 -> bf16", 0, flops, [&] { b.backend().gemm(g, a, w, c16); });
   g.trans_b = true;
   b.run("gemm_bf16_nt_f32out", "4096x4096x4096 B^T -> f32", 0, flops,
         [&] { b.backend().gemm(g, a, w, c32); });
@@ -147,9 +152,8 @@ void bench_attention(Bench& b) {
   const std::string shape = "B=4 H=16 S=2048 D=128 causal";
   b.run("attention_fwd_bf16", shape, 0, fwd_flops,
         [&] { b.backend().attention_forward(q, k, v, scale, out, lse); });
-  b.run("attention_bwd_bf16", shape, 0, 2.5 * fwd_flops, [&] {
-    b.backend().attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv);
-  });
+  b.run("attention_bwd_bf16", shape, 0, 2.5 * fwd_flops,
+        [&] { b.backend().attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv); });
 }
 
 void bench_rmsnorm(Bench& b) {
@@ -192,7 +196,8 @@ void bench_adamw(Bench& b) {
 
 void bench_elementwise(Bench& b) {
   const int64_t n = int64_t{64} << 20;
-  Tensor gte = randn_on({n}, DType::BF16, b.dev(), 13), up = randn_on({n}, DType::BF16, b.dev(), 14);
+  Tensor gte = randn_on({n}, DType::BF16, b.dev(), 13),
+         up = randn_on({n}, DType::BF16, b.dev(), 14);
   Tensor out = empty({n}, DType::BF16, b.dev());
   b.run("swiglu_fwd_bf16", "64M", 3.0 * n * 2, 0,
         [&] { b.backend().swiglu_forward(gte, up, out); });

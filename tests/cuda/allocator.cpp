@@ -29,9 +29,9 @@ TEST(CudaAllocator, CountsBytesAndCachesFreedBlocks) {
     Tensor t = empty({1000}, DType::BF16, cuda0());  // 2000 bytes, counted as 2048
     first = t.data_ptr();
     const MemoryStats during = alloc.stats();
-    EXPECT_EQ(during.in_use_of(MemoryCategory::Gradients) -
-                  before.in_use_of(MemoryCategory::Gradients),
-              2048);
+    EXPECT_EQ(
+        during.in_use_of(MemoryCategory::Gradients) - before.in_use_of(MemoryCategory::Gradients),
+        2048);
     EXPECT_EQ(during.total_in_use - before.total_in_use, 2048);
     // A small request takes a 2 MiB segment from the driver.
     EXPECT_EQ(during.reserved - before.reserved, 2 * kMiB);
@@ -63,8 +63,7 @@ TEST(CudaAllocator, LargeBlocksRoundToTwoMiBAndSplit) {
     EXPECT_EQ(alloc.stats().reserved - base, 6 * kMiB);
     Tensor rest = empty({3 * kMiB}, DType::U8, cuda0());
     EXPECT_EQ(alloc.stats().reserved - base, 6 * kMiB);
-    EXPECT_EQ(static_cast<char*>(rest.data_ptr()) - static_cast<char*>(part.data_ptr()),
-              3 * kMiB);
+    EXPECT_EQ(static_cast<char*>(rest.data_ptr()) - static_cast<char*>(part.data_ptr()), 3 * kMiB);
   }
   alloc.empty_cache();  // the two halves merged back into one free segment
   EXPECT_EQ(alloc.stats().reserved, base);
@@ -168,7 +167,9 @@ TEST(CudaAllocator, HostPoolIsPinnedAndCopiesRoundTrip) {
 
 #else
 
-TEST(CudaAllocator, NeedsCudaBuild) { REQUIRE_CUDA(); }
+TEST(CudaAllocator, NeedsCudaBuild) {
+  REQUIRE_CUDA();
+}
 
 #endif
 

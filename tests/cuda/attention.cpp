@@ -28,8 +28,12 @@ std::string describe(const Dims& d, DType t) {
 
 // Errors relative to the largest magnitude: 16-bit runs round P and dS to 16 bits before the
 // second matrix product, as flash attention does.
-float out_tolerance(DType t) { return t == DType::F32 ? 1e-5f : t == DType::F16 ? 4e-3f : 2e-2f; }
-float grad_tolerance(DType t) { return t == DType::F32 ? 1e-4f : t == DType::F16 ? 1e-2f : 4e-2f; }
+float out_tolerance(DType t) {
+  return t == DType::F32 ? 1e-5f : t == DType::F16 ? 4e-3f : 2e-2f;
+}
+float grad_tolerance(DType t) {
+  return t == DType::F32 ? 1e-4f : t == DType::F16 ? 1e-2f : 4e-2f;
+}
 
 void check_attention(const Dims& d, DType t) {
   const std::string what = describe(d, t);
@@ -40,7 +44,8 @@ void check_attention(const Dims& d, DType t) {
   Tensor gq = q.to(cuda0()), gk = k.to(cuda0()), gv = v.to(cuda0());
 
   Tensor out_want = empty(q.shape(), t), lse_want = empty({d.B, d.Hq, d.S});
-  Tensor out_got = empty(q.shape(), t, cuda0()), lse_got = empty({d.B, d.Hq, d.S}, DType::F32, cuda0());
+  Tensor out_got = empty(q.shape(), t, cuda0()),
+         lse_got = empty({d.B, d.Hq, d.S}, DType::F32, cuda0());
   cpu().attention_forward(q, k, v, scale, out_want, lse_want);
   gpu().attention_forward(gq, gk, gv, scale, out_got, lse_got);
   testing::expect_close(lse_got, lse_want, 2e-4f, 1e-5f, what + " lse");
@@ -48,7 +53,8 @@ void check_attention(const Dims& d, DType t) {
 
   // Backward from the CPU forward's outputs so both sides see identical inputs.
   Tensor dout = random_cpu(q.shape(), t, 203);
-  Tensor dq_want = empty(q.shape(), t), dk_want = empty(k.shape(), t), dv_want = empty(v.shape(), t);
+  Tensor dq_want = empty(q.shape(), t), dk_want = empty(k.shape(), t),
+         dv_want = empty(v.shape(), t);
   cpu().attention_backward(q, k, v, out_want, lse_want, dout, scale, dq_want, dk_want, dv_want);
   Tensor g_out = out_want.to(cuda0()), g_lse = lse_want.to(cuda0()), g_dout = dout.to(cuda0());
   Tensor dq = empty(q.shape(), t, cuda0()), dk = empty(k.shape(), t, cuda0()),

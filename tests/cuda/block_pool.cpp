@@ -133,7 +133,9 @@ TEST(CudaBlockPool, RefusalIsReportedAndCacheCanBeReleased) {
 
 #else
 
-TEST(CudaBlockPool, NeedsCudaBuild) { REQUIRE_CUDA(); }
+TEST(CudaBlockPool, NeedsCudaBuild) {
+  REQUIRE_CUDA();
+}
 
 #endif
 

@@ -27,15 +27,21 @@ inline std::string no_cuda_reason() {
 }
 
 // Skips the test on machines (or builds) without a usable GPU.
-#define REQUIRE_CUDA()                                                                  \
-  do {                                                                                  \
-    if (!::shardtrain::cuda_backend_available())                                        \
-      GTEST_SKIP() << "no CUDA GPU: " << ::shardtrain::testing::no_cuda_reason();       \
+#define REQUIRE_CUDA()                                                            \
+  do {                                                                            \
+    if (!::shardtrain::cuda_backend_available())                                  \
+      GTEST_SKIP() << "no CUDA GPU: " << ::shardtrain::testing::no_cuda_reason(); \
   } while (0)
 
-inline Backend& cpu() { return backend_for(Device::cpu()); }
-inline Backend& gpu() { return backend_for(Device::cuda(0)); }
-inline Device cuda0() { return Device::cuda(0); }
+inline Backend& cpu() {
+  return backend_for(Device::cpu());
+}
+inline Backend& gpu() {
+  return backend_for(Device::cuda(0));
+}
+inline Device cuda0() {
+  return Device::cuda(0);
+}
 
 // Normal(0, stddev) values of `dtype` on the CPU (values already rounded to the dtype).
 inline Tensor random_cpu(const Shape& shape, DType dtype, uint64_t seed, float stddev = 1.0f) {
@@ -53,14 +59,19 @@ inline std::vector<int64_t> random_ids(int64_t n, int64_t limit, uint64_t seed) 
   return ids;
 }
 
-inline const char* name(DType t) { return dtype_name(t).data(); }
+inline const char* name(DType t) {
+  return dtype_name(t).data();
+}
 
 // Per-element tolerance of values stored in `t` (its rounding, plus fp32 ordering effects).
 inline float tolerance(DType t) {
   switch (t) {
-    case DType::BF16: return 1.6e-2f;
-    case DType::F16: return 2e-3f;
-    default: return 2e-5f;
+    case DType::BF16:
+      return 1.6e-2f;
+    case DType::F16:
+      return 2e-3f;
+    default:
+      return 2e-5f;
   }
 }
 

@@ -75,8 +75,8 @@ TEST(CudaGemm, MixedDtypes) {
     for (bool tb : {false, true}) {
       check_gemm(c, ta, tb, DType::BF16, DType::BF16, DType::F32, 1.0f);  // direct on cuBLASLt
       check_gemm(c, ta, tb, DType::F16, DType::F16, DType::F32, 0.0f);
-      check_gemm(c, ta, tb, DType::F32, DType::BF16, DType::F32, 0.5f);   // A and B differ
-      check_gemm(c, ta, tb, DType::F32, DType::F32, DType::BF16, 0.5f);   // C staged in f32
+      check_gemm(c, ta, tb, DType::F32, DType::BF16, DType::F32, 0.5f);  // A and B differ
+      check_gemm(c, ta, tb, DType::F32, DType::F32, DType::BF16, 0.5f);  // C staged in f32
       check_gemm(c, ta, tb, DType::BF16, DType::BF16, DType::F16, 0.0f);
     }
 }

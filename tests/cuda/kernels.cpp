@@ -47,8 +47,8 @@ TEST(CudaKernels, FillAndCast) {
       cpu().cast(src, want);
       Tensor got = empty(shape, to, cuda0());
       gpu().cast(src.to(cuda0()), got);
-      testing::expect_bitwise_equal(got, want, std::string("cast ") + testing::name(from) +
-                                                   " -> " + testing::name(to));
+      testing::expect_bitwise_equal(
+          got, want, std::string("cast ") + testing::name(from) + " -> " + testing::name(to));
     }
   }
 }
@@ -134,8 +134,10 @@ TEST(CudaKernels, Permute0213) {
 TEST(CudaKernels, Embedding) {
   REQUIRE_CUDA();
   for (DType t : kFloatTypes) {
-    for (auto [V, H, N] : {std::tuple<int64_t, int64_t, int64_t>{50, 64, 200}, {7, 33, 19},
-                           {1000, 256, 4096}, {3, 8, 1}}) {
+    for (auto [V, H, N] : {std::tuple<int64_t, int64_t, int64_t>{50, 64, 200},
+                           {7, 33, 19},
+                           {1000, 256, 4096},
+                           {3, 8, 1}}) {
       Tensor w = random_cpu({V, H}, t, 14);
       // Many repeats (small vocab relative to tokens) exercise the ordered per-id sums.
       Tensor ids = from_ints(testing::random_ids(N, V, 15), {N});
@@ -243,8 +245,8 @@ TEST(CudaKernels, CausalSoftmax) {
   REQUIRE_CUDA();
   for (DType t : kFloatTypes) {
     // [N, Sq, Sk] with Sk >= Sq (keys include a prefix) and a few ragged lengths.
-    for (Shape s : {Shape{2, 16, 16}, Shape{3, 5, 9}, Shape{1, 33, 33}, Shape{2, 7, 1030},
-                    Shape{1, 4, 2}}) {
+    for (Shape s :
+         {Shape{2, 16, 16}, Shape{3, 5, 9}, Shape{1, 33, 33}, Shape{2, 7, 1030}, Shape{1, 4, 2}}) {
       Tensor x = random_cpu(s, t, 40, 3.0f);
       Tensor want = empty(s, t), got = empty(s, t, cuda0());
       cpu().causal_softmax(x, 0.7f, want);
@@ -299,8 +301,7 @@ TEST(CudaKernels, CrossEntropy) {
       Tensor d_want = empty({N, V}, t), d_got = empty({N, V}, t, cuda0());
       cpu().cross_entropy_backward(logits, targets, 0.25f, d_want);
       gpu().cross_entropy_backward(logits.to(cuda0()), targets.to(cuda0()), 0.25f, d_got);
-      expect_close(d_got, d_want, 1e-6f, tolerance(t),
-                   label("cross_entropy_backward", t, {N, V}));
+      expect_close(d_got, d_want, 1e-6f, tolerance(t), label("cross_entropy_backward", t, {N, V}));
     }
   }
   Tensor logits = zeros({2, 5}, DType::F32, cuda0());

@@ -12,9 +12,13 @@ namespace shardtrain::dist {
 namespace {
 
 // Element i of rank r's input: distinct per (rank, element), exact in bf16 (small integers).
-float value(int rank, int64_t i) { return static_cast<float>((rank + 1) * 16 + (i % 13) - 6); }
+float value(int rank, int64_t i) {
+  return static_cast<float>((rank + 1) * 16 + (i % 13) - 6);
+}
 
-int env_world_size() { return std::atoi(std::getenv("OMPI_COMM_WORLD_SIZE")); }
+int env_world_size() {
+  return std::atoi(std::getenv("OMPI_COMM_WORLD_SIZE"));
+}
 
 class Collectives : public ::testing::TestWithParam<std::pair<DType, Device>> {
  protected:
@@ -56,7 +60,8 @@ TEST(DistEnvTest, RanksPerNodeSimulatesNodes) {
   EXPECT_EQ(env.intra_node().size(), 2);
   EXPECT_EQ(env.inter_node().size(), n / 2);
   // Sum of world ranks within the node, and across nodes at the same local rank.
-  int64_t node_sum = env.intra_node().all_reduce_host(static_cast<int64_t>(env.rank()), ReduceOp::Sum);
+  int64_t node_sum =
+      env.intra_node().all_reduce_host(static_cast<int64_t>(env.rank()), ReduceOp::Sum);
   EXPECT_EQ(node_sum, 2 * env.node() + 2 * env.node() + 1);
   int64_t cross = env.inter_node().all_reduce_host(static_cast<int64_t>(env.rank()), ReduceOp::Sum);
   int64_t expected = 0;
@@ -138,20 +143,21 @@ TEST_P(Collectives, BroadcastCopiesTheRootsTensor) {
   const int root = pg.size() - 1;
   Tensor t = rank_tensor(pg.rank(), 19, dtype, device);
   pg.broadcast(t, root)->wait();
-  EXPECT_EQ(t.to_float_vector(), rank_tensor(root, 19, DType::F32, Device::cpu()).to_float_vector());
+  EXPECT_EQ(t.to_float_vector(),
+            rank_tensor(root, 19, DType::F32, Device::cpu()).to_float_vector());
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    DtypesAndDevices, Collectives,
-    ::testing::Values(std::make_pair(DType::F32, Device::cpu()),
-                      std::make_pair(DType::BF16, Device::cpu()),
-                      std::make_pair(DType::F16, Device::cpu()),
-                      std::make_pair(DType::F32, Device::host()),
-                      std::make_pair(DType::I64, Device::cpu()),
-                      std::make_pair(DType::I32, Device::host())),
-    [](const auto& info) {
-      return std::string(dtype_name(info.param.first)) + "_" + info.param.second.str();
-    });
+INSTANTIATE_TEST_SUITE_P(DtypesAndDevices, Collectives,
+                         ::testing::Values(std::make_pair(DType::F32, Device::cpu()),
+                                           std::make_pair(DType::BF16, Device::cpu()),
+                                           std::make_pair(DType::F16, Device::cpu()),
+                                           std::make_pair(DType::F32, Device::host()),
+                                           std::make_pair(DType::I64, Device::cpu()),
+                                           std::make_pair(DType::I32, Device::host())),
+                         [](const auto& info) {
+                           return std::string(dtype_name(info.param.first)) + "_" +
+                                  info.param.second.str();
+                         });
 
 TEST(CollectivesTest, Bf16ReductionRoundsOnceFromF32) {
   // Values whose bf16 partial sums would round differently from the f32 sum rounded once.

@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 
+#include "shardtrain/activation/strategy.h"
 #include "shardtrain/amp/mixed_precision.h"
 #include "shardtrain/autograd/grad_mode.h"
 #include "shardtrain/fsdp/fsdp.h"
@@ -26,7 +27,14 @@ struct Case {
   bool sync_every_microbatch = true;
   int ranks_per_node = 0;
   bool tie_embeddings = false;
+  std::string activation = "none";  // activation strategy installed outside the sharding
+  bool reentrant = false;
+  int layers = 2;
 };
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.name;
+}
 
 // The single-process result every rank computes for itself.
 struct Reference {
@@ -73,7 +81,7 @@ TEST_P(FsdpMatchesSingleProcess, LossGradientsAndOneStep) {
   dist::DistEnv env(dist_options);
   const int n = env.world_size(), rank = env.rank();
 
-  nn::LlamaConfig cfg = test::tiny_config(2);
+  nn::LlamaConfig cfg = test::tiny_config(c.layers);
   cfg.tie_embeddings = c.tie_embeddings;
   std::vector<MicroBatch> all = test::make_micro_batches(n * kPerRank, 2, 8, cfg.vocab_size, 5);
   const int64_t tokens = test::total_tokens(all);
@@ -81,6 +89,14 @@ TEST_P(FsdpMatchesSingleProcess, LossGradientsAndOneStep) {
 
   nn::LlamaModel model(cfg, Device::cpu());
   model.init_weights(kInitSeed);
+  if (c.activation != "none") {
+    // Installed first, so that the strategy's wrapper runs outside the sharding's: a recompute
+    // runs the unit's forward again during backward.
+    activation::ActivationOptions ao;
+    ao.strategy = c.activation;
+    ao.reentrant = c.reentrant;
+    activation::apply_activation_strategy(model, ao);
+  }
   FsdpOptions options;
   options.strategy = c.strategy;
   options.prefetch = c.prefetch;
@@ -88,20 +104,39 @@ TEST_P(FsdpMatchesSingleProcess, LossGradientsAndOneStep) {
   ShardedModel sharded(model, env, options);
   if (c.strategy == ShardingStrategy::HybridShard) {
     EXPECT_EQ(sharded.shard_group().size(), c.ranks_per_node);
-    ASSERT_NE(sharded.replicate_group(), nullptr);
-    EXPECT_EQ(sharded.replicate_group()->size(), n / c.ranks_per_node);
+    if (n > c.ranks_per_node) {
+      ASSERT_NE(sharded.replicate_group(), nullptr);
+      EXPECT_EQ(sharded.replicate_group()->size(), n / c.ranks_per_node);
+    } else {
+      EXPECT_EQ(sharded.replicate_group(), nullptr) << "one node: nothing to replicate across";
+    }
   }
 
   std::vector<MicroBatch> mine(all.begin() + rank * kPerRank, all.begin() + (rank + 1) * kPerRank);
   double local = 0;
+  sharded.reset_comm_stats();
   for (int k = 0; k < kPerRank; ++k) {
     sharded.set_microbatch(k, kPerRank);
     local += test::forward_backward(model, {mine[static_cast<size_t>(k)]}, tokens);
     // Everything gathered for the micro-batch is released after its backward.
     EXPECT_EQ(sharded.num_gathered_units(), 0) << "after micro-batch " << k;
   }
-  double loss = env.world().all_reduce_host(local, dist::ReduceOp::Sum) / static_cast<double>(tokens);
+  double loss =
+      env.world().all_reduce_host(local, dist::ReduceOp::Sum) / static_cast<double>(tokens);
   EXPECT_NEAR(loss, ref.loss, 1e-5 * ref.loss);
+
+  // Communication: each layer is gathered in forward and, unless its gathered parameters were
+  // kept (grad_op_shard), once more for backward; a recompute never gathers again. The root is
+  // gathered once. Gradients are reduced once per unit per synchronising micro-batch.
+  const int64_t units = c.layers + 1;
+  const bool regather = c.strategy == ShardingStrategy::FullShard ||
+                        c.strategy == ShardingStrategy::HybridShard || c.reentrant;
+  const bool split = sharded.shard_group().size() > 1;
+  const int64_t syncs = c.sync_every_microbatch ? kPerRank : 1;
+  const ShardedModel::CommStats& comm = sharded.comm_stats();
+  EXPECT_EQ(comm.all_gathers, split ? kPerRank * (units + (regather ? c.layers : 0)) : 0);
+  EXPECT_EQ(comm.reduce_scatters, split ? syncs * units : 0);
+  EXPECT_EQ(comm.all_reduces, sharded.replicate_group() ? syncs * units : 0);
 
   size_t seen = 0;
   sharded.for_each_full_gradient([&](const std::string& name, const Tensor& full) {
@@ -137,13 +172,22 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"no_shard", ShardingStrategy::NoShard},
                       Case{"no_shard_sync_last", ShardingStrategy::NoShard, true, false},
                       Case{"hybrid_shard", ShardingStrategy::HybridShard, true, true, 2},
-                      Case{"hybrid_shard_sync_last", ShardingStrategy::HybridShard, true, false,
-                           2}),
+                      Case{"hybrid_shard_sync_last", ShardingStrategy::HybridShard, true, false, 2},
+                      Case{"full_shard_checkpoint", ShardingStrategy::FullShard, true, true, 0,
+                           false, "per_layer"},
+                      Case{"full_shard_checkpoint_reentrant", ShardingStrategy::FullShard, true,
+                           true, 0, false, "per_layer", true},
+                      Case{"grad_op_shard_checkpoint_reentrant", ShardingStrategy::GradOpShard,
+                           true, true, 0, false, "per_layer", true},
+                      Case{"full_shard_sqrt_segment_no_prefetch", ShardingStrategy::FullShard,
+                           false, true, 0, false, "sqrt_segment", false, 4}),
     [](const auto& info) { return info.param.name; });
 
 // ---- memory -----------------------------------------------------------------------------------
 
-int64_t rounded(int64_t bytes) { return (bytes + 63) / 64 * 64; }  // the allocators' granularity
+int64_t rounded(int64_t bytes) {
+  return (bytes + 63) / 64 * 64;
+}  // the allocators' granularity
 
 int64_t model_state_bytes() {
   MemoryStats s = allocator_for(Device::cpu()).stats();
@@ -172,7 +216,8 @@ TEST(FsdpMemory, FullShardKeepsOneNthOfTheModelStatePerRank) {
   for (int u = 0; u < sharded.num_units(); ++u) {
     const FlatParamLayout& l = sharded.unit_layout(u);
     shards += rounded(l.shard_numel * 4);
-    padding_and_rounding += 4 * (l.padded - l.total) + 64 * 4 * (static_cast<int64_t>(l.entries.size()) + 1);
+    padding_and_rounding +=
+        4 * (l.padded - l.total) + 64 * 4 * (static_cast<int64_t>(l.entries.size()) + 1);
     if (u + 1 < sharded.num_units()) largest_layer = std::max(largest_layer, rounded(l.padded * 4));
   }
   for (const ParamPiece& p : sharded.param_pieces()) pieces += rounded(p.length * 4);
@@ -220,7 +265,8 @@ TEST(FsdpMixedPrecision, Bf16ComputeMatchesSingleProcessCasts) {
     options.reduce_dtype = reduce;
     ShardedModel sharded(model, env, options);
     double local = test::forward_backward(model, {all[static_cast<size_t>(rank)]}, tokens);
-    double loss = env.world().all_reduce_host(local, dist::ReduceOp::Sum) / static_cast<double>(tokens);
+    double loss =
+        env.world().all_reduce_host(local, dist::ReduceOp::Sum) / static_cast<double>(tokens);
     EXPECT_NEAR(loss, ref_loss, 1e-5 * ref_loss);
     // bf16 gradients reduced in fp32 differ from the single process only in summation order;
     // reduced in bf16 they are rounded once more (8 significant bits).
@@ -246,7 +292,8 @@ TEST(FsdpState, LoadFullParametersRoundTrips) {
   ShardedModel sharded(model, env, {});
   std::map<std::string, Tensor*> slots;
   for (auto& [name, slot] : source.named_parameters()) slots[name] = slot;
-  sharded.load_full_parameters([&](const std::string& name) { return slots.at(name)->to(DType::BF16); });
+  sharded.load_full_parameters(
+      [&](const std::string& name) { return slots.at(name)->to(DType::BF16); });
   sharded.for_each_full_parameter([&](const std::string& name, const Tensor& full) {
     std::vector<float> got = full.to_float_vector(), want = expected.at(name);
     ASSERT_EQ(got.size(), want.size());

@@ -2,6 +2,7 @@
 // regions it should exactly once, and uses the device activation memory its formula predicts.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <map>
 
@@ -222,6 +223,39 @@ INSTANTIATE_TEST_SUITE_P(Attention, StrategyTest,
                          [](const auto& info) {
                            return info.param == ops::AttentionImpl::Plain ? "plain" : "fused";
                          });
+
+// The formulas are not tuned to one shape: batch 2, grouped-query attention with an odd group
+// count, five layers (sqrt_segment: 2 + 2 + 1), a vocabulary that is not a power of two.
+TEST(Estimate, FormulaHoldsOnAnotherShape) {
+  nn::LlamaConfig c;
+  c.vocab_size = 100;
+  c.hidden_size = 48;
+  c.intermediate_size = 80;
+  c.num_layers = 5;
+  c.num_heads = 6;
+  c.num_kv_heads = 3;
+  c.max_seq_len = 96;
+  const int64_t b = 2, s = 96;
+  const Batch batch = make_batch(b, s, c.vocab_size, 41);
+  for (auto impl : {ops::AttentionImpl::Plain, ops::AttentionImpl::Fused}) {
+    const ActivationModelShape shape = shape_of(c, b, s, impl);
+    for (const std::string& strategy : activation_strategies()) {
+      for (bool reentrant : {false, true}) {
+        if (reentrant && (strategy == "none" || strategy == "offload")) continue;
+        std::string what = strategy + (reentrant ? " (reentrant)" : "") +
+                           (impl == ops::AttentionImpl::Plain ? " plain" : " fused");
+        auto model = make_model(c, impl);
+        apply_activation_strategy(*model, {strategy, nullptr, reentrant, 0});
+        const StepResult r = run_step(*model, batch);
+        ActivationEstimate e = activation_bytes_model(strategy, shape, reentrant);
+        EXPECT_EQ(r.after_forward, e.after_forward) << what;
+        EXPECT_EQ(r.host_after_forward, e.host_bytes) << what;
+        expect_near_fraction(r.forward_peak, e.forward_peak, 0.05, what + " forward peak");
+        expect_near_fraction(r.peak, e.peak, 0.05, what + " peak");
+      }
+    }
+  }
+}
 
 TEST(Offload, ForwardLeavesOnlyTheHeadOnTheDevice) {
   const nn::LlamaConfig c = memory_config();

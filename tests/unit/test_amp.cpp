@@ -296,8 +296,7 @@ struct FakeParams {
       autograd::set_grad(t, from_floats(g, {static_cast<int64_t>(g.size())}));
       tensors.push_back(t);
     }
-    for (size_t i = 0; i < tensors.size(); ++i)
-      named.push_back({std::to_string(i), &tensors[i]});
+    for (size_t i = 0; i < tensors.size(); ++i) named.push_back({std::to_string(i), &tensors[i]});
   }
   std::vector<float> grad(size_t i) const { return autograd::grad(tensors[i]).to_float_vector(); }
 };

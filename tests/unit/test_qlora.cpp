@@ -30,8 +30,8 @@ namespace fs = std::filesystem;
 using testing::gradcheck;
 
 // Measured on 2^20 N(0, 1) weights (seed 11); see docs/qlora.md.
-constexpr double kNf4RelativeRmsError = 0.0;         // exact block absmax
-constexpr double kNf4RelativeRmsErrorDq = 0.0;       // double-quantized block absmax
+constexpr double kNf4RelativeRmsError = 0.09192;    // exact block absmax
+constexpr double kNf4RelativeRmsErrorDq = 0.09194;  // double-quantized block absmax
 
 class TempDir {
  public:
@@ -138,8 +138,8 @@ TEST(Nf4, RmsErrorMatchesNf4) {
   }
   const double rel = std::sqrt(err / sq), rel_exact = std::sqrt(err_exact / sq);
   std::printf("NF4 relative RMS error: %.5f (exact absmax %.5f)\n", rel, rel_exact);
-  EXPECT_NEAR(rel_exact, kNf4RelativeRmsError, 0.002);
-  EXPECT_NEAR(rel, kNf4RelativeRmsErrorDq, 0.002);
+  EXPECT_NEAR(rel_exact, kNf4RelativeRmsError, 0.0005);
+  EXPECT_NEAR(rel, kNf4RelativeRmsErrorDq, 0.0005);
   // Double quantization costs almost nothing on top of the 4-bit codes.
   EXPECT_LT(rel - rel_exact, 0.001);
 }
@@ -194,8 +194,11 @@ TEST(Nf4, OddSizesAndSafetensorsRoundTrip) {
   EXPECT_EQ(q.absmax_q.numel(), 16);
   EXPECT_EQ(q.absmax_scale.numel(), 1);
   const std::vector<float> dq = q.dequantize().to_float_vector();
-  const std::vector<float> wv = w.to_float_vector();
-  for (size_t i = 0; i < wv.size(); ++i) ASSERT_NEAR(dq[i], wv[i], 0.25f) << i;
+  const std::vector<float> wv = w.to_float_vector(), exact = exact_block_absmax(wv);
+  // Half the widest gap of the code book (between -1 and -0.6962) times the block's absmax,
+  // plus the absmax's own 8-bit error.
+  for (size_t i = 0; i < wv.size(); ++i)
+    ASSERT_LE(std::fabs(dq[i] - wv[i]), 0.1520f * exact[i / 64] * 1.01f) << i;
 
   NamedTensors tensors;
   io::append_nf4(tensors, "layer.weight", q);
@@ -317,10 +320,17 @@ nn::LoraOptions options(nn::BaseQuantization quant, int64_t r = 4, float alpha =
   return o;
 }
 
+nn::Linear& projection(nn::DecoderLayer& layer, const std::string& name) {
+  const bool attention =
+      name == "q_proj" || name == "k_proj" || name == "v_proj" || name == "o_proj";
+  return attention ? layer.self_attn.projection(name) : layer.mlp.projection(name);
+}
+
 void randomize_b(nn::LlamaModel& m, uint64_t seed) {
   Generator gen(seed);
   autograd::NoGrad no_grad;
-  for (auto& [name, lora] : nn::lora_modules(m)) lora->lora_B.copy_from(randn(lora->lora_B.shape(), gen, 0.05f));
+  for (auto& [name, lora] : nn::lora_modules(m))
+    lora->lora_B.copy_from(randn(lora->lora_B.shape(), gen, 0.05f));
 }
 
 TEST(Lora, ZeroBGivesTheBaseModelsLoss) {
@@ -333,7 +343,8 @@ TEST(Lora, ZeroBGivesTheBaseModelsLoss) {
   EXPECT_EQ(s.adapted_modules, 14);
   EXPECT_EQ(s.nf4_bytes, 0);
   const float plain_loss = loss_of(*plain, batch);
-  EXPECT_EQ(std::memcmp(&plain_loss, &base_loss, sizeof(float)), 0) << plain_loss << " vs " << base_loss;
+  EXPECT_EQ(std::memcmp(&plain_loss, &base_loss, sizeof(float)), 0)
+      << plain_loss << " vs " << base_loss;
 
   // NF4: the same as a dense model holding the dequantized weights.
   auto quantized = tiny_model();
@@ -342,11 +353,7 @@ TEST(Lora, ZeroBGivesTheBaseModelsLoss) {
     autograd::NoGrad no_grad;
     for (auto& layer : reference->layers)
       for (const std::string& name : nn::lora_projection_names()) {
-        nn::Linear& p = name.find("proj") != std::string::npos &&
-                                (name[0] == 'q' || name[0] == 'k' || name[0] == 'v' ||
-                                 name[0] == 'o')
-                            ? layer->self_attn.projection(name)
-                            : layer->mlp.projection(name);
+        nn::Linear& p = projection(*layer, name);
         p.weight.copy_from(nn::Nf4Tensor::quantize(p.weight).dequantize());
       }
   }
@@ -388,10 +395,11 @@ TEST(Lora, OnlyAdaptersReceiveGradients) {
   nn::LoraSummary s = nn::apply_lora(*m, options(nn::BaseQuantization::Nf4, 4, 8));
   const nn::LlamaConfig c = tiny_config();
   const int64_t kv = c.num_kv_heads * c.head_dim();
-  const int64_t per_layer = 4 * ((64 + 64) + (64 + kv) + (64 + kv) + (64 + 64) + (64 + 128) +
-                                 (64 + 128) + (128 + 64));
+  const int64_t per_layer =
+      4 * ((64 + 64) + (64 + kv) + (64 + kv) + (64 + 64) + (64 + 128) + (64 + 128) + (128 + 64));
   EXPECT_EQ(s.trainable_parameters, 2 * per_layer);
-  EXPECT_EQ(s.trainable_parameters + s.frozen_parameters, c.num_parameters() + s.trainable_parameters);
+  EXPECT_EQ(s.trainable_parameters + s.frozen_parameters,
+            c.num_parameters() + s.trainable_parameters);
   randomize_b(*m, 41);
   const Batch batch = fixed_batch();
   autograd::backward(m->loss_sum(batch.ids, batch.targets));
@@ -420,7 +428,7 @@ TEST(Lora, FrozenDtypeAndValidation) {
   EXPECT_EQ(m->norm.weight.dtype(), DType::BF16);
   EXPECT_EQ(nn::lora_modules(*m).front().second->lora_A.dtype(), DType::F32);
   // Non-targeted projections are quantized too.
-  EXPECT_NE(dynamic_cast<nn::Nf4Linear*>(&m->layers[0]->mlp.projection("up_proj")), nullptr);
+  EXPECT_NE(dynamic_cast<nn::Nf4Linear*>(&projection(*m->layers[0], "up_proj")), nullptr);
   const Batch batch = fixed_batch();
   Tensor loss = m->loss_sum(batch.ids, batch.targets);
   EXPECT_TRUE(std::isfinite(loss.item()));
@@ -468,20 +476,19 @@ TEST(Peft, AdapterFilesHavePeftNamesAndConfigKeys) {
   const nlohmann::json config = nlohmann::json::parse(in);
   std::set<std::string> keys;
   for (auto it = config.begin(); it != config.end(); ++it) keys.insert(it.key());
-  EXPECT_EQ(keys, (std::set<std::string>{"peft_type", "task_type", "r", "lora_alpha",
-                                         "lora_dropout", "target_modules",
-                                         "base_model_name_or_path", "bias", "fan_in_fan_out",
-                                         "inference_mode", "init_lora_weights", "modules_to_save",
-                                         "revision", "use_rslora", "use_dora"}));
+  EXPECT_EQ(keys,
+            (std::set<std::string>{"peft_type", "task_type", "r", "lora_alpha", "lora_dropout",
+                                   "target_modules", "base_model_name_or_path", "bias",
+                                   "fan_in_fan_out", "inference_mode", "init_lora_weights",
+                                   "modules_to_save", "revision", "use_rslora", "use_dora"}));
   EXPECT_EQ(config["peft_type"], "LORA");
   EXPECT_EQ(config["task_type"], "CAUSAL_LM");
   EXPECT_EQ(config["r"], 4);
   EXPECT_TRUE(config["lora_alpha"].is_number_integer());
   EXPECT_EQ(config["lora_alpha"], 16);
   EXPECT_EQ(config["lora_dropout"], 0);
-  EXPECT_EQ(config["target_modules"],
-            nlohmann::json({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                            "down_proj"}));
+  EXPECT_EQ(config["target_modules"], nlohmann::json({"q_proj", "k_proj", "v_proj", "o_proj",
+                                                      "gate_proj", "up_proj", "down_proj"}));
   EXPECT_EQ(config["base_model_name_or_path"], "meta-llama/Llama-3.1-8B");
   EXPECT_EQ(config["bias"], "none");
   EXPECT_EQ(config["fan_in_fan_out"], false);
@@ -537,9 +544,10 @@ TEST(Peft, LoadErrorsNameTheFileAndTensor) {
   nn::LoraOptions o = options(nn::BaseQuantization::None, 4, 16);
   o.target_modules = {"q_proj", "v_proj"};
   nn::apply_lora(*fewer, o);
-  expect_error<FormatError>([&] { io::load_peft_adapter(*fewer, dir.str("adapter")); },
-                            {"adapter_model.safetensors", "k_proj.lora_A.weight",
-                             "no adapter of this model"});
+  expect_error<FormatError>(
+      [&] { io::load_peft_adapter(*fewer, dir.str("adapter")); },
+      {"adapter_model.safetensors", "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight",
+       "no adapter of this model"});
 
   // Unsupported PEFT features.
   {
@@ -587,8 +595,14 @@ TEST(Peft, Nf4BaseRoundTrip) {
   auto m = tiny_model(3);
   nn::apply_lora(*m, options(nn::BaseQuantization::Nf4));
   io::save_nf4_base(*m, dir.str("base.safetensors"));
-  auto other = tiny_model(4);  // different weights, same shapes and adapters
+  auto other = tiny_model(3);
   nn::apply_lora(*other, options(nn::BaseQuantization::Nf4));
+  Generator gen(53);
+  for (auto& [module, lora] : nn::lora_modules(*other)) {
+    auto& base = dynamic_cast<nn::Nf4Linear&>(lora->base());
+    base.set_quantized_weight(
+        nn::Nf4Tensor::quantize(randn(base.quantized_weight().shape, gen, 0.05f)));
+  }
   const Batch batch = fixed_batch();
   ASSERT_NE(loss_of(*m, batch), loss_of(*other, batch));
   io::load_nf4_base(*other, dir.str("base.safetensors"));

@@ -62,7 +62,9 @@ class StreamView {
   int device() const { return device_; }
   void synchronize() const;
   bool query() const;  // true when all work submitted so far has finished
-  bool operator==(const StreamView& o) const { return handle_ == o.handle_ && device_ == o.device_; }
+  bool operator==(const StreamView& o) const {
+    return handle_ == o.handle_ && device_ == o.device_;
+  }
 
  private:
   void* handle_ = nullptr;

@@ -52,8 +52,12 @@ inline constexpr std::array<float, 16> kNf4Code = {
 const std::array<float, 256>& dynamic_map_8bit();
 
 // Sizes of the pieces of an n-element quantized tensor.
-inline int64_t num_code_bytes(int64_t n) { return (n + 1) / 2; }
-inline int64_t num_blocks(int64_t n) { return (n + kNf4BlockSize - 1) / kNf4BlockSize; }
+inline int64_t num_code_bytes(int64_t n) {
+  return (n + 1) / 2;
+}
+inline int64_t num_blocks(int64_t n) {
+  return (n + kNf4BlockSize - 1) / kNf4BlockSize;
+}
 inline int64_t num_absmax_groups(int64_t n) {
   return (num_blocks(n) + kAbsmaxGroupSize - 1) / kAbsmaxGroupSize;
 }

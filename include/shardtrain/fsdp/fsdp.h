@@ -64,10 +64,10 @@ struct FsdpOptions {
 
 // The part of a full parameter that one optimizer entry covers.
 struct ParamPiece {
-  std::string name;     // the parameter's Hugging Face name (also the optimizer entry's name)
-  Shape full_shape;     // the whole parameter's shape
-  int64_t begin = 0;    // first element covered, in the flattened parameter
-  int64_t length = 0;   // elements covered
+  std::string name;    // the parameter's Hugging Face name (also the optimizer entry's name)
+  Shape full_shape;    // the whole parameter's shape
+  int64_t begin = 0;   // first element covered, in the flattened parameter
+  int64_t length = 0;  // elements covered
 };
 
 class ShardedModel {
@@ -127,6 +127,15 @@ class ShardedModel {
   // Number of units whose gathered parameters are allocated right now.
   int num_gathered_units() const;
 
+  // Collectives issued over groups of more than one rank since construction (or reset).
+  struct CommStats {
+    int64_t all_gathers = 0, gathered_bytes = 0;              // parameter gathers (received bytes)
+    int64_t reduce_scatters = 0, reduce_scattered_bytes = 0;  // gradient reduce-scatters (sent)
+    int64_t all_reduces = 0, all_reduced_bytes = 0;  // gradient all-reduces across replicas
+  };
+  const CommStats& comm_stats() const { return comm_stats_; }
+  void reset_comm_stats() { comm_stats_ = {}; }
+
   struct Unit;  // defined in the implementation
 
  private:
@@ -161,6 +170,7 @@ class ShardedModel {
   int awaiting_backward_ = 0;  // units whose backward has not run yet
   bool in_backward_ = false;
   int microbatch_ = 0, microbatches_ = 1;
+  CommStats comm_stats_;
   std::shared_ptr<bool> alive_;  // the model's wrappers check it
 };
 

@@ -48,8 +48,8 @@ void load_peft_adapter(nn::LlamaModel& model, const std::string& dir);
 // max_shard_bytes) with every projection dense: W + (alpha/r) B A for adapted ones, the
 // dequantized NF4 weight for quantized ones. Tensors are `dtype` (f32 or bf16); each is moved to
 // the host pool as it is produced so the device holds one dense weight at a time.
-void save_merged_hf_model(nn::LlamaModel& model, const std::string& dir,
-                          DType dtype = DType::F32, int64_t max_shard_bytes = int64_t{5} << 30);
+void save_merged_hf_model(nn::LlamaModel& model, const std::string& dir, DType dtype = DType::F32,
+                          int64_t max_shard_bytes = int64_t{5} << 30);
 
 // ---- NF4 tensors in safetensors ---------------------------------------------------------------
 // A quantized weight named P is stored as five tensors:

@@ -20,11 +20,11 @@
 namespace shardtrain::nn {
 
 struct Nf4Tensor {
-  Tensor codes;              // U8 [ceil(n / 2)], two 4-bit codes per byte
-  Tensor absmax_q;           // U8 [ceil(n / 64)], double-quantized block absmax
-  Tensor absmax_scale;       // F32 [ceil(n / 64 / 256)], scale per group of 256 blocks
-  float absmax_offset = 0;   // mean of the block absmax values
-  Shape shape;               // of the original tensor
+  Tensor codes;             // U8 [ceil(n / 2)], two 4-bit codes per byte
+  Tensor absmax_q;          // U8 [ceil(n / 64)], double-quantized block absmax
+  Tensor absmax_scale;      // F32 [ceil(n / 64 / 256)], scale per group of 256 blocks
+  float absmax_offset = 0;  // mean of the block absmax values
+  Shape shape;              // of the original tensor
 
   // Quantizes a float tensor of any dtype and device (the arithmetic runs on the host). The result
   // lives on w's device, counted as MemoryCategory::Parameters. Throws ShapeError for an empty or

@@ -90,6 +90,11 @@ struct BenchReport {
 // Runs every combination of options.strategies x options.precisions on `config`.
 BenchReport run_bench(const Config& config, const BenchOptions& options);
 
+// Trains `config` as it is for warmup_steps + measured_steps steps on this process and returns
+// its figures (strategy and precision taken from the config). OutOfMemoryError and any other
+// shardtrain::Error are caught and reported in the row's status.
+BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t measured_steps);
+
 // Writes bench.csv, bench.json and, when gnuplot is on PATH, frontier.{png,svg} (peak memory
 // against tokens/s per strategy) and memory.{png,svg} (the peak by category, stacked), with the
 // data and scripts they are drawn from. Returns the paths written. Throws ConfigError when `dir`

@@ -12,13 +12,19 @@ struct CheckOptions {
   std::string model_dir;      // Hugging Face layout: config.json + model.safetensors
   std::string batch_file;     // input_ids, targets
   std::string expected_file;  // loss, logits, grad.<name>, step1.<name>; AdamW hyper-parameters
-  double rtol = -1;           // < 0: chosen from the compute precision
-  double atol = -1;           // < 0: rtol x the reference tensor's RMS
+  // fp32: every element within atol + rtol*|reference| (numpy.allclose); defaults rtol 1e-4 and
+  // atol = rtol x the reference tensor's RMS. bf16/fp16, whose per-element rounding makes an
+  // elementwise test meaningless for small elements: the relative L2 error ||got - ref|| / ||ref||
+  // must be at most rtol (default 5e-2 for bf16, 1e-2 for fp16: both about 8 ulps of the format
+  // relative to the tensor, since every activation and gradient is rounded to it).
+  double rtol = -1;  // < 0: chosen from the compute precision
+  double atol = -1;
 };
 
 struct TensorError {
   std::string name;
-  double max_abs = 0, max_rel = 0, tolerance_rtol = 0, tolerance_atol = 0;
+  double max_abs = 0, max_rel = 0, rel_l2 = 0, tolerance_rtol = 0, tolerance_atol = 0;
+  bool normwise = false;  // judged by rel_l2 (half precision) instead of elementwise
   int64_t numel = 0;
   bool ok = false;
 };

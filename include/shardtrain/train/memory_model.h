@@ -40,8 +40,8 @@ struct MemoryModelInput {
   int ranks_per_node = 0;               // hybrid_shard's shard group; 0 = min(world, 8)
   bool prefetch = true;
   bool sync_every_microbatch = true;
-  std::string optimizer = "adamw";   // adamw | sgd
-  double momentum = 0.9;             // sgd: 0 = no state
+  std::string optimizer = "adamw";         // adamw | sgd
+  double momentum = 0.9;                   // sgd: 0 = no state
   std::string optimizer_offload = "none";  // none | cpu
   std::string offload_moments = "host";    // host | device (where offloaded moments live)
   // QLoRA: adapters of rank lora_r on lora_targets; the frozen base NF4 or plain.
@@ -56,8 +56,8 @@ struct MemoryModelInput {
 };
 
 struct MemoryPrediction {
-  int64_t peak = 0;                                      // device bytes per rank
-  std::array<int64_t, kNumMemoryCategories> at_peak{};   // the peak by category (sums to peak)
+  int64_t peak = 0;                                     // device bytes per rank
+  std::array<int64_t, kNumMemoryCategories> at_peak{};  // the peak by category (sums to peak)
   std::string peak_moment;  // "end of forward", "loss gradient", "backward of layer 3", ...
 
   // Persistent per-rank state (ZeRO's "model states"): fp32 master weights, fp32 gradients (all

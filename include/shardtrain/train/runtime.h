@@ -12,11 +12,19 @@
 #include <string>
 #include <vector>
 
+#include "shardtrain/amp/grad_scaler.h"
 #include "shardtrain/data/batch.h"
 #include "shardtrain/memory/stats.h"
 #include "shardtrain/nn/llama.h"
 #include "shardtrain/optim/optimizer.h"
 #include "shardtrain/train/config.h"
+
+namespace shardtrain::dist {
+class DistEnv;
+}
+namespace shardtrain::fsdp {
+class ShardedModel;
+}
 
 namespace shardtrain::train {
 
@@ -44,23 +52,38 @@ class Runtime {
   ~Runtime();
 
   StepResult train_step(const std::vector<Batch>& micro_batches, float lr);
-  // Forward and backward only (gradients left in .grad, no optimizer step); returns the loss.
-  double forward_backward(const std::vector<Batch>& micro_batches);
+  // Forward and backward only: gradients are left unscaled in .grad, no optimizer step.
+  struct Gradients {
+    double loss = 0;         // mean cross-entropy per counted token
+    bool found_inf = false;  // a gradient overflowed (loss scaling): the step must be skipped
+  };
+  Gradients forward_backward(const std::vector<Batch>& micro_batches);
   // Mean cross-entropy per counted token, no graph.
   double eval_loss(const std::vector<Batch>& batches);
 
   nn::LlamaModel& model() { return *model_; }
   optim::Optimizer& optimizer() { return *optimizer_; }
+  amp::GradScaler& scaler() { return *scaler_; }
   Device device() const { return device_; }
   const Config& config() const { return config_; }
-  // The fp32 parameters the optimizer updates.
+  // The fp32 parameters the optimizer updates (this rank's shard pieces when sharded).
   std::vector<optim::NamedParam> trainable() const;
+  // The job's ranks: a world of one unless launched by mpirun/srun. Each rank passes its own
+  // micro-batches to train_step; token counts, losses and gradients are combined over ranks.
+  dist::DistEnv& dist() { return *dist_; }
+  // The sharding (dist.sharding) when the world has more than one rank, else null. Under
+  // sharding the model's parameter slots are empty outside a forward: read the weights through
+  // sharded()->for_each_full_parameter().
+  fsdp::ShardedModel* sharded() { return sharded_.get(); }
 
  private:
   Config config_;
   Device device_;
+  std::unique_ptr<dist::DistEnv> dist_;
   std::unique_ptr<nn::LlamaModel> model_;
+  std::unique_ptr<fsdp::ShardedModel> sharded_;  // after model_, before optimizer_ (lifetimes)
   std::unique_ptr<optim::Optimizer> optimizer_;
+  std::unique_ptr<amp::GradScaler> scaler_;
 };
 
 }  // namespace shardtrain::train

@@ -9,7 +9,9 @@ namespace shardtrain::cuda {
 
 namespace {
 
-uintptr_t stream_key(StreamView stream) { return reinterpret_cast<uintptr_t>(stream.handle()); }
+uintptr_t stream_key(StreamView stream) {
+  return reinterpret_cast<uintptr_t>(stream.handle());
+}
 
 // Errors on free paths are reported, not thrown: they run inside destructors.
 void warn(cudaError_t status, const char* what) {

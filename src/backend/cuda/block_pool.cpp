@@ -15,8 +15,12 @@ size_t BlockPool::round_size(size_t bytes) {
   return (bytes + kRounding - 1) / kRounding * kRounding;
 }
 
-void BlockPool::insert_free(Block* block) { free_list(block->small).insert(block); }
-void BlockPool::erase_free(Block* block) { free_list(block->small).erase(block); }
+void BlockPool::insert_free(Block* block) {
+  free_list(block->small).insert(block);
+}
+void BlockPool::erase_free(Block* block) {
+  free_list(block->small).erase(block);
+}
 
 void* BlockPool::allocate(size_t bytes, uintptr_t stream) {
   const size_t size = round_size(bytes);

@@ -33,8 +33,8 @@ class RawMemory {
 class BlockPool {
  public:
   static constexpr size_t kRounding = 512;
-  static constexpr size_t kSmallLimit = size_t{1} << 20;   // largest "small" request
-  static constexpr size_t kSegment = size_t{2} << 20;      // small segment size, large rounding
+  static constexpr size_t kSmallLimit = size_t{1} << 20;  // largest "small" request
+  static constexpr size_t kSegment = size_t{2} << 20;     // small segment size, large rounding
 
   explicit BlockPool(RawMemory& raw) : raw_(raw) {}
   ~BlockPool();
@@ -62,7 +62,7 @@ class BlockPool {
   // True when `ptr` is the start of a block allocated from this pool.
   bool owns(const void* ptr) const;
 
-  int64_t reserved_bytes() const { return reserved_; }    // held from the raw memory
+  int64_t reserved_bytes() const { return reserved_; }          // held from the raw memory
   int64_t allocated_bytes() const { return allocated_bytes_; }  // in allocated blocks
   int64_t segment_count() const { return segments_; }
   int64_t cached_block_count() const {

@@ -64,8 +64,8 @@ class StagedOutput {
   void* data() const { return tensor_.data_ptr(); }
   void finish() {
     if (tensor_.is_same(out_)) return;
-    kernels::cast(tensor_.data_ptr(), tensor_.dtype(), out_.data_ptr(), out_.dtype(),
-                  out_.numel(), call_.stream);
+    kernels::cast(tensor_.data_ptr(), tensor_.dtype(), out_.data_ptr(), out_.dtype(), out_.numel(),
+                  call_.stream);
   }
 
  private:
@@ -79,16 +79,15 @@ void require_f32(const Tensor& t, const char* what) {
 }
 
 // Throws the CPU backend's ShapeError when an index is outside [0, limit) and not `ignore`.
-void check_indices(const Tensor& ids, int64_t limit, int64_t ignore, const char* what,
-                   Call& call) {
+void check_indices(const Tensor& ids, int64_t limit, int64_t ignore, const char* what, Call& call) {
   ST_CHECK_SHAPE(ids.dtype() == DType::I64, what, " must be int64, got ", ids.describe());
   const int64_t* p = static_cast<const int64_t*>(ids.data_ptr());
   const int64_t bad =
       kernels::first_bad_index(p, ids.numel(), limit, ignore, call.scratch, call.stream);
   if (bad < 0) return;
   int64_t value = 0;
-  ST_CUDA_CHECK(cudaMemcpyAsync(&value, p + bad, sizeof(value), cudaMemcpyDeviceToHost,
-                                call.stream));
+  ST_CUDA_CHECK(
+      cudaMemcpyAsync(&value, p + bad, sizeof(value), cudaMemcpyDeviceToHost, call.stream));
   ST_CUDA_CHECK(cudaStreamSynchronize(call.stream));
   throw ShapeError(shardtrain::detail::concat(
       what, " ", value, " at position ", bad, " is outside [0, ", limit, ")",
@@ -102,9 +101,13 @@ constexpr int64_t kIgnoreIndex = -100;
 
 // ---- device, synchronisation ----------------------------------------------------------------
 
-Device CudaBackend::device() const { return Device::cuda(current_device()); }
+Device CudaBackend::device() const {
+  return Device::cuda(current_device());
+}
 
-void CudaBackend::synchronize() { current_stream().synchronize(); }
+void CudaBackend::synchronize() {
+  current_stream().synchronize();
+}
 
 // ---- elementwise ----------------------------------------------------------------------------
 
@@ -115,10 +118,9 @@ void CudaBackend::fill(Tensor& out, float value) {
 
 void CudaBackend::cast(const Tensor& src, Tensor& dst) {
   Call call({&src, &dst}, "cast");
-  ST_CHECK_SHAPE(src.numel() == dst.numel(), "cast of ", src.describe(), " into ",
-                 dst.describe(), ": element counts differ");
-  kernels::cast(src.data_ptr(), src.dtype(), dst.data_ptr(), dst.dtype(), src.numel(),
-                call.stream);
+  ST_CHECK_SHAPE(src.numel() == dst.numel(), "cast of ", src.describe(), " into ", dst.describe(),
+                 ": element counts differ");
+  kernels::cast(src.data_ptr(), src.dtype(), dst.data_ptr(), dst.dtype(), src.numel(), call.stream);
 }
 
 void CudaBackend::add(const Tensor& a, const Tensor& b, Tensor& out, float alpha, float beta) {
@@ -183,10 +185,9 @@ void CudaBackend::embedding_backward(const Tensor& grad_out, const Tensor& ids,
   require_f32(grad_weight, "embedding weight gradient");
   const int64_t V = grad_weight.size(0), H = grad_weight.size(1), N = ids.numel();
   check_indices(ids, V, kNoIgnoredIndex, "token id", call);
-  kernels::embedding_backward(grad_out.data_ptr(), grad_out.dtype(),
-                              static_cast<const int64_t*>(ids.data_ptr()),
-                              static_cast<float*>(grad_weight.data_ptr()), N, V, H, call.scratch,
-                              call.stream);
+  kernels::embedding_backward(
+      grad_out.data_ptr(), grad_out.dtype(), static_cast<const int64_t*>(ids.data_ptr()),
+      static_cast<float*>(grad_weight.data_ptr()), N, V, H, call.scratch, call.stream);
 }
 
 // ---- normalisation, rotary, softmax ---------------------------------------------------------
@@ -255,8 +256,10 @@ void CudaBackend::causal_softmax_backward(const Tensor& probs, const Tensor& dpr
 
 namespace {
 kernels::AttentionDims attention_dims(const Tensor& q, const Tensor& k, float scale) {
-  ST_CHECK_SHAPE(q.dim() == 4 && k.dim() == 4, "attention needs q [B, Hq, S, D] and k/v "
-                 "[B, Hkv, S, D], got ", q.describe(), " and ", k.describe());
+  ST_CHECK_SHAPE(q.dim() == 4 && k.dim() == 4,
+                 "attention needs q [B, Hq, S, D] and k/v "
+                 "[B, Hkv, S, D], got ",
+                 q.describe(), " and ", k.describe());
   kernels::AttentionDims d{q.size(0), q.size(1), k.size(1), q.size(2), q.size(3), scale};
   ST_CHECK_SHAPE(d.heads_kv > 0 && d.heads_q % d.heads_kv == 0, "attention: ", d.heads_q,
                  " query heads are not a multiple of ", d.heads_kv, " key/value heads");

@@ -21,19 +21,22 @@ constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
 void check_cublas(cublasStatus_t status, const char* call) {
   if (status == CUBLAS_STATUS_SUCCESS) return;
-  throw Error(shardtrain::detail::concat("cuBLASLt call ", call, " failed: ",
-                                         cublasGetStatusString(status)));
+  throw Error(shardtrain::detail::concat("cuBLASLt call ", call,
+                                         " failed: ", cublasGetStatusString(status)));
 }
 #define ST_CUBLAS_CHECK(call) check_cublas((call), #call)
 
 cudaDataType_t cuda_type(DType t) {
   switch (t) {
-    case DType::F32: return CUDA_R_32F;
-    case DType::BF16: return CUDA_R_16BF;
-    case DType::F16: return CUDA_R_16F;
+    case DType::F32:
+      return CUDA_R_32F;
+    case DType::BF16:
+      return CUDA_R_16BF;
+    case DType::F16:
+      return CUDA_R_16F;
     default:
-      throw ShapeError(shardtrain::detail::concat("gemm needs float operands, got ",
-                                                  dtype_name(t)));
+      throw ShapeError(
+          shardtrain::detail::concat("gemm needs float operands, got ", dtype_name(t)));
   }
 }
 
@@ -162,10 +165,9 @@ void CublasLtGemm::run(int device, cudaStream_t stream, const Problem& p) {
     }
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    const cublasStatus_t status =
-        cublasLtMatmulAlgoGetHeuristic(static_cast<cublasLtHandle_t>(handle(device)), plan->desc,
-                                       plan->a, plan->b, plan->c, plan->c, pref, 1, &result,
-                                       &found);
+    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+        static_cast<cublasLtHandle_t>(handle(device)), plan->desc, plan->a, plan->b, plan->c,
+        plan->c, pref, 1, &result, &found);
     cublasLtMatmulPreferenceDestroy(pref);
     ST_CHECK(status == CUBLAS_STATUS_SUCCESS && found > 0,
              "cuBLASLt has no algorithm for gemm m=", p.m, " n=", p.n, " k=", p.k,
@@ -177,9 +179,9 @@ void CublasLtGemm::run(int device, cudaStream_t stream, const Problem& p) {
     it = plans_.emplace(key, std::move(plan)).first;
   }
   const Plan& plan = *it->second;
-  ST_CUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle(device)), plan.desc,
-                                 &p.alpha, p.b, plan.a, p.a, plan.b, &p.beta, p.c, plan.c, p.c,
-                                 plan.c, &plan.algo, ws, plan.workspace, stream));
+  ST_CUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle(device)), plan.desc, &p.alpha,
+                                 p.b, plan.a, p.a, plan.b, &p.beta, p.c, plan.c, p.c, plan.c,
+                                 &plan.algo, ws, plan.workspace, stream));
 }
 
 // ---- Backend::gemm --------------------------------------------------------------------------
@@ -228,10 +230,22 @@ void CudaBackend::gemm(const GemmArgs& g, const Tensor& a, const Tensor& b, Tens
   auto at = [](const Tensor& t, int64_t offset) {
     return static_cast<char*>(t.data_ptr()) + offset * static_cast<int64_t>(dtype_size(t.dtype()));
   };
-  CublasLtGemm::Problem p{g.trans_a, g.trans_b, g.m,        g.n,        g.k,
-                          g.batch,   g.stride_a, g.stride_b, g.stride_c, g.alpha,
-                          g.beta,    in_type,   out_type,   at(a_in, g.offset_a),
-                          at(b_in, g.offset_b), at(c_out, g.offset_c)};
+  CublasLtGemm::Problem p{g.trans_a,
+                          g.trans_b,
+                          g.m,
+                          g.n,
+                          g.k,
+                          g.batch,
+                          g.stride_a,
+                          g.stride_b,
+                          g.stride_c,
+                          g.alpha,
+                          g.beta,
+                          in_type,
+                          out_type,
+                          at(a_in, g.offset_a),
+                          at(b_in, g.offset_b),
+                          at(c_out, g.offset_c)};
   gemm_.run(device, stream, p);
   if (!c_out.is_same(c))
     kernels::cast(c_out.data_ptr(), out_type, c.data_ptr(), c.dtype(), c.numel(), stream);

@@ -59,8 +59,10 @@ void register_cuda_backend() {
   int registered = 0;
   for (int i = 0; i < count; ++i) {
     if (!cuda::usable(i)) {
-      std::fprintf(stderr, "shardtrain: ignoring CUDA device %d (needs compute capability 8.0 "
-                   "or newer and a working driver)\n", i);
+      std::fprintf(stderr,
+                   "shardtrain: ignoring CUDA device %d (needs compute capability 8.0 "
+                   "or newer and a working driver)\n",
+                   i);
       continue;
     }
     // Allocators and the backend live until the process exits: destroying them during static

@@ -15,8 +15,12 @@ namespace {
 
 constexpr int kMaxDevices = 16;
 
-cudaStream_t as_stream(void* handle) { return static_cast<cudaStream_t>(handle); }
-cudaEvent_t as_event(void* handle) { return static_cast<cudaEvent_t>(handle); }
+cudaStream_t as_stream(void* handle) {
+  return static_cast<cudaStream_t>(handle);
+}
+cudaEvent_t as_event(void* handle) {
+  return static_cast<cudaEvent_t>(handle);
+}
 
 // Per thread and device: the stream kernels are issued on (nullptr = legacy default stream).
 thread_local std::array<void*, kMaxDevices> tls_streams{};
@@ -36,8 +40,8 @@ void check(int status, const char* call, const char* file, int line) {
   // Clear the error so that later, unrelated checks do not report it again (sticky errors such
   // as an illegal address stay regardless).
   (void)cudaGetLastError();
-  throw Error(shardtrain::detail::concat("CUDA error in ", call, " (", file, ":", line,
-                             "): ", cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
+  throw Error(shardtrain::detail::concat("CUDA error in ", call, " (", file, ":", line, "): ",
+                                         cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
 }
 
 // ---- devices --------------------------------------------------------------------------------
@@ -57,7 +61,9 @@ int current_device() {
   return device;
 }
 
-void set_device(int device) { ST_CUDA_CHECK(cudaSetDevice(device)); }
+void set_device(int device) {
+  ST_CUDA_CHECK(cudaSetDevice(device));
+}
 
 int multiprocessor_count(int device) {
   static std::array<int, kMaxDevices> cached{};
@@ -74,8 +80,8 @@ std::string device_description(int device) {
   cudaDeviceProp prop{};
   ST_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   return shardtrain::detail::concat(prop.name, " (sm_", prop.major, prop.minor, ", ",
-                        prop.multiProcessorCount, " SMs, ",
-                        format_bytes(static_cast<int64_t>(prop.totalGlobalMem)), ")");
+                                    prop.multiProcessorCount, " SMs, ",
+                                    format_bytes(static_cast<int64_t>(prop.totalGlobalMem)), ")");
 }
 
 void synchronize_device(int device) {
@@ -93,7 +99,9 @@ DeviceGuard::~DeviceGuard() {
 
 // ---- streams --------------------------------------------------------------------------------
 
-void StreamView::synchronize() const { ST_CUDA_CHECK(cudaStreamSynchronize(as_stream(handle_))); }
+void StreamView::synchronize() const {
+  ST_CUDA_CHECK(cudaStreamSynchronize(as_stream(handle_)));
+}
 
 bool StreamView::query() const {
   const cudaError_t status = cudaStreamQuery(as_stream(handle_));
@@ -142,7 +150,9 @@ StreamGuard::StreamGuard(StreamView stream)
   set_current_stream(stream);
 }
 
-StreamGuard::~StreamGuard() { tls_streams[previous_.device()] = previous_.handle(); }
+StreamGuard::~StreamGuard() {
+  tls_streams[previous_.device()] = previous_.handle();
+}
 
 // ---- events ---------------------------------------------------------------------------------
 
@@ -153,7 +163,8 @@ Event::~Event() {
 }
 
 Event::Event(Event&& other) noexcept
-    : handle_(std::exchange(other.handle_, nullptr)), device_(other.device_),
+    : handle_(std::exchange(other.handle_, nullptr)),
+      device_(other.device_),
       timing_(other.timing_) {}
 
 Event& Event::operator=(Event&& other) noexcept {
@@ -170,8 +181,8 @@ void Event::record(StreamView stream) {
   DeviceGuard guard(stream.device());
   if (handle_ == nullptr) {
     cudaEvent_t event = nullptr;
-    ST_CUDA_CHECK(cudaEventCreateWithFlags(&event, timing_ ? cudaEventDefault
-                                                             : cudaEventDisableTiming));
+    ST_CUDA_CHECK(
+        cudaEventCreateWithFlags(&event, timing_ ? cudaEventDefault : cudaEventDisableTiming));
     handle_ = event;
     device_ = stream.device();
   }

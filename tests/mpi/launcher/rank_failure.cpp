@@ -41,7 +41,8 @@ TEST_P(RankFailure, EndsTheJobNonZeroWithTheRanksMessage) {
   const std::string expected =
       "rank " + std::to_string(np - 1) + ": simulated failure in step 1 (layer 1 forward)";
   EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.exit_code, 124) << "the job hung until the launcher's timeout killed it\n" << r.output;
+  EXPECT_NE(r.exit_code, 124) << "the job hung until the launcher's timeout killed it\n"
+                              << r.output;
   EXPECT_NE(r.output.find(expected), std::string::npos) << r.output;
   EXPECT_LT(r.seconds, 30.0) << r.output;
   // Step 0 completed everywhere before the failure.

@@ -1,0 +1,74 @@
+// The scale-up recipe as a memory planner (`shardtrain plan`, `recipe: auto`).
+//
+// The recipe is an ordered list of changes, each cheaper in engineering and speed than the
+// next, each applied on top of the ones before:
+//   1. fp32 eager                 precision.compute=fp32, activation.strategy=none, plain
+//                                 attention, replicated (no_shard) over the ranks
+//   2. bf16                       precision.compute=bf16 (fp32 master weights stay)
+//   3. fused attention            activation.attention=fused (no S x S probabilities)
+//   4. per_layer checkpointing    activation.strategy=per_layer
+//   5. offload_checkpoint         activation.strategy=offload_checkpoint
+//   6. full_shard over N ranks    dist.sharding=full_shard
+//   7. optimizer offload          optim.offload=cpu (AdamW moments in host memory)
+// The plan predicts every row's per-rank peak with the memory model (train/memory_model.h) and
+// names the first that fits the device, with what it costs: recomputed FLOPs and bytes moved
+// over PCIe and over the links per step. docs/recipe.md has the formulas and worked examples.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shardtrain/train/config.h"
+#include "shardtrain/train/memory_model.h"
+
+namespace shardtrain::train {
+
+struct RecipeRow {
+  std::string name;    // "bf16", "per_layer checkpointing", ...
+  std::string change;  // the keys this row sets on top of the previous one
+  Config config;       // the whole configuration of this row
+  MemoryModelInput input;
+  MemoryPrediction predicted;
+  StepCost cost;
+  bool fits = false;  // predicted.peak <= the plan's device memory
+
+  // Filled by measure_plan().
+  bool measured = false;
+  int64_t measured_peak = 0;
+  std::string measure_note;  // why a row was not measured, or the error of a failed run
+};
+
+struct Plan {
+  int64_t device_bytes = 0;
+  int world_size = 1;
+  std::vector<RecipeRow> rows;
+  int first_fit = -1;  // index into rows; -1 when nothing fits
+
+  // The table: one row per recipe step with the predicted per-rank peak and its parts, whether
+  // it fits, and (after measure_plan) the measured peak and the prediction's error.
+  std::string table() const;
+  // "first that fits: ..." with its cost, or what is missing when nothing fits.
+  std::string verdict() const;
+};
+
+// Predicts every recipe row for `config`'s model and batch shape on `world_size` ranks of
+// `device_bytes` each. Throws ConfigError for a non-positive device size or world size, or a
+// config the memory model cannot read.
+Plan make_plan(const Config& config, int64_t device_bytes, int world_size);
+
+// Runs `measured_steps` steps (after `warmup_steps`) of every row that fits this machine (the
+// CPU device, bounded by the plan's device memory and three quarters of physical memory) and
+// needs no more than one rank, and records the measured peak beside the prediction.
+void measure_plan(Plan& plan, int64_t warmup_steps = 1, int64_t measured_steps = 2);
+
+// `recipe: auto`: the configuration of the first recipe row that fits `device_bytes` per rank
+// on `world_size` ranks. Keys the recipe does not own (model, data, batch shape, optimizer
+// hyper-parameters, ...) are kept from `config`; the recipe sets precision.compute (and clears
+// precision.param_dtype so it follows), activation.attention, activation.strategy,
+// dist.sharding and optim.offload. When `why` is given it receives one line naming the row,
+// its predicted peak and its cost. The result has recipe: manual (the choice is made, and its
+// config.yaml reproduces it). Throws ConfigError containing the plan table when no row fits.
+Config apply_recipe(const Config& config, int64_t device_bytes, int world_size,
+                    std::string* why = nullptr);
+
+}  // namespace shardtrain::train

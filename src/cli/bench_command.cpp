@@ -1,0 +1,76 @@
+// `shardtrain bench`: the offload-vs-recompute lab.
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+
+#include "shardtrain/cli/command.h"
+#include "shardtrain/dist/env.h"
+#include "shardtrain/train/bench.h"
+
+namespace shardtrain::cli {
+
+namespace {
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ','))
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+}  // namespace
+
+Command bench_command() {
+  Command c;
+  c.name = "bench";
+  c.summary = "measure memory and speed of every activation strategy and precision";
+  c.description =
+      "Trains the model of --config for --warmup + --steps steps under every combination of\n"
+      "activation strategy and precision (a fresh model with the same seed and the same batches\n"
+      "each time) and prints peak device memory, step time, tokens/s, forward re-runs and\n"
+      "offloaded bytes, with ratios against strategy none of the same precision. Combinations\n"
+      "that run out of memory or that this build does not support are reported and skipped.\n"
+      "Writes bench.csv, bench.json and (with gnuplot) frontier.png/svg and memory.png/svg to\n"
+      "--out. Under mpirun every rank runs the combinations; the table shows the max over ranks\n"
+      "and each rank's figures.";
+  c.flags = config_flags();
+  c.flags.front().required = true;
+  c.flags.push_back(Flag("strategies", "LIST", "activation strategies, comma-separated")
+                        .defaults_to("none,per_layer,sqrt_segment,selective,offload,"
+                                     "offload_checkpoint"));
+  c.flags.push_back(Flag("precisions", "LIST", "compute precisions, comma-separated")
+                        .defaults_to("fp32,bf16,fp16"));
+  c.flags.push_back(Flag("warmup", "N", "warm-up steps per combination").defaults_to("1"));
+  c.flags.push_back(Flag("steps", "N", "measured steps per combination").defaults_to("3"));
+  c.flags.push_back(
+      Flag("out", "DIR", "where CSV, JSON and plots go (default <train.out_dir>/bench)"));
+  c.run = [](const Args& args) {
+    train::Config config = config_from_args(args);
+    train::BenchOptions o;
+    o.strategies = split_list(args.get("strategies"));
+    o.precisions = split_list(args.get("precisions"));
+    o.warmup_steps = args.get_int("warmup");
+    o.measured_steps = args.get_int("steps");
+    const bool leader = dist::job_rank() == 0;
+    if (leader) o.log = [](const std::string& line) { std::cerr << line << "\n"; };
+    train::BenchReport report = train::run_bench(config, o);
+    if (!leader) return 0;
+    std::string dir = args.has("out") ? args.get("out") : config.train.out_dir + "/bench";
+    std::printf("%s", report.markdown().c_str());
+    std::vector<std::string> written = train::write_bench_outputs(report, dir);
+    std::printf("\nwrote:");
+    for (const std::string& path : written) std::printf(" %s", path.c_str());
+    std::printf("\n");
+    if (written.size() <= 2)
+      std::printf(
+          "(no plots: no combination ran, or gnuplot is not on PATH or failed; see "
+          "%s/*.log)\n",
+          dir.c_str());
+    return 0;
+  };
+  return c;
+}
+
+}  // namespace shardtrain::cli

@@ -1,0 +1,706 @@
+#include "shardtrain/train/bench.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "shardtrain/activation/counters.h"
+#include "shardtrain/activation/strategy.h"
+#include "shardtrain/core/error.h"
+#include "shardtrain/data/corpus.h"
+#include "shardtrain/data/sampler.h"
+#include "shardtrain/data/tokenizer.h"
+#include "shardtrain/dist/env.h"
+#include "shardtrain/memory/allocator.h"
+#include "shardtrain/optim/optimizer.h"
+#include "shardtrain/train/runtime.h"
+
+namespace shardtrain::train {
+
+namespace fs = std::filesystem;
+
+// ---- batches --------------------------------------------------------------------------------
+
+namespace {
+
+// data.path as `shardtrain train` reads it: the built-in corpus, a text file (bytes) or a
+// tokenized HDF5 dataset.
+TokenDataset load_dataset(const std::string& path) {
+  if (path == "builtin") {
+    ByteTokenizer tok;
+    return TokenDataset::from_tokens(tok.encode(builtin_corpus()), tok.vocab_size(), tok.name(),
+                                     "builtin corpus");
+  }
+  if (path.size() > 4 && path.substr(path.size() - 4) == ".txt") {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw ConfigError("data.path: cannot open '" + path + "'");
+    std::stringstream text;
+    text << in.rdbuf();
+    ByteTokenizer tok;
+    return TokenDataset::from_tokens(tok.encode(text.str()), tok.vocab_size(), tok.name(), path);
+  }
+  return TokenDataset::open(path);
+}
+
+}  // namespace
+
+struct StepBatches::State {
+  TokenDataset data;
+  Sampler sampler;
+  State(TokenDataset d, const SamplerConfig& sc)
+      : data(std::move(d)), sampler(data, Split::Train, sc) {}
+};
+
+StepBatches::StepBatches(const Config& config) {
+  const TrainConfig& t = config.train;
+  TokenDataset data = load_dataset(config.data.path);
+  ST_CHECK_AS(ConfigError,
+              data.vocab_size() <= config.model.vocab_size || !config.model.from_hf.empty(),
+              "data.path '", config.data.path, "' has vocabulary size ", data.vocab_size(),
+              " but model.vocab_size is ", config.model.vocab_size);
+  SamplerConfig sc;
+  sc.seq_len = t.seq_len;
+  sc.eval_fraction = config.data.eval_fraction;
+  sc.seed = static_cast<uint64_t>(config.data.seed);
+  state_ = std::make_unique<State>(std::move(data), sc);
+  global_batch_ = t.global_batch > 0 ? t.global_batch : t.micro_batch;
+  if (t.global_batch_tokens > 0)
+    global_batch_ = std::max<int64_t>(1, t.global_batch_tokens / t.seq_len);
+  ST_CHECK_AS(ConfigError, global_batch_ % t.micro_batch == 0, "train.global_batch ", global_batch_,
+              " is not a multiple of train.micro_batch ", t.micro_batch);
+  accumulation_ = global_batch_ / t.micro_batch;
+}
+
+StepBatches::~StepBatches() = default;
+
+std::vector<Batch> StepBatches::next() {
+  return split_batch(state_->sampler.next_batch(global_batch_), accumulation_);
+}
+
+// ---- running the combinations ---------------------------------------------------------------
+
+std::string_view bench_status_name(BenchStatus s) {
+  switch (s) {
+    case BenchStatus::Ok:
+      return "ok";
+    case BenchStatus::OutOfMemory:
+      return "oom";
+    case BenchStatus::Unsupported:
+      return "unsupported";
+  }
+  return "?";
+}
+
+namespace {
+
+const std::vector<std::string>& known_precisions() {
+  static const std::vector<std::string> names = {"fp32", "bf16", "fp16"};
+  return names;
+}
+
+void check_names(const std::vector<std::string>& given, const std::vector<std::string>& known,
+                 const char* flag) {
+  ST_CHECK_AS(ConfigError, !given.empty(), flag, ": the list is empty");
+  for (const std::string& g : given) {
+    if (std::find(known.begin(), known.end(), g) != known.end()) continue;
+    std::string list;
+    for (const std::string& k : known) list += (list.empty() ? "" : ",") + k;
+    throw ConfigError(std::string(flag) + ": unknown name '" + g + "'; expected some of " + list);
+  }
+}
+
+optim::LrSchedule schedule_from(const Config& c) {
+  optim::LrSchedule s;
+  s.kind = c.optim.schedule == "cosine"   ? optim::LrSchedule::Kind::Cosine
+           : c.optim.schedule == "linear" ? optim::LrSchedule::Kind::Linear
+                                          : optim::LrSchedule::Kind::Constant;
+  s.peak = static_cast<float>(c.optim.lr);
+  s.min_lr = static_cast<float>(c.optim.effective_min_lr());
+  s.warmup_steps = c.optim.warmup_steps;
+  s.total_steps = c.train.steps;
+  return s;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Puts the allocator's capacity back when a combination is done (Runtime sets it from
+// train.device_memory, and the allocators outlive it).
+class CapacityGuard {
+ public:
+  explicit CapacityGuard(Allocator& a) : allocator_(a), capacity_(a.stats().capacity) {}
+  ~CapacityGuard() { allocator_.set_capacity(capacity_); }
+  CapacityGuard(const CapacityGuard&) = delete;
+  CapacityGuard& operator=(const CapacityGuard&) = delete;
+
+ private:
+  Allocator& allocator_;
+  int64_t capacity_;
+};
+
+}  // namespace
+
+BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t measured_steps) {
+  BenchRow row;
+  row.strategy = config.activation.strategy;
+  row.precision = config.precision.compute;
+  CapacityGuard device_capacity(allocator_for(resolve_device(config.train.device)));
+  try {
+    StepBatches batches(config);
+    Runtime rt(config);
+    optim::LrSchedule schedule = schedule_from(config);
+    int64_t step = 0;
+    for (int64_t i = 0; i < warmup_steps; ++i, ++step)
+      rt.train_step(batches.next(), schedule.at(step));
+    std::vector<double> ms;
+    activation::ActivationCounters sum;
+    for (int64_t i = 0; i < measured_steps; ++i, ++step) {
+      std::vector<Batch> micro = batches.next();
+      int64_t tokens = 0;
+      for (const Batch& b : micro) tokens += b.input_ids.numel();
+      activation::reset_activation_counters();
+      auto start = std::chrono::steady_clock::now();
+      StepResult r = rt.train_step(micro, schedule.at(step));
+      ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+              .count());
+      activation::ActivationCounters c = activation::activation_counters();
+      sum.forward_reruns += c.forward_reruns;
+      sum.bytes_offloaded += c.bytes_offloaded;
+      sum.bytes_restored += c.bytes_restored;
+      sum.recompute_seconds += c.recompute_seconds;
+      sum.transfer_seconds += c.transfer_seconds;
+      row.tokens_per_step = tokens;
+      row.final_loss = r.loss;
+      const MemoryStats& d = r.device_memory;
+      if (d.total_peak > row.peak_bytes) {
+        row.peak_bytes = d.total_peak;
+        row.at_peak = d.at_peak;
+      }
+      for (int k = 0; k < kNumMemoryCategories; ++k)
+        row.peak_by_category[static_cast<size_t>(k)] =
+            std::max(row.peak_by_category[static_cast<size_t>(k)], d.peak[static_cast<size_t>(k)]);
+      row.host_offloaded_peak =
+          std::max(row.host_offloaded_peak, r.host_memory.peak_of(MemoryCategory::Offloaded));
+      row.host_optimizer_peak =
+          std::max(row.host_optimizer_peak, r.host_memory.peak_of(MemoryCategory::OptimizerState));
+    }
+    if (!ms.empty()) {
+      double n = static_cast<double>(ms.size());
+      row.step_ms_median = median(ms);
+      row.step_ms_min = *std::min_element(ms.begin(), ms.end());
+      row.step_ms_max = *std::max_element(ms.begin(), ms.end());
+      row.tokens_per_s = static_cast<double>(row.tokens_per_step) / (row.step_ms_median / 1e3);
+      row.forward_reruns = static_cast<double>(sum.forward_reruns) / n;
+      row.bytes_offloaded = static_cast<double>(sum.bytes_offloaded) / n;
+      row.bytes_restored = static_cast<double>(sum.bytes_restored) / n;
+      row.recompute_ms = sum.recompute_seconds * 1e3 / n;
+      row.transfer_ms = sum.transfer_seconds * 1e3 / n;
+    }
+  } catch (const OutOfMemoryError& e) {
+    row.status = BenchStatus::OutOfMemory;
+    row.message = e.what();
+    row.oom_requested_bytes = e.requested_bytes();
+  } catch (const Error& e) {
+    row.status = BenchStatus::Unsupported;
+    row.message = e.what();
+  }
+  return row;
+}
+
+namespace {
+
+// The figures of a row that travel between ranks, as doubles (exact for byte counts < 2^53).
+constexpr int kPacked = 15 + 2 * kNumMemoryCategories;
+
+std::array<double, kPacked> pack(const BenchRow& r) {
+  std::array<double, kPacked> v{};
+  size_t i = 0;
+  v[i++] = static_cast<double>(r.status);
+  v[i++] = static_cast<double>(r.oom_requested_bytes);
+  v[i++] = static_cast<double>(r.peak_bytes);
+  v[i++] = static_cast<double>(r.host_offloaded_peak);
+  v[i++] = static_cast<double>(r.host_optimizer_peak);
+  v[i++] = r.step_ms_median;
+  v[i++] = r.step_ms_min;
+  v[i++] = r.step_ms_max;
+  v[i++] = static_cast<double>(r.tokens_per_step);
+  v[i++] = r.final_loss;
+  v[i++] = r.forward_reruns;
+  v[i++] = r.bytes_offloaded;
+  v[i++] = r.bytes_restored;
+  v[i++] = r.recompute_ms;
+  v[i++] = r.transfer_ms;
+  for (int64_t b : r.peak_by_category) v[i++] = static_cast<double>(b);
+  for (int64_t b : r.at_peak) v[i++] = static_cast<double>(b);
+  return v;
+}
+
+BenchRow unpack(const double* v, const BenchRow& shape, int rank) {
+  BenchRow r;
+  r.strategy = shape.strategy;
+  r.precision = shape.precision;
+  r.rank = rank;
+  size_t i = 0;
+  r.status = static_cast<BenchStatus>(static_cast<int>(v[i++]));
+  r.oom_requested_bytes = static_cast<int64_t>(v[i++]);
+  r.peak_bytes = static_cast<int64_t>(v[i++]);
+  r.host_offloaded_peak = static_cast<int64_t>(v[i++]);
+  r.host_optimizer_peak = static_cast<int64_t>(v[i++]);
+  r.step_ms_median = v[i++];
+  r.step_ms_min = v[i++];
+  r.step_ms_max = v[i++];
+  r.tokens_per_step = static_cast<int64_t>(v[i++]);
+  r.final_loss = v[i++];
+  r.forward_reruns = v[i++];
+  r.bytes_offloaded = v[i++];
+  r.bytes_restored = v[i++];
+  r.recompute_ms = v[i++];
+  r.transfer_ms = v[i++];
+  for (int64_t& b : r.peak_by_category) b = static_cast<int64_t>(v[i++]);
+  for (int64_t& b : r.at_peak) b = static_cast<int64_t>(v[i++]);
+  r.tokens_per_s =
+      r.step_ms_median > 0 ? static_cast<double>(r.tokens_per_step) / (r.step_ms_median / 1e3) : 0;
+  if (rank == shape.rank) r.message = shape.message;
+  return r;
+}
+
+// The row over all ranks: the worst status, the largest memory and step time; tokens/s of the
+// whole job (every rank's tokens over the slowest rank's median step).
+BenchRow combine(const std::vector<BenchRow>& ranks, const BenchRow& local) {
+  BenchRow m = local;
+  m.rank = -1;
+  int64_t tokens = 0;
+  for (const BenchRow& r : ranks) {
+    if (r.status != BenchStatus::Ok && m.status == BenchStatus::Ok) {
+      m.status = r.status;
+      m.oom_requested_bytes = r.oom_requested_bytes;
+      if (m.message.empty()) m.message = "rank " + std::to_string(r.rank) + " failed";
+    }
+    if (r.peak_bytes > m.peak_bytes) {
+      m.peak_bytes = r.peak_bytes;
+      m.at_peak = r.at_peak;
+    }
+    for (size_t k = 0; k < m.peak_by_category.size(); ++k)
+      m.peak_by_category[k] = std::max(m.peak_by_category[k], r.peak_by_category[k]);
+    m.host_offloaded_peak = std::max(m.host_offloaded_peak, r.host_offloaded_peak);
+    m.host_optimizer_peak = std::max(m.host_optimizer_peak, r.host_optimizer_peak);
+    m.step_ms_median = std::max(m.step_ms_median, r.step_ms_median);
+    m.step_ms_min = std::max(m.step_ms_min, r.step_ms_min);
+    m.step_ms_max = std::max(m.step_ms_max, r.step_ms_max);
+    m.forward_reruns = std::max(m.forward_reruns, r.forward_reruns);
+    m.bytes_offloaded = std::max(m.bytes_offloaded, r.bytes_offloaded);
+    m.bytes_restored = std::max(m.bytes_restored, r.bytes_restored);
+    m.recompute_ms = std::max(m.recompute_ms, r.recompute_ms);
+    m.transfer_ms = std::max(m.transfer_ms, r.transfer_ms);
+    tokens += r.tokens_per_step;
+  }
+  m.tokens_per_step = tokens;
+  m.tokens_per_s =
+      m.step_ms_median > 0 ? static_cast<double>(tokens) / (m.step_ms_median / 1e3) : 0;
+  return m;
+}
+
+void fill_ratios(std::vector<BenchRow>& rows) {
+  for (BenchRow& r : rows) {
+    r.peak_vs_none = r.overhead_vs_none = -1;
+    if (!r.ok()) continue;
+    for (const BenchRow& n : rows) {
+      if (n.strategy != "none" || n.precision != r.precision || !n.ok()) continue;
+      if (n.peak_bytes > 0)
+        r.peak_vs_none = static_cast<double>(r.peak_bytes) / static_cast<double>(n.peak_bytes);
+      if (n.step_ms_median > 0) r.overhead_vs_none = r.step_ms_median / n.step_ms_median - 1.0;
+    }
+  }
+}
+
+std::string utc_now() {
+  std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+std::string host_name() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof buf - 1) != 0) return "unknown";
+  return buf;
+}
+
+}  // namespace
+
+BenchReport run_bench(const Config& config, const BenchOptions& options) {
+  check_names(options.strategies, activation::activation_strategies(), "--strategies");
+  check_names(options.precisions, known_precisions(), "--precisions");
+  ST_CHECK_AS(ConfigError, options.warmup_steps >= 0, "--warmup must be 0 or more, got ",
+              options.warmup_steps);
+  ST_CHECK_AS(ConfigError, options.measured_steps >= 1, "--steps must be at least 1, got ",
+              options.measured_steps);
+  StepBatches validate(config);  // data and batch errors concern every combination: fail now
+
+  std::unique_ptr<dist::DistEnv> env;
+  if (dist::detect_launch().world_size > 1) env = std::make_unique<dist::DistEnv>();
+  const int world = env ? env->world_size() : 1;
+  const int rank = env ? env->rank() : 0;
+
+  BenchReport report;
+  report.world_size = world;
+  report.device = resolve_device(config.train.device).str();
+  report.date = utc_now();
+  report.host = host_name();
+  {
+    const ModelConfig& m = config.model;
+    std::ostringstream s;
+    s << "hidden " << m.hidden_size << ", " << m.num_layers << " layers, " << m.num_heads
+      << " heads (" << m.effective_num_kv_heads() << " kv), vocab " << m.vocab_size << "; seq "
+      << config.train.seq_len << ", micro-batch " << config.train.micro_batch << ", attention "
+      << config.activation.attention << "; " << options.warmup_steps << " warm-up + "
+      << options.measured_steps << " measured steps";
+    report.config_summary = s.str();
+  }
+
+  for (const std::string& precision : options.precisions) {
+    for (const std::string& strategy : options.strategies) {
+      Config c = config;
+      c.activation.strategy = strategy;
+      c.precision.compute = precision;
+      c.precision.param_dtype = "";  // the compute dtype: each row means what its name says
+      BenchRow local = measure_config(c, options.warmup_steps, options.measured_steps);
+      local.rank = rank;
+      if (env) {
+        std::vector<double> all(static_cast<size_t>(world) * kPacked, 0.0);
+        std::array<double, kPacked> mine = pack(local);
+        std::copy(mine.begin(), mine.end(), all.begin() + static_cast<ptrdiff_t>(rank) * kPacked);
+        env->world().all_reduce_host(all, dist::ReduceOp::Sum);
+        std::vector<BenchRow> ranks;
+        for (int r = 0; r < world; ++r)
+          ranks.push_back(unpack(all.data() + static_cast<size_t>(r) * kPacked, local, r));
+        report.rows.push_back(combine(ranks, local));
+        report.rank_rows.insert(report.rank_rows.end(), ranks.begin(), ranks.end());
+      } else {
+        report.rows.push_back(local);
+      }
+      if (options.log) {
+        const BenchRow& r = report.rows.back();
+        char line[256];
+        if (r.ok())
+          std::snprintf(line, sizeof line, "bench: %s/%s: peak %.2f MiB, %.1f ms/step",
+                        strategy.c_str(), precision.c_str(),
+                        static_cast<double>(r.peak_bytes) / (1 << 20), r.step_ms_median);
+        else
+          std::snprintf(line, sizeof line, "bench: %s/%s: %s", strategy.c_str(), precision.c_str(),
+                        std::string(bench_status_name(r.status)).c_str());
+        options.log(line);
+      }
+    }
+  }
+  fill_ratios(report.rows);
+  return report;
+}
+
+// ---- output ---------------------------------------------------------------------------------
+
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+std::string fmt(const char* format, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, v);
+  return buf;
+}
+
+// A message inside a Markdown table cell: one line, no column separators.
+std::string cell(std::string text) {
+  for (char& ch : text)
+    if (ch == '\n' || ch == '\r') ch = ' ';
+  std::string out;
+  for (char ch : text) out += ch == '|' ? std::string("\\|") : std::string(1, ch);
+  return out;
+}
+
+std::string csv_field(const std::string& text) {
+  if (text.find_first_of(",\"\n") == std::string::npos) return text;
+  std::string out = "\"";
+  for (char ch : text) out += ch == '"' ? std::string("\"\"") : std::string(1, ch);
+  return out + "\"";
+}
+
+std::string category_key(int k) {
+  return std::string(category_name(static_cast<MemoryCategory>(k)));
+}
+
+nlohmann::json row_json(const BenchRow& r) {
+  nlohmann::json j;
+  j["strategy"] = r.strategy;
+  j["precision"] = r.precision;
+  j["status"] = std::string(bench_status_name(r.status));
+  j["message"] = r.message;
+  if (r.rank >= 0) j["rank"] = r.rank;
+  if (r.status == BenchStatus::OutOfMemory) j["oom_requested_bytes"] = r.oom_requested_bytes;
+  if (!r.ok()) return j;
+  j["peak_bytes"] = r.peak_bytes;
+  nlohmann::json by, at;
+  for (int k = 0; k < kNumMemoryCategories; ++k) {
+    by[category_key(k)] = r.peak_by_category[static_cast<size_t>(k)];
+    at[category_key(k)] = r.at_peak[static_cast<size_t>(k)];
+  }
+  j["peak_by_category"] = by;
+  j["at_peak"] = at;
+  j["host_offloaded_peak"] = r.host_offloaded_peak;
+  j["host_optimizer_state_peak"] = r.host_optimizer_peak;
+  j["step_ms"] = {{"median", r.step_ms_median}, {"min", r.step_ms_min}, {"max", r.step_ms_max}};
+  j["tokens_per_step"] = r.tokens_per_step;
+  j["tokens_per_s"] = r.tokens_per_s;
+  j["final_loss"] = r.final_loss;
+  j["per_step"] = {{"forward_reruns", r.forward_reruns},
+                   {"bytes_offloaded", r.bytes_offloaded},
+                   {"bytes_restored", r.bytes_restored},
+                   {"recompute_ms", r.recompute_ms},
+                   {"transfer_ms", r.transfer_ms}};
+  if (r.peak_vs_none >= 0) j["peak_vs_none"] = r.peak_vs_none;
+  if (r.overhead_vs_none > -1) j["overhead_vs_none"] = r.overhead_vs_none;
+  return j;
+}
+
+std::string markdown_rows(const std::vector<BenchRow>& rows, bool with_rank) {
+  std::string out = with_rank ? "| rank " : "";
+  out +=
+      "| strategy | precision | peak MiB | vs none | step ms | tokens/s | overhead | recomputes "
+      "| offloaded MiB |\n";
+  out += with_rank ? "|---:" : "";
+  out += "|---|---|---:|---:|---:|---:|---:|---:|---:|\n";
+  for (const BenchRow& r : rows) {
+    std::string line = with_rank ? "| " + std::to_string(r.rank) + " " : "";
+    line += "| " + r.strategy + " | " + r.precision + " | ";
+    if (r.status == BenchStatus::OutOfMemory) {
+      line += "OOM (" + fmt("%.2f", static_cast<double>(r.oom_requested_bytes) / kMiB) +
+              " MiB requested) | - | - | - | - | - | - |";
+    } else if (r.status == BenchStatus::Unsupported) {
+      line += "unsupported: " + cell(r.message) + " | - | - | - | - | - | - |";
+    } else {
+      line += fmt("%.2f", static_cast<double>(r.peak_bytes) / kMiB) + " | " +
+              (r.peak_vs_none >= 0 ? fmt("%.2fx", r.peak_vs_none) : "-") + " | " +
+              fmt("%.1f", r.step_ms_median) + " | " + fmt("%.0f", r.tokens_per_s) + " | " +
+              (r.overhead_vs_none > -1 ? fmt("%+.1f%%", 100.0 * r.overhead_vs_none) : "-") + " | " +
+              fmt("%.1f", r.forward_reruns) + " | " + fmt("%.2f", r.bytes_offloaded / kMiB) + " |";
+    }
+    out += line + "\n";
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string BenchReport::markdown() const {
+  std::string out = markdown_rows(rows, false);
+  out += "\n" + config_summary + "; device " + device + ", " + std::to_string(world_size) +
+         (world_size == 1 ? " rank" : " ranks (memory and step time: max over ranks)") + "; " +
+         date + " on " + host + ".\n";
+  if (!rank_rows.empty()) out += "\nPer rank:\n\n" + markdown_rows(rank_rows, true);
+  return out;
+}
+
+std::string BenchReport::csv() const {
+  std::string out =
+      "strategy,precision,status,rank,message,oom_requested_bytes,peak_bytes,peak_vs_none,"
+      "step_ms_median,step_ms_min,step_ms_max,tokens_per_step,tokens_per_s,overhead_vs_none,"
+      "forward_reruns,bytes_offloaded,bytes_restored,recompute_ms,transfer_ms,"
+      "host_offloaded_peak,host_optimizer_state_peak,final_loss";
+  for (int k = 0; k < kNumMemoryCategories; ++k) out += ",at_peak_" + category_key(k);
+  for (int k = 0; k < kNumMemoryCategories; ++k) out += ",peak_" + category_key(k);
+  out += "\n";
+  auto emit = [&](const BenchRow& r) {
+    std::ostringstream s;
+    s.precision(10);
+    s << r.strategy << ',' << r.precision << ',' << bench_status_name(r.status) << ','
+      << (r.rank >= 0 ? std::to_string(r.rank) : std::string("max")) << ',' << csv_field(r.message)
+      << ',';
+    if (r.status == BenchStatus::OutOfMemory) s << r.oom_requested_bytes;
+    s << ',';
+    if (r.ok()) {
+      s << r.peak_bytes << ',';
+      if (r.peak_vs_none >= 0) s << r.peak_vs_none;
+      s << ',' << r.step_ms_median << ',' << r.step_ms_min << ',' << r.step_ms_max << ','
+        << r.tokens_per_step << ',' << r.tokens_per_s << ',';
+      if (r.overhead_vs_none > -1) s << r.overhead_vs_none;
+      s << ',' << r.forward_reruns << ',' << r.bytes_offloaded << ',' << r.bytes_restored << ','
+        << r.recompute_ms << ',' << r.transfer_ms << ',' << r.host_offloaded_peak << ','
+        << r.host_optimizer_peak << ',' << r.final_loss;
+      for (int64_t b : r.at_peak) s << ',' << b;
+      for (int64_t b : r.peak_by_category) s << ',' << b;
+    } else {
+      s << std::string(15 + 2 * kNumMemoryCategories, ',');
+    }
+    out += s.str() + "\n";
+  };
+  for (const BenchRow& r : rows) emit(r);
+  for (const BenchRow& r : rank_rows) emit(r);
+  return out;
+}
+
+std::string BenchReport::json() const {
+  nlohmann::json j;
+  j["date"] = date;
+  j["host"] = host;
+  j["device"] = device;
+  j["world_size"] = world_size;
+  j["config"] = config_summary;
+  j["rows"] = nlohmann::json::array();
+  for (const BenchRow& r : rows) j["rows"].push_back(row_json(r));
+  j["rank_rows"] = nlohmann::json::array();
+  for (const BenchRow& r : rank_rows) j["rank_rows"].push_back(row_json(r));
+  return j.dump(2) + "\n";
+}
+
+namespace {
+
+std::string find_on_path(const std::string& program) {
+  const char* path = std::getenv("PATH");
+  if (path == nullptr) return "";
+  std::stringstream dirs(path);
+  std::string dir;
+  while (std::getline(dirs, dir, ':')) {
+    if (dir.empty()) continue;
+    fs::path candidate = fs::path(dir) / program;
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate.string();
+  }
+  return "";
+}
+
+void write_file(const fs::path& path, const std::string& text) {
+  std::ofstream out(path);
+  out << text;
+  ST_CHECK_AS(ConfigError, out.good(), "cannot write '", path.string(), "'");
+}
+
+std::string quoted(const std::string& s) {
+  std::string out = "'";
+  for (char ch : s) out += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  return out + "'";
+}
+
+// The gnuplot terminal lines: pngcairo when gnuplot has it, else png; then SVG.
+const char* kPngTerminal =
+    "if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) {\n"
+    "  set terminal pngcairo size 1000,640 enhanced font ',10'\n"
+    "} else {\n"
+    "  set terminal png size 1000,640\n"
+    "}\n";
+
+// Draws frontier.{png,svg} and memory.{png,svg} from data files next to them. Returns the
+// images written.
+std::vector<std::string> draw_plots(const BenchReport& report, const fs::path& dir) {
+  std::vector<std::string> written;
+  const std::string gnuplot = find_on_path("gnuplot");
+  if (gnuplot.empty()) return written;
+  std::vector<const BenchRow*> ok;
+  for (const BenchRow& r : report.rows)
+    if (r.ok()) ok.push_back(&r);
+  if (ok.empty()) return written;
+
+  // frontier.dat: one block per precision, rows sorted by peak memory.
+  std::vector<std::string> precisions;
+  for (const BenchRow* r : ok)
+    if (std::find(precisions.begin(), precisions.end(), r->precision) == precisions.end())
+      precisions.push_back(r->precision);
+  std::string data;
+  for (const std::string& p : precisions) {
+    std::vector<const BenchRow*> block;
+    for (const BenchRow* r : ok)
+      if (r->precision == p) block.push_back(r);
+    std::sort(block.begin(), block.end(),
+              [](const BenchRow* a, const BenchRow* b) { return a->peak_bytes < b->peak_bytes; });
+    data += "\"" + p + "\" \"peak MiB\" \"tokens/s\"\n";
+    for (const BenchRow* r : block)
+      data += r->strategy + " " + fmt("%.4f", static_cast<double>(r->peak_bytes) / kMiB) + " " +
+              fmt("%.2f", r->tokens_per_s) + "\n";
+    data += "\n\n";
+  }
+  write_file(dir / "frontier.dat", data);
+  std::string script = std::string("set datafile separator whitespace\n") +
+                       "set title 'Peak device memory against throughput (" + report.device +
+                       ")'\n"
+                       "set xlabel 'peak device memory per rank (MiB)'\n"
+                       "set ylabel 'tokens/s'\n"
+                       "set grid\nset key outside right top\n"
+                       "set offsets graph 0.05, graph 0.15, graph 0.1, graph 0.1\n"
+                       "plot for [i=0:" +
+                       std::to_string(precisions.size() - 1) +
+                       "] 'frontier.dat' index i using 2:3 with linespoints pt 7 ps 1.3 "
+                       "title columnheader(1), \\\n"
+                       "     for [i=0:" +
+                       std::to_string(precisions.size() - 1) +
+                       "] 'frontier.dat' index i using 2:3:1 with labels offset 0,1 font ',8' "
+                       "notitle\n";
+  write_file(dir / "frontier.gp", std::string(kPngTerminal) + "set output 'frontier.png'\n" +
+                                      script +
+                                      "set terminal svg size 1000,640\n"
+                                      "set output 'frontier.svg'\nreplot\n");
+
+  // memory.dat: one row per combination, the peak by category (MiB).
+  std::string mem = "combination";
+  for (int k = 0; k < kNumMemoryCategories; ++k) mem += " " + category_key(k);
+  mem += "\n";
+  for (const BenchRow* r : ok) {
+    mem += r->strategy + "/" + r->precision;
+    for (int64_t b : r->at_peak) mem += " " + fmt("%.4f", static_cast<double>(b) / kMiB);
+    mem += "\n";
+  }
+  write_file(dir / "memory.dat", mem);
+  std::string mscript =
+      "set title 'Device memory at the peak, by category (" + report.device +
+      ")'\n"
+      "set ylabel 'MiB'\nset style data histograms\nset style histogram rowstacked\n"
+      "set style fill solid 0.85 border -1\nset boxwidth 0.75\nset key outside right top\n"
+      "set xtics rotate by -40 noenhanced\nset grid ytics\n"
+      "plot for [c=2:" +
+      std::to_string(1 + kNumMemoryCategories) +
+      "] 'memory.dat' using c:xtic(1) title columnheader(c)\n";
+  write_file(dir / "memory.gp", std::string(kPngTerminal) + "set output 'memory.png'\n" + mscript +
+                                    "set terminal svg size 1000,640\n"
+                                    "set output 'memory.svg'\nreplot\n");
+
+  for (const char* name : {"frontier", "memory"}) {
+    std::string command = "cd " + quoted(dir.string()) + " && " + quoted(gnuplot) + " " + name +
+                          ".gp > " + name + ".log 2>&1";
+    if (std::system(command.c_str()) != 0) continue;
+    for (const char* ext : {".png", ".svg"}) {
+      fs::path image = dir / (std::string(name) + ext);
+      if (fs::exists(image) && fs::file_size(image) > 0) written.push_back(image.string());
+    }
+  }
+  return written;
+}
+
+}  // namespace
+
+std::vector<std::string> write_bench_outputs(const BenchReport& report, const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  ST_CHECK_AS(ConfigError, !ec && fs::is_directory(dir), "bench: cannot create '", dir,
+              "': ", ec.message());
+  std::vector<std::string> written;
+  write_file(fs::path(dir) / "bench.csv", report.csv());
+  written.push_back((fs::path(dir) / "bench.csv").string());
+  write_file(fs::path(dir) / "bench.json", report.json());
+  written.push_back((fs::path(dir) / "bench.json").string());
+  for (const std::string& image : draw_plots(report, dir)) written.push_back(image);
+  return written;
+}
+
+}  // namespace shardtrain::train

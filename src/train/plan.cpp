@@ -1,0 +1,206 @@
+#include "shardtrain/train/plan.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "shardtrain/core/error.h"
+#include "shardtrain/core/units.h"
+#include "shardtrain/train/bench.h"
+
+namespace shardtrain::train {
+
+namespace {
+
+std::string pct(double fraction) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f%%", 100.0 * fraction);
+  return buf;
+}
+
+// The recipe, cumulative: each step edits the configuration the previous one left.
+struct RecipeStep {
+  const char* name;
+  const char* change;
+  void (*apply)(Config&);
+};
+
+const std::vector<RecipeStep>& recipe_steps() {
+  static const std::vector<RecipeStep> steps = {
+      {"fp32 eager",
+       "precision.compute=fp32 activation.strategy=none activation.attention=plain "
+       "dist.sharding=no_shard optim.offload=none",
+       [](Config& c) {
+         c.precision.compute = "fp32";
+         c.precision.param_dtype = "";
+         c.activation.strategy = "none";
+         c.activation.attention = "plain";
+         c.dist.sharding = "no_shard";
+         c.optim.offload = "none";
+       }},
+      {"bf16", "precision.compute=bf16",
+       [](Config& c) {
+         c.precision.compute = "bf16";
+         c.precision.param_dtype = "";
+       }},
+      {"fused attention", "activation.attention=fused",
+       [](Config& c) { c.activation.attention = "fused"; }},
+      {"per_layer checkpointing", "activation.strategy=per_layer",
+       [](Config& c) { c.activation.strategy = "per_layer"; }},
+      {"offload_checkpoint", "activation.strategy=offload_checkpoint",
+       [](Config& c) { c.activation.strategy = "offload_checkpoint"; }},
+      {"full_shard over N ranks", "dist.sharding=full_shard",
+       [](Config& c) { c.dist.sharding = "full_shard"; }},
+      {"optimizer offload", "optim.offload=cpu", [](Config& c) { c.optim.offload = "cpu"; }},
+  };
+  return steps;
+}
+
+std::string cost_text(const RecipeRow& r) {
+  std::string out = "recompute " + pct(r.cost.recompute_fraction()) + " of step FLOPs, " +
+                    format_bytes(r.cost.pcie_bytes) + " over PCIe and " +
+                    format_bytes(r.cost.link_bytes) + " over links per step per rank";
+  return out;
+}
+
+int64_t physical_memory() {
+  long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && size > 0 ? static_cast<int64_t>(pages) * size : 0;
+}
+
+}  // namespace
+
+Plan make_plan(const Config& config, int64_t device_bytes, int world_size) {
+  ST_CHECK_AS(ConfigError, device_bytes > 0, "plan: the device memory must be positive, got ",
+              device_bytes, " bytes");
+  ST_CHECK_AS(ConfigError, world_size >= 1, "plan: the world size must be at least 1, got ",
+              world_size);
+  Plan plan;
+  plan.device_bytes = device_bytes;
+  plan.world_size = world_size;
+  Config c = config;
+  c.recipe = "manual";
+  for (const RecipeStep& step : recipe_steps()) {
+    step.apply(c);
+    RecipeRow row;
+    row.name = step.name;
+    if (row.name == "full_shard over N ranks")
+      row.name = "full_shard over " + std::to_string(world_size) +
+                 (world_size == 1 ? " rank (nothing to shard)" : " ranks");
+    row.change = step.change;
+    row.config = c;
+    row.input = MemoryModelInput::from_config(c, world_size);
+    row.predicted = predict_memory(row.input);
+    row.cost = predict_step_cost(row.input);
+    row.fits = row.predicted.peak <= device_bytes;
+    if (row.fits && plan.first_fit < 0) plan.first_fit = static_cast<int>(plan.rows.size());
+    plan.rows.push_back(std::move(row));
+  }
+  return plan;
+}
+
+std::string Plan::table() const {
+  bool any_measured = false;
+  for (const RecipeRow& r : rows)
+    any_measured = any_measured || r.measured || !r.measure_note.empty();
+  std::string out =
+      "| # | recipe step | sets | weights+optimizer | gradients | activations | other | "
+      "peak/rank | fits " +
+      format_bytes(device_bytes) + " |";
+  out += any_measured ? " measured | error |\n" : "\n";
+  out += "|---:|---|---|---:|---:|---:|---:|---:|---|";
+  out += any_measured ? "---:|---:|\n" : "\n";
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const RecipeRow& r = rows[i];
+    const MemoryPrediction& p = r.predicted;
+    auto at = [&](MemoryCategory c) { return p.at_peak[static_cast<size_t>(c)]; };
+    // The columns add up to the peak: what is alive at the predicted peak moment.
+    int64_t persistent =
+        at(MemoryCategory::Parameters) - p.compute_copy_bytes + at(MemoryCategory::OptimizerState);
+    int64_t other = p.compute_copy_bytes + at(MemoryCategory::Workspace);
+    out += "| " + std::to_string(i + 1) + " | " + r.name + " | " + r.change + " | " +
+           format_bytes(persistent) + " | " + format_bytes(at(MemoryCategory::Gradients)) + " | " +
+           format_bytes(at(MemoryCategory::Activations)) + " | " + format_bytes(other) + " | " +
+           format_bytes(p.peak) + " | " + (r.fits ? "yes" : "no") +
+           (static_cast<int>(i) == first_fit ? " (first)" : "") + " |";
+    if (any_measured) {
+      if (r.measured) {
+        double err = static_cast<double>(p.peak - r.measured_peak) /
+                     static_cast<double>(std::max<int64_t>(r.measured_peak, 1));
+        char e[32];
+        std::snprintf(e, sizeof e, "%+.1f%%", 100.0 * err);
+        out += " " + format_bytes(r.measured_peak) + " | " + e + " |";
+      } else {
+        out += " " + (r.measure_note.empty() ? std::string("-") : r.measure_note) + " | - |";
+      }
+    }
+    out += "\n";
+  }
+  return out;
+}
+
+std::string Plan::verdict() const {
+  const std::string per = format_bytes(device_bytes) + " per rank on " +
+                          std::to_string(world_size) + (world_size == 1 ? " rank" : " ranks");
+  if (first_fit < 0) {
+    const RecipeRow& last = rows.back();
+    return "nothing fits " + per + ": the last step still needs " +
+           format_bytes(last.predicted.peak) + " per rank (peak at " + last.predicted.peak_moment +
+           "); use more ranks, a shorter train.seq_len or a smaller train.micro_batch "
+           "(gradient accumulation keeps the global batch), or a smaller model";
+  }
+  const RecipeRow& r = rows[static_cast<size_t>(first_fit)];
+  return "first that fits " + per + ": #" + std::to_string(first_fit + 1) + " " + r.name + " (" +
+         r.change + "): predicted peak " + format_bytes(r.predicted.peak) + " at " +
+         r.predicted.peak_moment + "; cost: " + cost_text(r);
+}
+
+void measure_plan(Plan& plan, int64_t warmup_steps, int64_t measured_steps) {
+  int64_t machine = physical_memory() / 4 * 3;
+  int64_t budget = machine > 0 ? std::min(machine, plan.device_bytes) : plan.device_bytes;
+  for (RecipeRow& r : plan.rows) {
+    if (r.input.world_size > 1 && r.config.dist.sharding != "no_shard") {
+      r.measure_note = "needs " + std::to_string(r.input.world_size) + " ranks";
+      continue;
+    }
+    if (r.predicted.peak > budget) {
+      r.measure_note = "too big for this machine";
+      continue;
+    }
+    Config c = r.config;
+    c.train.device = "cpu";
+    c.train.device_memory = "";
+    // A data-parallel replica's step on one process: the per-rank batch, not the global one.
+    c.train.global_batch = c.train.micro_batch * r.input.micro_batches_per_step;
+    c.train.global_batch_tokens = 0;
+    BenchRow m = measure_config(c, warmup_steps, measured_steps);
+    if (m.ok()) {
+      r.measured = true;
+      r.measured_peak = m.peak_bytes;
+    } else {
+      r.measure_note = std::string(bench_status_name(m.status)) + ": " + m.message;
+      // Keep the table readable: the first line of the message only.
+      size_t nl = r.measure_note.find('\n');
+      if (nl != std::string::npos) r.measure_note.resize(nl);
+      for (char& ch : r.measure_note)
+        if (ch == '|') ch = '/';
+    }
+  }
+}
+
+Config apply_recipe(const Config& config, int64_t device_bytes, int world_size, std::string* why) {
+  Plan plan = make_plan(config, device_bytes, world_size);
+  if (plan.first_fit < 0)
+    throw ConfigError("recipe: auto: " + plan.verdict() + "\n" + plan.table());
+  const RecipeRow& r = plan.rows[static_cast<size_t>(plan.first_fit)];
+  if (why != nullptr)
+    *why = "recipe: auto chose #" + std::to_string(plan.first_fit + 1) + " " + r.name + " (" +
+           r.change + "): predicted peak " + format_bytes(r.predicted.peak) + " of " +
+           format_bytes(device_bytes) + " per rank on " + std::to_string(world_size) +
+           (world_size == 1 ? " rank" : " ranks") + "; cost: " + cost_text(r);
+  return r.config;  // recipe: manual, the choice made
+}
+
+}  // namespace shardtrain::train
