@@ -2,6 +2,7 @@
 #include <cstdio>
 
 #include "shardtrain/cli/command.h"
+#include "shardtrain/dist/env.h"
 #include "shardtrain/train/trainer.h"
 
 namespace shardtrain::cli {
@@ -18,6 +19,7 @@ Command train_command() {
   c.run = [](const Args& args) {
     train::Config config = config_from_args(args);
     train::TrainSummary s = train::run_training(config);
+    if (dist::job_rank() != 0) return 0;  // under mpirun, rank 0 reports for the job
     std::printf("trained %lld steps: loss %.4f -> %.4f", static_cast<long long>(s.steps),
                 s.first_loss, s.final_loss);
     if (s.final_eval_loss >= 0)

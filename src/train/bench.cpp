@@ -433,8 +433,10 @@ std::string cell(std::string text) {
   return out;
 }
 
-std::string csv_field(const std::string& text) {
-  if (text.find_first_of(",\"\n") == std::string::npos) return text;
+std::string csv_field(std::string text) {
+  for (char& ch : text)
+    if (ch == '\n' || ch == '\r') ch = ' ';  // one record per line
+  if (text.find_first_of(",\"") == std::string::npos) return text;
   std::string out = "\"";
   for (char ch : text) out += ch == '"' ? std::string("\"\"") : std::string(1, ch);
   return out + "\"";

@@ -321,9 +321,12 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   // Transient buffers of one decoder layer's backward: the MLP (incoming gradient, d(gate),
   // d(up) beside the saved swiglu inputs) or the attention core (d(probabilities) or the fused
   // kernel's d(q), d(k), d(v)).
+  // Under FSDP a unit's reduce-scatter follows its ops, and the head's gradient waits (in the
+  // compute dtype) for the root unit's reduction after the embedding's backward.
   const int64_t layer_transient =
-      std::max(2 * a.M + a.X, a.plain ? a.P + 2 * a.X + 2 * a.KV : 3 * a.X + 2 * a.KV) +
-      layer_reduce + (fsdp ? r64(pe * V * H) : 0);
+      std::max(
+          {2 * a.M + a.X, a.plain ? a.P + 2 * a.X + 2 * a.KV : 3 * a.X + 2 * a.KV, layer_reduce}) +
+      (fsdp && mb.head_grad > 0 ? r64(pe * V * H) : 0);
   for (int64_t i = L - 1; i >= 0; --i) {
     Moment m{"backward of layer " + std::to_string(i)};
     int64_t below = 0, here = saved;
@@ -360,14 +363,19 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   {
     Moment m{"backward of the embedding"};
     m.activations = inputs;
+    // The incoming gradient and d(weight): an fp32 buffer, then its cast to the weight's dtype.
     m.workspace =
         r64(T * H * e) +
         (mb.embed_grad > 0 || c.tie_embeddings ? mb.head_grad + (e != 4 ? r64(e * V * H) : 0) : 0);
     m.gradients =
         acc_grads > 0 ? acc_grads : (fsdp ? L * layer_grad : p.gradient_bytes - mb.embed_grad);
+    // FSDP: the head's pending gradient, then the root unit's reduce-scatter (its gradients in
+    // the compute dtype and their flat copy in the reduce dtype).
     if (fsdp) {
       m.copies = root_copy;
-      m.workspace += r64(mb.root.trainable_elems * pe) + r64(shards * shard_of(mb.root) * rb);
+      m.workspace =
+          std::max(m.workspace + (mb.head_grad > 0 ? r64(pe * V * H) : 0),
+                   r64(mb.root.trainable_elems * pe) + r64(shards * shard_of(mb.root) * rb));
     }
     moments.push_back(m);
   }

@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "shardtrain/activation/counters.h"
+#include "shardtrain/activation/strategy.h"
 #include "shardtrain/amp/mixed_precision.h"
 #include "shardtrain/autograd/engine.h"
 #include "shardtrain/autograd/grad_mode.h"
@@ -66,9 +68,16 @@ Runtime::Runtime(const Config& config) : config_(config), device_(resolve_device
     model_->init_weights(static_cast<uint64_t>(config_.train.seed));
   model_->set_attention_impl(ops::parse_attention_impl(config_.activation.attention));
 
-  ST_CHECK_AS(ConfigError, config_.activation.strategy == "none",
-              "activation.strategy '", config_.activation.strategy,
-              "' is not available in this build yet; use none");
+  // Wrappers added first run outermost: the activation strategy wraps everything below it, so a
+  // recompute repeats the parameter casts (and, under FSDP, the gathers).
+  activation::ActivationOptions act;
+  act.strategy = config_.activation.strategy;
+  int64_t num_layers = mc.num_layers;
+  ActivationConfig ac = config_.activation;
+  act.applies_to_layer = [ac, num_layers](int layer) { return ac.applies_to_layer(layer, num_layers); };
+  act.reentrant = config_.activation.checkpoint_impl == "reentrant";
+  act.offload_min_bytes = config_.activation.offload_min_bytes;
+  activation::apply_activation_strategy(*model_, act);
   if (dist_->world_size() > 1) {
     // Sharded data parallelism over the job's ranks. It gathers the parameters in the compute
     // dtype itself, so the mixed-precision wrappers below find nothing left to cast.
@@ -155,6 +164,7 @@ StepResult Runtime::train_step(const std::vector<Batch>& micro_batches, float lr
   Allocator& host = allocator_for(Device::host());
   dev.reset_peak();
   host.reset_peak();
+  activation::reset_activation_counters();
   StepResult r;
   for (const Batch& mb : micro_batches) r.tokens += mb.num_target_tokens;
   r.tokens = dist_->world().all_reduce_host(r.tokens, dist::ReduceOp::Sum);
@@ -174,6 +184,12 @@ StepResult Runtime::train_step(const std::vector<Batch>& micro_batches, float lr
   }
   scaler_->update(g.found_inf);
   r.lr = lr;
+  activation::ActivationCounters c = activation::activation_counters();
+  r.forward_reruns = c.forward_reruns;
+  r.bytes_offloaded = c.bytes_offloaded;
+  r.bytes_restored = c.bytes_restored;
+  r.recompute_seconds = c.recompute_seconds;
+  r.transfer_seconds = c.transfer_seconds;
   r.device_memory = dev.stats();
   r.host_memory = host.stats();
   return r;

@@ -155,7 +155,12 @@ TrainSummary run_training(const Config& config) {
                         {"grad_norm", r.grad_norm},  {"tokens", r.tokens},
                         {"tokens_per_s", tokens / seconds},
                         {"step_ms", seconds * 1e3},  {"loss_scale", r.loss_scale},
-                        {"skipped", r.skipped},      {"device_memory", memory_json(r.device_memory)},
+                        {"skipped", r.skipped},      {"forward_reruns", r.forward_reruns},
+                        {"bytes_offloaded", r.bytes_offloaded},
+                        {"bytes_restored", r.bytes_restored},
+                        {"recompute_s", r.recompute_seconds},
+                        {"transfer_s", r.transfer_seconds},
+                        {"device_memory", memory_json(r.device_memory)},
                         {"host_memory", memory_json(r.host_memory)}};
     metrics << j.dump() << "\n";
     if ((step + 1) % std::max<int64_t>(t.log_every, 1) == 0 || step + 1 == t.steps) {

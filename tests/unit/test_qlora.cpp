@@ -22,6 +22,7 @@
 #include "shardtrain/nn/lora.h"
 #include "shardtrain/nn/nf4.h"
 #include "shardtrain/optim/optimizer.h"
+#include "shardtrain/train/config.h"
 
 namespace shardtrain {
 namespace {
@@ -170,6 +171,7 @@ TEST(Nf4, DoubleQuantizedAbsmaxWithin8BitError) {
     ASSERT_LE(error, bound) << "block " << b;
     worst = std::max(worst, error / exact[b]);
   }
+  std::printf("double-quantized absmax: worst relative error %.5f\n", worst);
   EXPECT_LT(worst, 0.01);  // under 1% of any block's absmax
 }
 
@@ -613,6 +615,64 @@ TEST(Peft, Nf4BaseRoundTrip) {
   nn::apply_lora(*plain, options(nn::BaseQuantization::None));
   expect_error<ConfigError>([&] { io::load_nf4_base(*plain, dir.str("base.safetensors")); },
                             {"no NF4 projections"});
+}
+
+// ---- shipped configs ---------------------------------------------------------------------------
+
+nn::LlamaConfig llama_config_of(const train::ModelConfig& m) {
+  nn::LlamaConfig c;
+  c.vocab_size = m.vocab_size;
+  c.hidden_size = m.hidden_size;
+  c.intermediate_size = m.intermediate_size;
+  c.num_layers = m.num_layers;
+  c.num_heads = m.num_heads;
+  c.num_kv_heads = m.effective_num_kv_heads();
+  c.max_seq_len = m.max_seq_len;
+  c.tie_embeddings = m.tie_embeddings;
+  return c;
+}
+
+TEST(QloraConfigs, ShippedConfigsDescribeQloraRuns) {
+  const std::string dir = std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/";
+  const train::Config big = train::load_config(dir + "qlora-llama-3.1-8b.yaml");
+  EXPECT_TRUE(big.lora.enabled);
+  EXPECT_EQ(big.lora.r, 32);
+  EXPECT_EQ(big.lora.alpha, 16.0);
+  EXPECT_EQ(big.lora.quantize_base, "nf4");
+  EXPECT_EQ(big.lora.target_modules, nn::lora_projection_names());
+  EXPECT_EQ(big.train.seq_len, 4096);
+  EXPECT_EQ(big.train.micro_batch, 2);
+  EXPECT_EQ(big.precision.compute, "bf16");
+  EXPECT_EQ(big.activation.strategy, "per_layer");
+  // The sizes docs/qlora.md quotes: 83,886,080 adapter parameters, 3,600,416,768 NF4 bytes.
+  const nn::LlamaConfig c = llama_config_of(big.model);
+  const int64_t h = c.hidden_size, kv = c.num_kv_heads * c.head_dim(), i = c.intermediate_size;
+  const int64_t adapter = big.lora.r * (2 * (h + h) + 2 * (h + kv) + 3 * (h + i)) * c.num_layers;
+  EXPECT_EQ(adapter, 83886080);
+  const int64_t projection_weights = (2 * h * h + 2 * h * kv + 3 * h * i) * c.num_layers;
+  EXPECT_EQ(projection_weights, 6979321856);
+  EXPECT_EQ(projection_weights / 2 + projection_weights / 64 + 4 * projection_weights / 64 / 256,
+            3600416768);
+
+  // The tiny config builds, adapts and trains.
+  const train::Config tiny = train::load_config(dir + "qlora-tiny.yaml");
+  ASSERT_TRUE(tiny.lora.enabled);
+  nn::LlamaModel m(llama_config_of(tiny.model), Device::cpu());
+  m.init_weights(static_cast<uint64_t>(tiny.train.seed));
+  nn::LoraOptions o;
+  o.r = tiny.lora.r;
+  o.alpha = static_cast<float>(tiny.lora.alpha);
+  o.dropout = static_cast<float>(tiny.lora.dropout);
+  o.target_modules = tiny.lora.target_modules;
+  o.quantize_base = nn::parse_base_quantization(tiny.lora.quantize_base);
+  const nn::LoraSummary s = nn::apply_lora(m, o);
+  EXPECT_EQ(s.adapted_modules, 4 * 7);
+  EXPECT_LT(s.trainable_parameters, s.frozen_parameters / 5);
+  std::vector<int64_t> ids(2 * 64);
+  for (size_t k = 0; k < ids.size(); ++k) ids[k] = static_cast<int64_t>((k * 31) % 256);
+  Tensor loss = m.loss_sum(from_ints(ids, {2, 64}), from_ints(ids, {2, 64}));
+  autograd::backward(loss);
+  EXPECT_TRUE(std::isfinite(loss.item()));
 }
 
 // ---- training -----------------------------------------------------------------------------------

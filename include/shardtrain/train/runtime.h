@@ -40,6 +40,9 @@ struct StepResult {
   bool skipped = false;   // inf/nan gradients (loss scaling): no update was made
   float lr = 0;
   float loss_scale = 1;
+  // Activation strategy counters of this step.
+  int64_t forward_reruns = 0, bytes_offloaded = 0, bytes_restored = 0;
+  double recompute_seconds = 0, transfer_seconds = 0;
   MemoryStats device_memory;  // peaks since the start of the step
   MemoryStats host_memory;
 };

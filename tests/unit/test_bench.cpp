@@ -1,0 +1,290 @@
+// `shardtrain bench`: the figures of a short run, its CSV and JSON, OOM and unsupported
+// combinations, and the plots.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "shardtrain/cli/cli.h"
+#include "shardtrain/core/error.h"
+#include "shardtrain/memory/allocator.h"
+#include "shardtrain/train/bench.h"
+#include "shardtrain/train/memory_model.h"
+
+namespace fs = std::filesystem;
+using namespace shardtrain;
+using train::BenchStatus;
+
+namespace {
+
+// hidden 32, 2 layers, seq 32, micro-batch 2: a step takes milliseconds.
+const char* kTinyYaml = R"(
+model:
+  vocab_size: 256
+  hidden_size: 32
+  intermediate_size: 88
+  num_layers: 2
+  num_heads: 4
+  num_kv_heads: 2
+  max_seq_len: 64
+train:
+  seq_len: 32
+  micro_batch: 2
+  steps: 10
+  device: cpu
+  eval_every: 0
+optim:
+  warmup_steps: 2
+)";
+
+fs::path temp_dir(const std::string& name) {
+  fs::path dir = fs::temp_directory_path() / ("shardtrain_test_bench_" + name);
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+std::string read(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// One CSV record: comma-separated, fields with commas or quotes in double quotes.
+std::vector<std::string> split_csv(const std::string& line) {
+  std::vector<std::string> out(1);
+  bool quoted = false;
+  for (size_t i = 0; i < line.size(); ++i) {
+    char ch = line[i];
+    if (quoted) {
+      if (ch == '"' && i + 1 < line.size() && line[i + 1] == '"') {
+        out.back() += '"';
+        ++i;
+      } else if (ch == '"') {
+        quoted = false;
+      } else {
+        out.back() += ch;
+      }
+    } else if (ch == '"') {
+      quoted = true;
+    } else if (ch == ',') {
+      out.emplace_back();
+    } else {
+      out.back() += ch;
+    }
+  }
+  return out;
+}
+
+// The CSV as one map per line, keyed by the header.
+std::vector<std::map<std::string, std::string>> read_csv(const fs::path& p) {
+  std::stringstream in(read(p));
+  std::string line;
+  std::getline(in, line);
+  std::vector<std::string> header = split_csv(line);
+  std::vector<std::map<std::string, std::string>> rows;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    std::vector<std::string> cells = split_csv(line);
+    EXPECT_EQ(cells.size(), header.size()) << "CSV line: " << line;
+    std::map<std::string, std::string> row;
+    for (size_t i = 0; i < header.size() && i < cells.size(); ++i) row[header[i]] = cells[i];
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+bool on_path(const std::string& program) {
+  std::string cmd = "command -v " + program + " > /dev/null 2>&1";
+  return std::system(cmd.c_str()) == 0;
+}
+
+}  // namespace
+
+TEST(Bench, ShortRunGivesSaneFiguresCsvAndJson) {
+  train::Config config = train::Config::parse(kTinyYaml, {}, "tiny-bench");
+  train::BenchOptions o;
+  o.strategies = {"none", "per_layer"};
+  o.precisions = {"fp32"};
+  o.warmup_steps = 1;
+  o.measured_steps = 2;
+  train::BenchReport report = train::run_bench(config, o);
+  ASSERT_EQ(report.rows.size(), 2u);
+  EXPECT_EQ(report.world_size, 1);
+  EXPECT_EQ(report.device, "cpu");
+
+  const train::BenchRow& none = report.rows[0];
+  ASSERT_TRUE(none.ok()) << none.message;
+  EXPECT_EQ(none.strategy, "none");
+  EXPECT_EQ(none.precision, "fp32");
+  EXPECT_EQ(none.tokens_per_step, 2 * 32);
+  EXPECT_GT(none.step_ms_median, 0.0);
+  EXPECT_LE(none.step_ms_min, none.step_ms_median);
+  EXPECT_LE(none.step_ms_median, none.step_ms_max);
+  EXPECT_NEAR(none.tokens_per_s, 64.0 / (none.step_ms_median / 1e3), 1e-6 * none.tokens_per_s);
+  EXPECT_GT(none.final_loss, 0.0);
+  EXPECT_LT(none.final_loss, 7.0);  // about ln(256) = 5.5 at the start
+  // The breakdown at the peak adds up to the peak, and each category's own peak is at least
+  // its share then.
+  int64_t sum = 0;
+  for (size_t k = 0; k < none.at_peak.size(); ++k) {
+    sum += none.at_peak[k];
+    EXPECT_GE(none.peak_by_category[k], none.at_peak[k]);
+  }
+  EXPECT_EQ(sum, none.peak_bytes);
+  EXPECT_GT(none.at_peak[static_cast<size_t>(MemoryCategory::Parameters)], 0);
+  EXPECT_GT(none.at_peak[static_cast<size_t>(MemoryCategory::OptimizerState)], 0);
+  EXPECT_EQ(none.forward_reruns, 0.0);
+  EXPECT_EQ(none.bytes_offloaded, 0.0);
+  EXPECT_DOUBLE_EQ(none.peak_vs_none, 1.0);
+  EXPECT_DOUBLE_EQ(none.overhead_vs_none, 0.0);
+  // The memory model agrees with the measurement (fp32, strategy none).
+  train::MemoryPrediction predicted =
+      train::predict_memory(train::MemoryModelInput::from_config(config, 1));
+  EXPECT_NEAR(static_cast<double>(none.peak_bytes), static_cast<double>(predicted.peak),
+              0.1 * static_cast<double>(none.peak_bytes));
+
+  // per_layer either runs (then it re-runs each layer once per step) or the build rejects it.
+  const train::BenchRow& pl = report.rows[1];
+  if (pl.ok()) {
+    EXPECT_EQ(pl.forward_reruns, 2.0);
+    EXPECT_GT(pl.peak_vs_none, 0.0);
+    EXPECT_LT(pl.peak_vs_none, 1.0);
+  } else {
+    EXPECT_EQ(pl.status, BenchStatus::Unsupported);
+    EXPECT_NE(pl.message.find("per_layer"), std::string::npos) << pl.message;
+    EXPECT_LT(pl.peak_vs_none, 0.0);
+  }
+
+  fs::path dir = temp_dir("short");
+  std::vector<std::string> written = train::write_bench_outputs(report, dir.string());
+  auto csv = read_csv(dir / "bench.csv");
+  ASSERT_EQ(csv.size(), 2u);
+  for (const char* column :
+       {"strategy", "precision", "status", "peak_bytes", "peak_vs_none", "step_ms_median",
+        "tokens_per_s", "overhead_vs_none", "forward_reruns", "bytes_offloaded", "bytes_restored",
+        "at_peak_activations", "at_peak_optimizer_state", "host_offloaded_peak",
+        "oom_requested_bytes"})
+    EXPECT_TRUE(csv[0].count(column)) << "missing CSV column " << column;
+  EXPECT_EQ(csv[0]["status"], "ok");
+  EXPECT_EQ(std::stoll(csv[0]["peak_bytes"]), none.peak_bytes);
+  EXPECT_GT(std::stod(csv[0]["tokens_per_s"]), 0.0);
+  EXPECT_EQ(std::stoll(csv[0]["at_peak_parameters"]),
+            none.at_peak[static_cast<size_t>(MemoryCategory::Parameters)]);
+  EXPECT_EQ(csv[1]["strategy"], "per_layer");
+  EXPECT_EQ(csv[1]["status"], pl.ok() ? "ok" : "unsupported");
+
+  nlohmann::json j = nlohmann::json::parse(read(dir / "bench.json"));
+  ASSERT_EQ(j["rows"].size(), 2u);
+  EXPECT_EQ(j["rows"][0]["peak_bytes"].get<int64_t>(), none.peak_bytes);
+  EXPECT_EQ(j["rows"][0]["tokens_per_step"].get<int64_t>(), 64);
+  EXPECT_GT(j["rows"][0]["step_ms"]["median"].get<double>(), 0.0);
+  EXPECT_EQ(j["rows"][0]["at_peak"]["activations"].get<int64_t>(),
+            none.at_peak[static_cast<size_t>(MemoryCategory::Activations)]);
+  EXPECT_EQ(j["world_size"].get<int>(), 1);
+
+  std::string md = report.markdown();
+  EXPECT_NE(md.find("| strategy | precision | peak MiB | vs none | step ms | tokens/s | overhead "
+                    "| recomputes | offloaded MiB |"),
+            std::string::npos)
+      << md;
+  EXPECT_NE(md.find("| none | fp32 | "), std::string::npos) << md;
+
+  if (on_path("gnuplot")) {
+    for (const char* image : {"frontier.png", "frontier.svg", "memory.png", "memory.svg"}) {
+      EXPECT_TRUE(fs::exists(dir / image)) << image << " missing; see " << dir;
+      if (fs::exists(dir / image)) {
+        EXPECT_GT(fs::file_size(dir / image), 500u) << image;
+      }
+    }
+    EXPECT_EQ(written.size(), 6u);
+  }
+  fs::remove_all(dir);
+}
+
+TEST(Bench, OutOfMemoryIsReportedAndTheRunGoesOn) {
+  fs::path dir = temp_dir("oom");
+  {
+    std::ofstream out(dir / "tiny.yaml");
+    out << kTinyYaml;
+  }
+  // A device that holds per_layer's step but not none's: none fails inside its step.
+  train::Config config = train::Config::parse(kTinyYaml, {}, "tiny-bench");
+  train::MemoryModelInput in = train::MemoryModelInput::from_config(config, 1);
+  const int64_t none_peak = train::predict_memory(in).peak;
+  in.activation_strategy = "per_layer";
+  const int64_t per_layer_peak = train::predict_memory(in).peak;
+  ASSERT_LT(per_layer_peak, none_peak * 85 / 100) << "the tiny model no longer separates them";
+  const int64_t capacity = (none_peak + per_layer_peak) / 2;
+
+  const int64_t capacity_before = allocator_for(Device::cpu()).stats().capacity;
+  int code = cli::run({"bench", "--config", (dir / "tiny.yaml").string(), "--set",
+                       "train.device_memory=" + std::to_string(capacity), "--strategies",
+                       "none,per_layer,bogus_free", "--precisions", "fp32", "--warmup", "0",
+                       "--steps", "1", "--out", (dir / "out").string()});
+  EXPECT_EQ(code, 1) << "an unknown strategy name is a config error, reported before running";
+
+  code = cli::run({"bench", "--config", (dir / "tiny.yaml").string(), "--set",
+                   "train.device_memory=" + std::to_string(capacity), "--strategies",
+                   "none,per_layer", "--precisions", "fp32,bf16", "--warmup", "0", "--steps", "1",
+                   "--out", (dir / "out").string()});
+  EXPECT_EQ(code, 0);
+  EXPECT_EQ(allocator_for(Device::cpu()).stats().capacity, capacity_before)
+      << "the bench must put the device's capacity back";
+
+  auto csv = read_csv(dir / "out" / "bench.csv");
+  ASSERT_EQ(csv.size(), 4u) << "every combination is reported";
+  EXPECT_EQ(csv[0]["strategy"], "none");
+  EXPECT_EQ(csv[0]["status"], "oom");
+  EXPECT_GT(std::stoll(csv[0]["oom_requested_bytes"]), 0);
+  EXPECT_LE(std::stoll(csv[0]["oom_requested_bytes"]), none_peak);
+  EXPECT_NE(csv[0]["message"].find("out of memory"), std::string::npos) << csv[0]["message"];
+  EXPECT_TRUE(csv[0]["peak_bytes"].empty());
+  // per_layer fits the same device (or this build rejects it); bf16 runs or is rejected.
+  EXPECT_EQ(csv[1]["strategy"], "per_layer");
+  EXPECT_NE(csv[1]["status"], "oom");
+  if (csv[1]["status"] == "ok") {
+    EXPECT_LE(std::stoll(csv[1]["peak_bytes"]), capacity);
+    EXPECT_TRUE(csv[1]["peak_vs_none"].empty()) << "none has no figures to compare with";
+  }
+  EXPECT_EQ(csv[2]["precision"], "bf16");
+  nlohmann::json j = nlohmann::json::parse(read(dir / "out" / "bench.json"));
+  EXPECT_EQ(j["rows"][0]["status"], "oom");
+  EXPECT_EQ(j["rows"][0]["oom_requested_bytes"].get<int64_t>(),
+            std::stoll(csv[0]["oom_requested_bytes"]));
+  fs::remove_all(dir);
+}
+
+TEST(Bench, RejectsUnknownNamesAndEmptyLists) {
+  train::Config config = train::Config::parse(kTinyYaml, {}, "tiny-bench");
+  train::BenchOptions o;
+  o.strategies = {"nonw"};
+  EXPECT_THROW(train::run_bench(config, o), ConfigError);
+  o.strategies = {"none"};
+  o.precisions = {"fp64"};
+  EXPECT_THROW(train::run_bench(config, o), ConfigError);
+  o.precisions = {};
+  EXPECT_THROW(train::run_bench(config, o), ConfigError);
+  o.precisions = {"fp32"};
+  o.measured_steps = 0;
+  EXPECT_THROW(train::run_bench(config, o), ConfigError);
+}
+
+TEST(Bench, SameConfigGivesSameBatches) {
+  train::Config config = train::Config::parse(kTinyYaml, {"train.global_batch=4"}, "tiny-bench");
+  train::StepBatches a(config), b(config);
+  EXPECT_EQ(a.micro_batches(), 2);
+  for (int step = 0; step < 3; ++step) {
+    std::vector<Batch> x = a.next(), y = b.next();
+    ASSERT_EQ(x.size(), 2u);
+    ASSERT_EQ(y.size(), 2u);
+    for (size_t i = 0; i < x.size(); ++i) {
+      EXPECT_EQ(x[i].input_ids.to_int_vector(), y[i].input_ids.to_int_vector());
+      EXPECT_EQ(x[i].targets.to_int_vector(), y[i].targets.to_int_vector());
+    }
+  }
+}

@@ -1,0 +1,239 @@
+// The memory model against measured peaks, the recipe plan, apply_recipe, and the ZeRO
+// bytes-per-parameter accounting on the Llama-3.1-8B shape.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "shardtrain/activation/strategy.h"
+#include "shardtrain/autograd/engine.h"
+#include "shardtrain/core/error.h"
+#include "shardtrain/memory/allocator.h"
+#include "shardtrain/ops/ops.h"
+#include "shardtrain/optim/optimizer.h"
+#include "shardtrain/train/bench.h"
+#include "shardtrain/train/memory_model.h"
+#include "shardtrain/train/plan.h"
+#include "shardtrain/train/runtime.h"
+
+using namespace shardtrain;
+
+namespace {
+
+const std::string kConfigs = std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/";
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+void expect_within(int64_t predicted, int64_t measured, double tolerance, const std::string& what) {
+  double rel = std::abs(static_cast<double>(predicted - measured)) / static_cast<double>(measured);
+  EXPECT_LE(rel, tolerance) << what << ": predicted " << predicted << " bytes, measured "
+                            << measured;
+}
+
+// A step exactly as Runtime::train_step runs it, on a model built here with the strategy applied
+// (so that the memory model is checked for every strategy whether or not Runtime offers it yet).
+// Returns the device peak of the second step (optimizer state exists from the start).
+int64_t measure_hand_built(const train::Config& config) {
+  Device cpu = Device::cpu();
+  nn::LlamaModel model(train::llama_config_from(config.model), cpu);
+  model.init_weights(static_cast<uint64_t>(config.train.seed));
+  model.set_attention_impl(ops::parse_attention_impl(config.activation.attention));
+  activation::ActivationOptions options;
+  options.strategy = config.activation.strategy;
+  activation::apply_activation_strategy(model, options);
+  std::vector<optim::NamedParam> params;
+  for (auto& [name, slot] : model.named_parameters()) params.push_back({name, slot});
+  optim::AdamW adamw(params, {});
+  train::StepBatches batches(config);
+  int64_t peak = 0;
+  for (int step = 0; step < 2; ++step) {
+    std::vector<Batch> micro = batches.next();
+    allocator_for(cpu).reset_peak();
+    adamw.zero_grad();
+    int64_t tokens = 0;
+    for (const Batch& mb : micro) tokens += mb.num_target_tokens;
+    for (const Batch& mb : micro) {
+      Tensor ids = mb.input_ids.to(cpu, MemoryCategory::Activations);
+      Tensor targets = mb.targets.to(cpu, MemoryCategory::Activations);
+      Tensor loss = model.loss_sum(ids, targets);
+      autograd::backward(ops::scale(loss, 1.0f / static_cast<float>(tokens)));
+    }
+    optim::clip_grad_norm(params, 1.0);
+    adamw.step(1e-3f);
+    peak = allocator_for(cpu).stats().total_peak;
+  }
+  return peak;
+}
+
+train::Config small_config(const std::vector<std::string>& overrides) {
+  std::vector<std::string> all = {"model.vocab_size=256",        "model.hidden_size=64",
+                                  "model.intermediate_size=176", "model.num_layers=3",
+                                  "model.num_heads=4",           "model.num_kv_heads=2",
+                                  "model.max_seq_len=64",        "train.seq_len=64",
+                                  "train.micro_batch=4",         "train.device=cpu"};
+  all.insert(all.end(), overrides.begin(), overrides.end());
+  return train::Config::parse("{}", all, "small");
+}
+
+}  // namespace
+
+// ---- predictions against measurements -----------------------------------------------------------
+
+TEST(MemoryModel, EveryStrategyWithinTenPercentOfAMeasuredStep) {
+  for (const char* attention : {"plain", "fused"}) {
+    for (const std::string& strategy : activation::activation_strategies()) {
+      SCOPED_TRACE(strategy + " / " + attention);
+      train::Config c = small_config(
+          {"activation.strategy=" + strategy, std::string("activation.attention=") + attention});
+      int64_t measured = measure_hand_built(c);
+      train::MemoryPrediction p = train::predict_memory(train::MemoryModelInput::from_config(c, 1));
+      expect_within(p.peak, measured, 0.10, strategy + " / " + attention);
+    }
+  }
+}
+
+TEST(MemoryModel, GradientAccumulationKeepsGradientsThroughLaterForwards) {
+  train::Config c = small_config({"train.global_batch=8"});  // two micro-batches of 4
+  train::MemoryModelInput in = train::MemoryModelInput::from_config(c, 1);
+  EXPECT_EQ(in.micro_batches_per_step, 2);
+  expect_within(train::predict_memory(in).peak, measure_hand_built(c), 0.10, "accumulation");
+}
+
+TEST(Plan, TinyConfigFp32RowsMatchTheRuntime) {
+  // configs/tiny.yaml's model with a shorter batch (the rows run on the CPU in a few seconds).
+  train::Config c = train::load_config(
+      kConfigs + "tiny.yaml", {"train.device=cpu", "train.seq_len=64", "train.micro_batch=4"});
+  train::Plan plan = train::make_plan(c, 80 * kGiB, 1);
+  ASSERT_EQ(plan.rows.size(), 7u);
+  EXPECT_EQ(plan.first_fit, 0);
+  train::measure_plan(plan, 0, 1);
+  ASSERT_TRUE(plan.rows[0].measured) << plan.rows[0].measure_note;
+  for (const train::RecipeRow& r : plan.rows) {
+    if (!r.measured) {
+      // Not yet offered by this build's Runtime: reported, not hidden.
+      EXPECT_NE(r.measure_note.find("unsupported"), std::string::npos) << r.measure_note;
+      continue;
+    }
+    if (r.config.precision.compute == "fp32")
+      expect_within(r.predicted.peak, r.measured_peak, 0.10, r.name);
+  }
+  std::string table = plan.table();
+  EXPECT_NE(table.find("| measured | error |"), std::string::npos) << table;
+}
+
+TEST(Plan, Llama125mShapeWithAShortSequenceMatchesTheRuntime) {
+  // The 125M shape (vocab 32000, hidden 768, 12 heads) with 2 of its 12 layers: 74 M parameters,
+  // so weights, gradients and AdamW state dominate, as on a real GPU run with short sequences.
+  train::Config c =
+      train::load_config(kConfigs + "llama-125m.yaml",
+                         {"train.device=cpu", "train.seq_len=64", "train.micro_batch=1",
+                          "model.num_layers=2", "data.path=builtin", "model.vocab_size=32000"});
+  train::Plan plan = train::make_plan(c, 80 * kGiB, 1);
+  const train::RecipeRow& fp32 = plan.rows[0];
+  ASSERT_EQ(fp32.config.precision.compute, "fp32");
+  train::BenchRow m = train::measure_config(fp32.config, 0, 1);
+  ASSERT_TRUE(m.ok()) << m.message;
+  expect_within(fp32.predicted.peak, m.peak_bytes, 0.10, "llama-125m shape, fp32 eager");
+  // Weights 4 + AdamW 8 + gradients 4 bytes per parameter are nearly all of it.
+  EXPECT_NEAR(static_cast<double>(fp32.predicted.model_state_bytes()),
+              16.0 * static_cast<double>(fp32.predicted.trainable_parameters),
+              1e-4 * 16.0 * static_cast<double>(fp32.predicted.trainable_parameters));
+}
+
+// ---- ZeRO accounting on the 8B shape --------------------------------------------------------
+
+TEST(Plan, Llama8bModelStatesFollowZeroBytesPerParameter) {
+  train::Config c = train::load_config(kConfigs + "llama-3.1-8b.yaml");
+  // ZeRO's mixed-precision AdamW: 2 (16-bit weights) + 2 (16-bit gradients) + 12 (fp32 master,
+  // momentum, variance) = 16 bytes per parameter. Here the weights and gradients kept between
+  // steps are fp32 (4 + 4) and the moments 8: the same 16, split differently; the 16-bit
+  // weights exist only as gathered or cast copies.
+  auto predict = [&](int world, const std::string& sharding, const std::string& offload) {
+    train::Config x = c;
+    x.dist.sharding = sharding;
+    x.optim.offload = offload;
+    return train::predict_memory(train::MemoryModelInput::from_config(x, world));
+  };
+  train::MemoryPrediction one = predict(1, "full_shard", "none");
+  const double P = static_cast<double>(one.trainable_parameters);
+  EXPECT_NEAR(P, 8.03e9, 0.005e9);
+  EXPECT_EQ(one.total_parameters, one.trainable_parameters);
+  EXPECT_NEAR(static_cast<double>(one.model_state_bytes()), 16.0 * P, 1e-6 * 16.0 * P);
+
+  // ZeRO-3 (full_shard over 8): everything divided by 8 (up to the padding of each unit).
+  train::MemoryPrediction full8 = predict(8, "full_shard", "none");
+  EXPECT_NEAR(static_cast<double>(full8.model_state_bytes()), 16.0 * P / 8, 1e-6 * 16.0 * P);
+  EXPECT_NEAR(static_cast<double>(full8.optimizer_bytes), 8.0 * P / 8, 1e-6 * 8.0 * P);
+  // ZeRO-2 (grad_op_shard over 8): states sharded, but every unit's 16-bit weights stay gathered
+  // from forward to backward: 2 + 14 / 8 bytes per parameter at the peak.
+  train::MemoryPrediction op8 = predict(8, "grad_op_shard", "none");
+  EXPECT_NEAR(static_cast<double>(op8.model_state_bytes()), 14.0 * P / 8 + 2.0 * P / 8, 1e-5 * P);
+  EXPECT_NEAR(static_cast<double>(op8.compute_copy_bytes), 2.0 * P, 1e-4 * 2.0 * P);
+  // Plain data parallelism (no_shard): every rank holds all 16.
+  train::MemoryPrediction dp8 = predict(8, "no_shard", "none");
+  EXPECT_EQ(dp8.model_state_bytes(), one.model_state_bytes());
+  // Optimizer offload: the 8 bytes of moments move to the host.
+  train::MemoryPrediction off1 = predict(1, "full_shard", "cpu");
+  EXPECT_EQ(off1.optimizer_bytes, 0);
+  EXPECT_EQ(off1.host_optimizer_bytes, one.optimizer_bytes);
+}
+
+TEST(Plan, Llama8bOn80GiBNeedsOffloadOnOneGpuAndFullShardOnEight) {
+  train::Config c = train::load_config(kConfigs + "llama-3.1-8b.yaml");
+  train::Plan one = train::make_plan(c, 80 * kGiB, 1);
+  // 16 bytes x 8.03 B parameters = 120 GiB of model states: only optimizer offload fits.
+  ASSERT_EQ(one.first_fit, 6) << one.table();
+  EXPECT_EQ(one.rows[6].config.optim.offload, "cpu");
+  for (int i = 0; i < 6; ++i) EXPECT_GT(one.rows[i].predicted.peak, 80 * kGiB) << i;
+  train::Plan eight = train::make_plan(c, 80 * kGiB, 8);
+  ASSERT_EQ(eight.first_fit, 5) << eight.table();
+  const train::RecipeRow& r = eight.rows[5];
+  EXPECT_EQ(r.config.dist.sharding, "full_shard");
+  EXPECT_EQ(r.config.activation.strategy, "offload_checkpoint");
+  EXPECT_EQ(r.config.precision.compute, "bf16");
+  // Recomputing every layer once: a third of the step's FLOPs minus the head's share.
+  EXPECT_GT(r.cost.recompute_fraction(), 0.25);
+  EXPECT_LT(r.cost.recompute_fraction(), 1.0 / 3.0);
+  // full_shard: two all-gathers of the layers (bf16), one of the root, one reduce-scatter
+  // (fp32), each 7/8 of the model, per micro-batch.
+  const double P = static_cast<double>(r.predicted.trainable_parameters);
+  EXPECT_GT(static_cast<double>(r.cost.link_bytes), 8 * (7.0 / 8) * P * (2 + 4));
+  EXPECT_LT(static_cast<double>(r.cost.link_bytes), 8 * (7.0 / 8) * P * (2 * 2 + 4));
+  EXPECT_NE(eight.verdict().find("#6 full_shard over 8 ranks"), std::string::npos)
+      << eight.verdict();
+}
+
+// ---- apply_recipe -----------------------------------------------------------------------------
+
+TEST(Recipe, ApplyRecipeReturnsTheFirstRowThatFits) {
+  train::Config c = train::load_config(kConfigs + "tiny.yaml", {"recipe=auto"});
+  train::Plan plan = train::make_plan(c, 80 * kGiB, 1);
+  std::string why;
+  train::Config roomy = train::apply_recipe(c, 80 * kGiB, 1, &why);
+  EXPECT_EQ(roomy.precision.compute, "fp32");
+  EXPECT_EQ(roomy.activation.strategy, "none");
+  EXPECT_EQ(roomy.recipe, "manual");
+  EXPECT_EQ(roomy.model, c.model);
+  EXPECT_EQ(roomy.train, c.train);
+  EXPECT_NE(why.find("#1 fp32 eager"), std::string::npos) << why;
+
+  // A device just big enough for per_layer checkpointing (row 4) but not fused attention.
+  ASSERT_GT(plan.rows[2].predicted.peak, plan.rows[3].predicted.peak);
+  int64_t device = plan.rows[3].predicted.peak;
+  train::Config tight = train::apply_recipe(c, device, 1, &why);
+  EXPECT_EQ(tight.precision.compute, "bf16");
+  EXPECT_EQ(tight.precision.param_dtype, "");
+  EXPECT_EQ(tight.activation.attention, "fused");
+  EXPECT_EQ(tight.activation.strategy, "per_layer");
+  EXPECT_EQ(tight.optim.offload, "none");
+  EXPECT_NE(why.find("per_layer"), std::string::npos) << why;
+
+  try {
+    train::apply_recipe(c, 1 << 20, 1);
+    ADD_FAILURE() << "1 MiB cannot hold the tiny model";
+  } catch (const ConfigError& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("nothing fits"), std::string::npos) << m;
+    EXPECT_NE(m.find("| # | recipe step |"), std::string::npos) << m;
+  }
+  EXPECT_THROW(train::make_plan(c, 0, 1), ConfigError);
+  EXPECT_THROW(train::make_plan(c, kGiB, 0), ConfigError);
+}
