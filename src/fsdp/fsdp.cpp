@@ -294,7 +294,13 @@ void ShardedModel::uninstall(Unit& u) {
 }
 
 void ShardedModel::begin_forward() {
-  if (!autograd::grad_enabled() || in_backward_ || awaiting_backward_ == 0) return;
+  if (in_backward_) {
+    // The model's forward never runs inside a backward (only layers are recomputed): this is a
+    // backward that did not finish, ended by an exception. Its reductions are abandoned.
+    in_backward_ = false;
+    reduces_.clear();
+  }
+  if (!autograd::grad_enabled() || awaiting_backward_ == 0) return;
   // A forward with gradients while an earlier one's backward has not run. That is fine only when
   // the earlier graph is gone (its loss was dropped): then its units can be reset.
   for (auto& u : units_) {

@@ -13,7 +13,6 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "shardtrain/activation/counters.h"
 #include "shardtrain/activation/strategy.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/data/corpus.h"
@@ -60,7 +59,8 @@ struct StepBatches::State {
       : data(std::move(d)), sampler(data, Split::Train, sc) {}
 };
 
-StepBatches::StepBatches(const Config& config) {
+StepBatches::StepBatches(const Config& config)
+    : world_(dist::job_world_size()), rank_(dist::job_rank()) {
   const TrainConfig& t = config.train;
   TokenDataset data = load_dataset(config.data.path);
   ST_CHECK_AS(ConfigError,
@@ -72,18 +72,22 @@ StepBatches::StepBatches(const Config& config) {
   sc.eval_fraction = config.data.eval_fraction;
   sc.seed = static_cast<uint64_t>(config.data.seed);
   state_ = std::make_unique<State>(std::move(data), sc);
-  global_batch_ = t.global_batch > 0 ? t.global_batch : t.micro_batch;
+  global_batch_ = t.global_batch > 0 ? t.global_batch : t.micro_batch * world_;
   if (t.global_batch_tokens > 0)
     global_batch_ = std::max<int64_t>(1, t.global_batch_tokens / t.seq_len);
-  ST_CHECK_AS(ConfigError, global_batch_ % t.micro_batch == 0, "train.global_batch ", global_batch_,
-              " is not a multiple of train.micro_batch ", t.micro_batch);
-  accumulation_ = global_batch_ / t.micro_batch;
+  ST_CHECK_AS(ConfigError, global_batch_ % (t.micro_batch * world_) == 0, "train.global_batch ",
+              global_batch_, " is not a multiple of train.micro_batch ", t.micro_batch, " x ",
+              world_, " rank(s)");
+  accumulation_ = global_batch_ / (t.micro_batch * world_);
 }
 
 StepBatches::~StepBatches() = default;
 
 std::vector<Batch> StepBatches::next() {
-  return split_batch(state_->sampler.next_batch(global_batch_), accumulation_);
+  std::vector<Batch> all =
+      split_batch(state_->sampler.next_batch(global_batch_), accumulation_ * world_);
+  return std::vector<Batch>(all.begin() + rank_ * accumulation_,
+                            all.begin() + (rank_ + 1) * accumulation_);
 }
 
 // ---- running the combinations ---------------------------------------------------------------
@@ -165,23 +169,21 @@ BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t meas
     for (int64_t i = 0; i < warmup_steps; ++i, ++step)
       rt.train_step(batches.next(), schedule.at(step));
     std::vector<double> ms;
-    activation::ActivationCounters sum;
+    double reruns = 0, offloaded = 0, restored = 0, recompute_s = 0, transfer_s = 0;
     for (int64_t i = 0; i < measured_steps; ++i, ++step) {
       std::vector<Batch> micro = batches.next();
       int64_t tokens = 0;
       for (const Batch& b : micro) tokens += b.input_ids.numel();
-      activation::reset_activation_counters();
       auto start = std::chrono::steady_clock::now();
       StepResult r = rt.train_step(micro, schedule.at(step));
       ms.push_back(
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
               .count());
-      activation::ActivationCounters c = activation::activation_counters();
-      sum.forward_reruns += c.forward_reruns;
-      sum.bytes_offloaded += c.bytes_offloaded;
-      sum.bytes_restored += c.bytes_restored;
-      sum.recompute_seconds += c.recompute_seconds;
-      sum.transfer_seconds += c.transfer_seconds;
+      reruns += static_cast<double>(r.forward_reruns);
+      offloaded += static_cast<double>(r.bytes_offloaded);
+      restored += static_cast<double>(r.bytes_restored);
+      recompute_s += r.recompute_seconds;
+      transfer_s += r.transfer_seconds;
       row.tokens_per_step = tokens;
       row.final_loss = r.loss;
       const MemoryStats& d = r.device_memory;
@@ -203,11 +205,11 @@ BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t meas
       row.step_ms_min = *std::min_element(ms.begin(), ms.end());
       row.step_ms_max = *std::max_element(ms.begin(), ms.end());
       row.tokens_per_s = static_cast<double>(row.tokens_per_step) / (row.step_ms_median / 1e3);
-      row.forward_reruns = static_cast<double>(sum.forward_reruns) / n;
-      row.bytes_offloaded = static_cast<double>(sum.bytes_offloaded) / n;
-      row.bytes_restored = static_cast<double>(sum.bytes_restored) / n;
-      row.recompute_ms = sum.recompute_seconds * 1e3 / n;
-      row.transfer_ms = sum.transfer_seconds * 1e3 / n;
+      row.forward_reruns = reruns / n;
+      row.bytes_offloaded = offloaded / n;
+      row.bytes_restored = restored / n;
+      row.recompute_ms = recompute_s * 1e3 / n;
+      row.transfer_ms = transfer_s * 1e3 / n;
     }
   } catch (const OutOfMemoryError& e) {
     row.status = BenchStatus::OutOfMemory;

@@ -101,7 +101,7 @@ TrainSummary run_training(const Config& config) {
 
   // A fixed held-out set: the first eval_batches windows of the eval split, in stream order.
   std::vector<Batch> eval_set;
-  if (t.eval_every > 0 || t.eval_batches > 0) {
+  if (t.eval_every > 0) {
     SamplerConfig ec = sc;
     ec.shuffle = false;
     Sampler eval_sampler(data, Split::Eval, ec);
@@ -116,8 +116,9 @@ TrainSummary run_training(const Config& config) {
   // Sharded parameter slots are empty outside a forward: count from the configuration.
   const int64_t num_parameters =
       rt.sharded() ? rt.model().config().num_parameters() : rt.model().num_parameters();
-  progress.message("shardtrain: " + std::to_string(num_parameters) + " parameters on " +
-                   (world > 1 ? std::to_string(world) + " ranks (" + config.dist.sharding + "), " : "") +
+  const std::string ranks =
+      world > 1 ? std::to_string(world) + " ranks (" + config.dist.sharding + "), " : "";
+  progress.message("shardtrain: " + std::to_string(num_parameters) + " parameters on " + ranks +
                    rt.device().str() + ", " + std::to_string(global_batch) +
                    " x " + std::to_string(t.seq_len) + " tokens per step (" +
                    std::to_string(accumulation) + " micro-batches), data " + data.source() +

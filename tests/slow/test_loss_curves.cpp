@@ -21,7 +21,7 @@ std::vector<double> run(const std::vector<std::string>& overrides, int64_t steps
                       std::to_string(counter++)))
                         .string();
   std::vector<std::string> sets = {"train.steps=" + std::to_string(steps), "train.eval_every=0",
-                                   "train.eval_batches=0", "train.export=false",
+                                   "train.export=false",
                                    "train.progress=none", "train.device=cpu",
                                    "checkpoint.every_steps=0", "train.out_dir=" + out};
   sets.insert(sets.end(), overrides.begin(), overrides.end());

@@ -101,8 +101,9 @@ BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t meas
 // cannot be created or written.
 std::vector<std::string> write_bench_outputs(const BenchReport& report, const std::string& dir);
 
-// The training batches of `config` as `shardtrain train` draws them: each call gives the next
-// step's micro-batches. Two sources made from equal configs give equal batches.
+// The training batches of `config` as `shardtrain train` draws them: each call gives this rank's
+// micro-batches of the next global batch (all of them on a single process). Two sources made
+// from equal configs give equal batches.
 class StepBatches {
  public:
   explicit StepBatches(const Config& config);
@@ -110,11 +111,12 @@ class StepBatches {
   StepBatches(const StepBatches&) = delete;
   StepBatches& operator=(const StepBatches&) = delete;
   std::vector<Batch> next();
-  int64_t micro_batches() const { return accumulation_; }
+  int64_t micro_batches() const { return accumulation_; }  // per rank
 
  private:
   struct State;
   std::unique_ptr<State> state_;
+  int world_ = 1, rank_ = 0;
   int64_t global_batch_ = 0, accumulation_ = 1;
 };
 

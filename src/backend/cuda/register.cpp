@@ -19,20 +19,17 @@ namespace {
 constexpr int kMaxDevices = 16;
 std::array<CudaCachingAllocator*, kMaxDevices> g_allocators{};
 
-// A device the kernels can run on: it answers, and it is Ampere or newer (the build carries
-// sm_80/sm_90 code, and the attention kernels use bf16 tensor-core instructions).
+// A device the kernels can run on: Ampere or newer (the build carries sm_80/sm_90 code, and the
+// attention kernels use bf16 tensor-core instructions). Only attributes are read: since CUDA 12,
+// cudaSetDevice and allocations create a context, which would cost every process memory on every
+// GPU of the machine (FSDP runs one process per GPU).
 bool usable(int device) {
   int major = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      major < 8) {
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
-  if (cudaSetDevice(device) != cudaSuccess || cudaFree(nullptr) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return true;
+  return major >= 8;
 }
 
 }  // namespace
@@ -60,8 +57,8 @@ void register_cuda_backend() {
   for (int i = 0; i < count; ++i) {
     if (!cuda::usable(i)) {
       std::fprintf(stderr,
-                   "shardtrain: ignoring CUDA device %d (needs compute capability 8.0 "
-                   "or newer and a working driver)\n",
+                   "shardtrain: ignoring CUDA device %d (needs compute capability 8.0 or "
+                   "newer)\n",
                    i);
       continue;
     }
@@ -72,7 +69,6 @@ void register_cuda_backend() {
     ++registered;
   }
   if (registered == 0) return;
-  (void)cudaSetDevice(0);
   register_allocator(Device::host(), new cuda::PinnedHostAllocator(&allocator_for(Device::host())));
   register_cuda_copy(&cuda::copy_between_devices);
   register_device_cast(&cuda::cast_on_device);
