@@ -58,6 +58,7 @@ Command plan_command() {
       if (steps < 1) throw UsageError("--measure-steps must be at least 1");
       train::measure_plan(plan, 1, steps);
     }
+    if (dist::job_rank() != 0) return 0;  // under mpirun rank 0 prints
     const train::RecipeRow& first = plan.rows.front();
     const train::MemoryPrediction& p = first.predicted;
     std::printf(

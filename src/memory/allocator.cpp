@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "shardtrain/core/error.h"
+#include "shardtrain/core/units.h"
 
 namespace shardtrain {
 
@@ -53,11 +54,17 @@ void* Allocator::allocate(size_t bytes, MemoryCategory category) {
   void* p = raw_allocate(bytes);
   if (p == nullptr) {
     ledger_.release(counted, category);
-    throw OutOfMemoryError(detail::concat("out of memory on ", device().str(),
-                                          ": the system refused ", counted, " bytes for ",
-                                          category_name(category), " (in use: ",
-                                          ledger_.stats().summary(), ")"),
-                           counted);
+    // Worded like MemoryLedger::charge: the request, what is in use, what to do.
+    const MemoryStats& s = ledger_.stats();
+    throw OutOfMemoryError(
+        detail::concat("out of memory on ", device().str(), ": tried to allocate ",
+                       format_bytes(counted), " for ", category_name(category), " with ",
+                       format_bytes(s.total_in_use), " in use (", s.summary(), ") and ",
+                       format_bytes(reserved_bytes()),
+                       " reserved; the system refused it even after cached blocks were released. "
+                       "Lower train.micro_batch or train.seq_len, or move further along the "
+                       "scale-up recipe (shardtrain plan lists which step fits)."),
+        counted);
   }
   ledger_.set_reserved(reserved_bytes());
   return p;

@@ -283,10 +283,14 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   const int64_t head_copy = mixed ? r64(pe * V * H) : 0;
   const bool all_gathered = fsdp && in.sharding == "grad_op_shard";
   const int64_t in_flight_units = fsdp ? (in.prefetch ? 2 : 1) : 1;
-  // FSDP's reduce-scatter of one unit: its gradients in the compute dtype, concatenated into a
-  // flat buffer in the reduce dtype.
-  const int64_t layer_reduce =
-      fsdp ? r64(mb.layer.trainable_elems * pe) + r64(shards * shard_of(mb.layer) * rb) : 0;
+  // FSDP's reduce-scatter of a unit: when the unit's backward ends, its gradients (compute
+  // dtype) are concatenated into a flat buffer (reduce dtype) that is reduce-scattered into a
+  // shard. One reduction stays in flight while the next unit's backward runs.
+  auto flat = [&](const UnitBytes& u) { return r64(shards * shard_of(u) * rb); };
+  auto reduce_out = [&](const UnitBytes& u) { return shards > 1 ? r64(shard_of(u) * rb) : 0; };
+  const int64_t in_flight_reduce = fsdp ? flat(mb.layer) + reduce_out(mb.layer) : 0;
+  const int64_t layer_flatten = fsdp ? r64(mb.layer.trainable_elems * pe) + flat(mb.layer) : 0;
+  const int64_t pending_head = fsdp && mb.head_grad > 0 ? r64(pe * V * H) : 0;
 
   std::vector<Moment> moments;
   {
@@ -321,12 +325,16 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   // Transient buffers of one decoder layer's backward: the MLP (incoming gradient, d(gate),
   // d(up) beside the saved swiglu inputs) or the attention core (d(probabilities) or the fused
   // kernel's d(q), d(k), d(v)).
-  // Under FSDP a unit's reduce-scatter follows its ops, and the head's gradient waits (in the
-  // compute dtype) for the root unit's reduction after the embedding's backward.
-  const int64_t layer_transient =
-      std::max(
-          {2 * a.M + a.X, a.plain ? a.P + 2 * a.X + 2 * a.KV : 3 * a.X + 2 * a.KV, layer_reduce}) +
-      (fsdp && mb.head_grad > 0 ? r64(pe * V * H) : 0);
+  // Under FSDP the unit's flattening follows its ops, beside the previous unit's reduction in
+  // flight, and the head's gradient waits (in the compute dtype) for the root unit's reduction
+  // after the embedding's backward.
+  const int64_t layer_ops =
+      std::max(2 * a.M + a.X, a.plain ? a.P + 2 * a.X + 2 * a.KV : 3 * a.X + 2 * a.KV);
+  auto layer_transient = [&](int64_t i) {
+    if (!fsdp) return layer_ops;
+    int64_t previous = i < L - 1 ? in_flight_reduce : 0;
+    return std::max(layer_ops, layer_flatten) + previous + pending_head;
+  };
   for (int64_t i = L - 1; i >= 0; --i) {
     Moment m{"backward of layer " + std::to_string(i)};
     int64_t below = 0, here = saved;
@@ -343,7 +351,7 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
       if (strategy == "offload_checkpoint" && i > 0) here += a.X;
     }
     m.activations = inputs + below + here;
-    m.workspace = layer_transient;
+    m.workspace = layer_transient(i);
     if (fsdp) {
       // Sharded gradients appear unit by unit; the root unit's only after the embedding.
       m.gradients = acc_grads > 0 ? acc_grads : (L - 1 - i) * layer_grad;
@@ -374,8 +382,8 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
     if (fsdp) {
       m.copies = root_copy;
       m.workspace =
-          std::max(m.workspace + (mb.head_grad > 0 ? r64(pe * V * H) : 0),
-                   r64(mb.root.trainable_elems * pe) + r64(shards * shard_of(mb.root) * rb));
+          std::max(m.workspace + pending_head, r64(mb.root.trainable_elems * pe) + flat(mb.root)) +
+          in_flight_reduce;
     }
     moments.push_back(m);
   }

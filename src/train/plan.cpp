@@ -5,9 +5,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 
 #include "shardtrain/core/error.h"
 #include "shardtrain/core/units.h"
+#include "shardtrain/dist/env.h"
 #include "shardtrain/train/bench.h"
 
 namespace shardtrain::train {
@@ -131,7 +133,8 @@ std::string Plan::table() const {
                      static_cast<double>(std::max<int64_t>(r.measured_peak, 1));
         char e[32];
         std::snprintf(e, sizeof e, "%+.1f%%", 100.0 * err);
-        out += " " + format_bytes(r.measured_peak) + " | " + e + " |";
+        out += " " + format_bytes(r.measured_peak) + " | " + e +
+               (r.measure_note.empty() ? "" : " (" + r.measure_note + ")") + " |";
       } else {
         out += " " + (r.measure_note.empty() ? std::string("-") : r.measure_note) + " | - |";
       }
@@ -158,27 +161,51 @@ std::string Plan::verdict() const {
 }
 
 void measure_plan(Plan& plan, int64_t warmup_steps, int64_t measured_steps) {
-  int64_t machine = physical_memory() / 4 * 3;
+  // Under mpirun every rank measures (the rows of this world size train across the ranks) and
+  // the table shows the largest peak over ranks.
+  const int world = dist::job_world_size();
+  std::unique_ptr<dist::DistEnv> env;
+  if (world > 1) env = std::make_unique<dist::DistEnv>();
+  int64_t machine = physical_memory() / 4 * 3 / world;
   int64_t budget = machine > 0 ? std::min(machine, plan.device_bytes) : plan.device_bytes;
   for (RecipeRow& r : plan.rows) {
-    if (r.input.world_size > 1 && r.config.dist.sharding != "no_shard") {
-      r.measure_note = "needs " + std::to_string(r.input.world_size) + " ranks";
+    const bool replica = r.config.dist.sharding == "no_shard";
+    Config c = r.config;
+    c.train.device = "cpu";
+    c.train.device_memory = "";
+    if (world == 1 && r.input.world_size > 1) {
+      if (!replica) {
+        r.measure_note = "needs " + std::to_string(r.input.world_size) + " ranks";
+        continue;
+      }
+      // A data-parallel replica's step on one process: one rank's batch, not the global one.
+      c.train.global_batch = c.train.micro_batch * r.input.micro_batches_per_step;
+      c.train.global_batch_tokens = 0;
+    } else if (r.input.world_size != world) {
+      r.measure_note = "needs " + std::to_string(r.input.world_size) + " ranks, this job has " +
+                       std::to_string(world);
       continue;
     }
     if (r.predicted.peak > budget) {
       r.measure_note = "too big for this machine";
       continue;
     }
-    Config c = r.config;
-    c.train.device = "cpu";
-    c.train.device_memory = "";
-    // A data-parallel replica's step on one process: the per-rank batch, not the global one.
-    c.train.global_batch = c.train.micro_batch * r.input.micro_batches_per_step;
-    c.train.global_batch_tokens = 0;
     BenchRow m = measure_config(c, warmup_steps, measured_steps);
+    if (env) {
+      std::vector<int64_t> v = {m.ok() ? 0 : 1, m.peak_bytes};
+      env->world().all_reduce_host(v, dist::ReduceOp::Max);
+      if (v[0] != 0 && m.ok()) {
+        m.status = BenchStatus::Unsupported;
+        m.message = "another rank failed";
+      }
+      m.peak_bytes = v[1];
+    }
     if (m.ok()) {
       r.measured = true;
       r.measured_peak = m.peak_bytes;
+      if (c.optim.offload == "cpu" && m.host_optimizer_peak == 0 &&
+          m.at_peak[static_cast<size_t>(MemoryCategory::OptimizerState)] > 0)
+        r.measure_note = "optimizer state stayed on the device: this build ignores optim.offload";
     } else {
       r.measure_note = std::string(bench_status_name(m.status)) + ": " + m.message;
       // Keep the table readable: the first line of the message only.

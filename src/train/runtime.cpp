@@ -11,6 +11,7 @@
 #include "shardtrain/dist/env.h"
 #include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/io/hf_model.h"
+#include "shardtrain/nn/lora.h"
 #include "shardtrain/ops/ops.h"
 
 namespace shardtrain::train {
@@ -67,6 +68,20 @@ Runtime::Runtime(const Config& config) : config_(config), device_(resolve_device
   else
     model_->init_weights(static_cast<uint64_t>(config_.train.seed));
   model_->set_attention_impl(ops::parse_attention_impl(config_.activation.attention));
+
+  if (config_.lora.enabled) {
+    // QLoRA: adapters on the target projections, every other weight frozen (the base quantized
+    // to NF4 unless lora.quantize_base is none). Must come before the wrappers below.
+    nn::LoraOptions lo;
+    lo.r = config_.lora.r;
+    lo.alpha = static_cast<float>(config_.lora.alpha);
+    lo.dropout = static_cast<float>(config_.lora.dropout);
+    lo.target_modules = config_.lora.target_modules;
+    lo.quantize_base = nn::parse_base_quantization(config_.lora.quantize_base);
+    lo.frozen_dtype = config_.precision.effective_param_dtype() == "bf16" ? DType::BF16 : DType::F32;
+    lo.seed = static_cast<uint64_t>(config_.train.seed);
+    nn::apply_lora(*model_, lo);
+  }
 
   // Wrappers added first run outermost: the activation strategy wraps everything below it, so a
   // recompute repeats the parameter casts (and, under FSDP, the gathers).
@@ -197,6 +212,11 @@ StepResult Runtime::train_step(const std::vector<Batch>& micro_batches, float lr
 
 double Runtime::eval_loss(const std::vector<Batch>& batches) {
   autograd::NoGrad no_grad;
+  model_->train(false);  // no adapter dropout
+  struct BackToTraining {
+    nn::LlamaModel& m;
+    ~BackToTraining() { m.train(true); }
+  } restore{*model_};
   double total = 0;
   int64_t tokens = 0;
   for (const Batch& b : batches) {

@@ -15,6 +15,7 @@
 #include "shardtrain/dist/env.h"
 #include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/io/hf_model.h"
+#include "shardtrain/io/peft.h"
 #include "shardtrain/train/progress.h"
 #include "shardtrain/train/runtime.h"
 
@@ -176,9 +177,21 @@ TrainSummary run_training(const Config& config) {
   if (!eval_set.empty() && (t.eval_every == 0 || t.steps % t.eval_every != 0)) run_eval(t.steps);
   summary.steps = t.steps;
   summary.tokens_per_second = total_seconds > 0 ? total_tokens / total_seconds : 0;
-  if (t.export_model) {
+  if (config.lora.enabled) {
+    ST_CHECK_AS(ConfigError, rt.sharded() == nullptr,
+                "lora.enabled with dist sharding is not supported: QLoRA runs on one rank");
+    std::string dir =
+        config.lora.adapter_out.empty() ? t.out_dir + "/adapter" : config.lora.adapter_out;
+    io::save_peft_adapter(rt.model(), dir,
+                          config.lora.base_model.empty() ? config.model.from_hf
+                                                         : config.lora.base_model);
+    progress.message("saved the LoRA adapter (PEFT layout) to " + dir);
+  }
+  if (t.export_model && (!config.lora.enabled || config.lora.merge_on_export)) {
     summary.export_dir = t.out_dir + "/export";
-    if (rt.sharded() == nullptr) {
+    if (config.lora.enabled) {
+      io::save_merged_hf_model(rt.model(), summary.export_dir);
+    } else if (rt.sharded() == nullptr) {
       io::save_hf_model(rt.model(), summary.export_dir);
     } else {
       // Every rank gathers the weights one unit at a time; rank 0 copies them into an unsharded

@@ -97,10 +97,10 @@ TEST(MemoryModel, GradientAccumulationKeepsGradientsThroughLaterForwards) {
   expect_within(train::predict_memory(in).peak, measure_hand_built(c), 0.10, "accumulation");
 }
 
-TEST(Plan, TinyConfigFp32RowsMatchTheRuntime) {
+TEST(Plan, TinyConfigRowsMatchTheRuntime) {
   // configs/tiny.yaml's model with a shorter batch (the rows run on the CPU in a few seconds).
   train::Config c = train::load_config(
-      kConfigs + "tiny.yaml", {"train.device=cpu", "train.seq_len=64", "train.micro_batch=4"});
+      kConfigs + "tiny.yaml", {"train.device=cpu", "train.seq_len=32", "train.micro_batch=4"});
   train::Plan plan = train::make_plan(c, 80 * kGiB, 1);
   ASSERT_EQ(plan.rows.size(), 7u);
   EXPECT_EQ(plan.first_fit, 0);
@@ -112,7 +112,10 @@ TEST(Plan, TinyConfigFp32RowsMatchTheRuntime) {
       EXPECT_NE(r.measure_note.find("unsupported"), std::string::npos) << r.measure_note;
       continue;
     }
-    if (r.config.precision.compute == "fp32")
+    // fp32 rows, and 16-bit rows that ran as the row says. (The CPU backend's 16-bit kernels
+    // also use fp32 scratch copies of their inputs, which the model does not count; they are
+    // small beside the rest here.)
+    if (r.config.precision.compute == "fp32" || r.measure_note.empty())
       expect_within(r.predicted.peak, r.measured_peak, 0.10, r.name);
   }
   std::string table = plan.table();

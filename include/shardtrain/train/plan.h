@@ -35,7 +35,9 @@ struct RecipeRow {
   // Filled by measure_plan().
   bool measured = false;
   int64_t measured_peak = 0;
-  std::string measure_note;  // why a row was not measured, or the error of a failed run
+  // Why a row was not measured, the error of a failed run, or what the measured run did not do
+  // as the row says (a setting this build ignores).
+  std::string measure_note;
 };
 
 struct Plan {
@@ -56,9 +58,13 @@ struct Plan {
 // config the memory model cannot read.
 Plan make_plan(const Config& config, int64_t device_bytes, int world_size);
 
-// Runs `measured_steps` steps (after `warmup_steps`) of every row that fits this machine (the
-// CPU device, bounded by the plan's device memory and three quarters of physical memory) and
-// needs no more than one rank, and records the measured peak beside the prediction.
+// Runs `measured_steps` steps (after `warmup_steps`) of every row that this machine can run and
+// records the measured peak beside the prediction. Rows run on the CPU device, when their
+// predicted peak fits the plan's device memory and three quarters of physical memory (shared by
+// the ranks). On a single process, rows of replicated (no_shard) training run as one rank's
+// step; under mpirun every rank must call this, rows of the job's world size train across the
+// ranks and the peak is the largest over ranks. Other rows get a note saying why they were not
+// measured.
 void measure_plan(Plan& plan, int64_t warmup_steps = 1, int64_t measured_steps = 2);
 
 // `recipe: auto`: the configuration of the first recipe row that fits `device_bytes` per rank

@@ -40,11 +40,18 @@ cudaDataType_t cuda_type(DType t) {
   }
 }
 
-// Largest power of two (up to 256) dividing the address: cuBLASLt picks kernels by alignment.
-int64_t alignment_of(const void* p) {
+// Largest power of two (up to 256) dividing the address of every matrix of an operand (the
+// first one, the batch stride and the leading dimension in bytes): cuBLASLt picks kernels by the
+// alignment it is promised.
+int64_t alignment_of(const void* p, int64_t ld_bytes, int64_t stride_bytes) {
   const auto address = reinterpret_cast<uintptr_t>(p);
+  const auto ld = static_cast<uintptr_t>(ld_bytes), stride = static_cast<uintptr_t>(stride_bytes);
   int64_t a = 1;
-  while (a < 256 && address % static_cast<uintptr_t>(2 * a) == 0) a *= 2;
+  while (a < 256) {
+    const auto next = static_cast<uintptr_t>(2 * a);
+    if (address % next != 0 || ld % next != 0 || stride % next != 0) break;
+    a *= 2;
+  }
   return a;
 }
 
@@ -116,6 +123,15 @@ void CublasLtGemm::run(int device, cudaStream_t stream, const Problem& p) {
   const int64_t first_rows = p.trans_b ? p.k : p.n, first_cols = p.trans_b ? p.n : p.k;
   const int64_t second_rows = p.trans_a ? p.m : p.k, second_cols = p.trans_a ? p.k : p.m;
 
+  const int64_t in_size = static_cast<int64_t>(dtype_size(p.in_type));
+  const int64_t out_size = static_cast<int64_t>(dtype_size(p.out_type));
+  const int64_t align_first =
+      alignment_of(p.b, first_rows * in_size, p.batch > 1 ? p.stride_b * in_size : 0);
+  const int64_t align_second =
+      alignment_of(p.a, second_rows * in_size, p.batch > 1 ? p.stride_a * in_size : 0);
+  const int64_t align_c =
+      alignment_of(p.c, p.n * out_size, p.batch > 1 ? p.stride_c * out_size : 0);
+
   std::lock_guard<std::mutex> lock(mutex_);
   auto [ws, ws_bytes] = workspace(device, stream);
   const std::vector<int64_t> key = {device,
@@ -130,9 +146,9 @@ void CublasLtGemm::run(int device, cudaStream_t stream, const Problem& p) {
                                     p.batch > 1 ? p.stride_a : 0,
                                     p.batch > 1 ? p.stride_b : 0,
                                     p.batch > 1 ? p.stride_c : 0,
-                                    alignment_of(p.a),
-                                    alignment_of(p.b),
-                                    alignment_of(p.c),
+                                    align_first,
+                                    align_second,
+                                    align_c,
                                     static_cast<int64_t>(ws_bytes),
                                     p.beta == 0.0f};
   auto it = plans_.find(key);
@@ -154,13 +170,13 @@ void CublasLtGemm::run(int device, cudaStream_t stream, const Problem& p) {
     const uint64_t max_ws = ws_bytes;
     ST_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
         pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_ws, sizeof(max_ws)));
-    const std::array<std::pair<cublasLtMatmulPreferenceAttributes_t, const void*>, 4> aligns = {
-        {{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, p.b},
-         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, p.a},
-         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, p.c},
-         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, p.c}}};
-    for (const auto& [attr, ptr] : aligns) {
-      const uint32_t bytes = static_cast<uint32_t>(alignment_of(ptr));
+    const std::array<std::pair<cublasLtMatmulPreferenceAttributes_t, int64_t>, 4> aligns = {
+        {{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_first},
+         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_second},
+         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c},
+         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_c}}};
+    for (const auto& [attr, alignment] : aligns) {
+      const uint32_t bytes = static_cast<uint32_t>(alignment);
       ST_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &bytes, sizeof(bytes)));
     }
     cublasLtMatmulHeuristicResult_t result{};
