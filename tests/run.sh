@@ -15,9 +15,10 @@ export OMPI_ALLOW_RUN_AS_ROOT=1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
 cores="$(nproc)"
-# Tests run in parallel, so each keeps to a couple of threads (tests/CMakeLists.txt also sets
+# Tests run in parallel, so each keeps to one thread (tests/CMakeLists.txt also sets
 # this per test); more would only oversubscribe the cores.
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export OMP_WAIT_POLICY=passive
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 parallel_tests=$((cores / 2 > 2 ? cores / 2 : 2))
 

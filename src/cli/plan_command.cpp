@@ -74,8 +74,8 @@ Command plan_command() {
       const train::MemoryPrediction& f = plan.rows[static_cast<size_t>(plan.first_fit)].predicted;
       std::printf(
           "model states per rank there: %s fp32 weights + %s gradients + %s optimizer "
-          "state on the device = %.2f bytes per model parameter (%s of optimizer state on the "
-          "host)\n",
+          "state on the device, %.2f bytes per trainable parameter of the model (%s of "
+          "optimizer state on the host)\n",
           format_bytes(f.master_bytes).c_str(), format_bytes(f.gradient_bytes).c_str(),
           format_bytes(f.optimizer_bytes).c_str(),
           static_cast<double>(f.model_state_bytes()) /

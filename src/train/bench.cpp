@@ -601,10 +601,11 @@ std::string quoted(const std::string& s) {
 // The gnuplot terminal lines: pngcairo when gnuplot has it, else png; then SVG.
 const char* kPngTerminal =
     "if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) {\n"
-    "  set terminal pngcairo size 1000,640 enhanced font ',10'\n"
+    "  set terminal pngcairo size 1000,640 noenhanced font ',10'\n"
     "} else {\n"
     "  set terminal png size 1000,640\n"
-    "}\n";
+    "}\n"
+    "set termoption noenhanced\n";
 
 // Draws frontier.{png,svg} and memory.{png,svg} from data files next to them. Returns the
 // images written.
@@ -653,7 +654,7 @@ std::vector<std::string> draw_plots(const BenchReport& report, const fs::path& d
                        "notitle\n";
   write_file(dir / "frontier.gp", std::string(kPngTerminal) + "set output 'frontier.png'\n" +
                                       script +
-                                      "set terminal svg size 1000,640\n"
+                                      "set terminal svg size 1000,640 noenhanced\n"
                                       "set output 'frontier.svg'\nreplot\n");
 
   // memory.dat: one row per combination, the peak by category (MiB).
@@ -676,7 +677,7 @@ std::vector<std::string> draw_plots(const BenchReport& report, const fs::path& d
       std::to_string(1 + kNumMemoryCategories) +
       "] 'memory.dat' using c:xtic(1) title columnheader(c)\n";
   write_file(dir / "memory.gp", std::string(kPngTerminal) + "set output 'memory.png'\n" + mscript +
-                                    "set terminal svg size 1000,640\n"
+                                    "set terminal svg size 1000,640 noenhanced\n"
                                     "set output 'memory.svg'\nreplot\n");
 
   for (const char* name : {"frontier", "memory"}) {

@@ -100,6 +100,21 @@ Plan make_plan(const Config& config, int64_t device_bytes, int world_size) {
     if (row.fits && plan.first_fit < 0) plan.first_fit = static_cast<int>(plan.rows.size());
     plan.rows.push_back(std::move(row));
   }
+  // The recipe is cumulative: a later step keeps offload_checkpoint although sharding or
+  // optimizer offload may have made room for plain per_layer checkpointing, which moves nothing
+  // over PCIe. Say so when it does.
+  if (plan.first_fit > 4) {
+    const RecipeRow& first = plan.rows[static_cast<size_t>(plan.first_fit)];
+    MemoryModelInput in = first.input;
+    in.activation_strategy = "per_layer";
+    MemoryPrediction p = predict_memory(in);
+    StepCost cost = predict_step_cost(in);
+    if (p.peak <= device_bytes)
+      plan.note =
+          "with activation.strategy=per_layer instead of offload_checkpoint it still fits (" +
+          format_bytes(p.peak) + " per rank) and moves " +
+          format_bytes(first.cost.pcie_bytes - cost.pcie_bytes) + " less over PCIe per step";
+  }
   return plan;
 }
 
@@ -157,7 +172,8 @@ std::string Plan::verdict() const {
   const RecipeRow& r = rows[static_cast<size_t>(first_fit)];
   return "first that fits " + per + ": #" + std::to_string(first_fit + 1) + " " + r.name + " (" +
          r.change + "): predicted peak " + format_bytes(r.predicted.peak) + " at " +
-         r.predicted.peak_moment + "; cost: " + cost_text(r);
+         r.predicted.peak_moment + "; cost: " + cost_text(r) +
+         (note.empty() ? "" : "\nnote: " + note);
 }
 
 void measure_plan(Plan& plan, int64_t warmup_steps, int64_t measured_steps) {

@@ -13,6 +13,7 @@
 #include "shardtrain/io/hf_model.h"
 #include "shardtrain/nn/lora.h"
 #include "shardtrain/ops/ops.h"
+#include "shardtrain/optim/offload.h"
 
 namespace shardtrain::train {
 
@@ -127,8 +128,16 @@ Runtime::Runtime(const Config& config) : config_(config), device_(resolve_device
     opts.eps = static_cast<float>(o.eps);
     opts.weight_decay = static_cast<float>(o.weight_decay);
     opts.decay_all = o.decay_norms_and_embeddings;
-    optimizer_ = std::make_unique<optim::AdamW>(params, opts);
+    if (o.offload == "cpu") {
+      optim::OffloadOptions offload;
+      offload.moments_on_device = o.offload_moments == "device";
+      optimizer_ = std::make_unique<optim::OffloadedAdamW>(params, opts, offload);
+    } else {
+      optimizer_ = std::make_unique<optim::AdamW>(params, opts);
+    }
   } else {
+    ST_CHECK_AS(ConfigError, o.offload == "none", "optim.offload: 'cpu' runs AdamW on the CPU, "
+                "but optim.name is '", o.name, "'; set optim.name=adamw or optim.offload=none");
     optimizer_ = std::make_unique<optim::SGD>(params, static_cast<float>(o.momentum),
                                               static_cast<float>(o.weight_decay));
   }

@@ -68,7 +68,7 @@ train::Config small_config(const std::vector<std::string>& overrides) {
                                   "model.intermediate_size=176", "model.num_layers=3",
                                   "model.num_heads=4",           "model.num_kv_heads=2",
                                   "model.max_seq_len=64",        "train.seq_len=64",
-                                  "train.micro_batch=4",         "train.device=cpu"};
+                                  "train.micro_batch=2",         "train.device=cpu"};
   all.insert(all.end(), overrides.begin(), overrides.end());
   return train::Config::parse("{}", all, "small");
 }
@@ -91,7 +91,7 @@ TEST(MemoryModel, EveryStrategyWithinTenPercentOfAMeasuredStep) {
 }
 
 TEST(MemoryModel, GradientAccumulationKeepsGradientsThroughLaterForwards) {
-  train::Config c = small_config({"train.global_batch=8"});  // two micro-batches of 4
+  train::Config c = small_config({"train.global_batch=4"});  // two micro-batches of 2
   train::MemoryModelInput in = train::MemoryModelInput::from_config(c, 1);
   EXPECT_EQ(in.micro_batches_per_step, 2);
   expect_within(train::predict_memory(in).peak, measure_hand_built(c), 0.10, "accumulation");
@@ -100,7 +100,7 @@ TEST(MemoryModel, GradientAccumulationKeepsGradientsThroughLaterForwards) {
 TEST(Plan, TinyConfigRowsMatchTheRuntime) {
   // configs/tiny.yaml's model with a shorter batch (the rows run on the CPU in a few seconds).
   train::Config c = train::load_config(
-      kConfigs + "tiny.yaml", {"train.device=cpu", "train.seq_len=32", "train.micro_batch=4"});
+      kConfigs + "tiny.yaml", {"train.device=cpu", "train.seq_len=32", "train.micro_batch=2"});
   train::Plan plan = train::make_plan(c, 80 * kGiB, 1);
   ASSERT_EQ(plan.rows.size(), 7u);
   EXPECT_EQ(plan.first_fit, 0);

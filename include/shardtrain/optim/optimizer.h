@@ -38,6 +38,10 @@ class Optimizer {
   void set_steps_taken(int64_t s) { steps_ = s; }
   // Named state tensors (e.g. "exp_avg.<param>") for checkpoints.
   virtual std::vector<std::pair<std::string, Tensor*>> state() { return {}; }
+  // Tells the optimizer that its parameters were overwritten from outside (a checkpoint was
+  // loaded into them): optimizers that keep their own copy of the weights (OffloadedAdamW's host
+  // master) read them again. Optimizers that update the parameters in place ignore it.
+  virtual void reload_params() {}
   const std::vector<NamedParam>& params() const { return params_; }
 
  protected:

@@ -45,6 +45,9 @@ struct Plan {
   int world_size = 1;
   std::vector<RecipeRow> rows;
   int first_fit = -1;  // index into rows; -1 when nothing fits
+  // A cheaper variant of the first fitting row that also fits, if any (e.g. per_layer instead of
+  // offload_checkpoint once sharding has made room); part of verdict().
+  std::string note;
 
   // The table: one row per recipe step with the predicted per-rank peak and its parts, whether
   // it fits, and (after measure_plan) the measured peak and the prediction's error.

@@ -1,0 +1,140 @@
+// Training checkpoints in HDF5, written by every rank of a job at once and readable by a job of
+// any size.
+//
+// A checkpoint of step N in its directory is a set of files (docs/checkpoints.md has the full
+// format):
+//   step-0000000N.h5         the checkpoint: every tensor at its full logical shape, as an HDF5
+//                            virtual dataset over the rank files, plus the training state
+//   step-0000000N.rank-R.h5  the contiguous ranges of tensors that rank R held (1-D datasets)
+//
+// Serial HDF5 cannot have several processes write one file, so each rank writes its own file and
+// rank 0 then writes the main file, whose datasets only map onto the rank files. Readers open the
+// main file alone and see whole tensors (h5py, h5dump and this reader alike).
+//
+// Saving is atomic: every file is written under a ".tmp" name, closed and fsynced; after every
+// rank has finished, rank 0 renames the rank files and then the main file, whose last write before
+// closing is its `complete` attribute. Each range carries a checksum, recorded in its rank file
+// and again in the main file, so a reader can prove that the data behind every virtual dataset is
+// the data that was saved.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardtrain/amp/grad_scaler.h"
+#include "shardtrain/data/sampler.h"
+#include "shardtrain/dist/process_group.h"
+#include "shardtrain/tensor/tensor.h"
+
+namespace shardtrain::io {
+
+// A contiguous part of a tensor held by this rank: the elements [begin, begin + data.numel())
+// of the row-major flattened tensor `name` whose full shape is `shape`. A process that holds
+// whole tensors gives begin 0 and the tensor itself.
+struct TensorRange {
+  std::string name;  // path in the checkpoint: "model/<param>", "optim/exp_avg/<param>", ...
+  Shape shape;       // the full tensor's shape (at least one dimension)
+  int64_t begin = 0;
+  Tensor data;  // fp32 (converted otherwise), any shape and device; numel() is the length
+};
+
+// A random generator's state (see Generator): the two integers that fix its future draws.
+struct GeneratorState {
+  std::string name;  // e.g. "model.layers.0.self_attn.q_proj.lora_dropout"
+  uint64_t seed = 0;
+  uint64_t offset = 0;
+  bool operator==(const GeneratorState&) const = default;
+};
+
+// Everything a checkpoint holds besides the tensors.
+struct TrainingState {
+  int64_t step = 0;       // optimizer steps completed; training continues with step + 1 (1-based)
+  std::string optimizer;  // "adamw" | "sgd"
+  int64_t optimizer_steps = 0;  // the optimizer's own count (bias correction)
+  double lr = 0;                // learning rate of the last step taken
+  bool scaler_enabled = false;
+  amp::GradScalerState scaler;
+  SamplerState sampler;           // the training sampler, positioned at the next batch
+  uint64_t init_seed = 0;         // the model initialisation generator's seed (train.seed)
+  std::string config_yaml;        // the resolved configuration of the run that saved
+  std::string sharding = "none";  // dist.sharding of the saving job, "none" for one rank
+  // The flat-parameter layout of every sharded unit (JSON: names, shapes, offsets, padding,
+  // shards); empty when not sharded. Informational: loading goes by tensor name.
+  std::string layout_json;
+  // Filled by save_checkpoint / read from the file: the job size and every rank's generators
+  // (rng[r] = rank r's, in the same order on every rank).
+  int64_t world_size = 1;
+  std::vector<std::vector<GeneratorState>> rng;
+};
+
+// One save, as seen from one rank.
+struct SaveRequest {
+  std::string dir;
+  TrainingState state;  // rank 0's is written; every rank must give the same step
+  std::vector<GeneratorState> generators;  // this rank's
+  std::vector<TensorRange> ranges;         // this rank's
+  // False on ranks whose ranges another rank already writes (replicas of a shard: no_shard,
+  // hybrid_shard): they write no rank file.
+  bool writes_ranges = true;
+};
+
+// "step-00000040.h5" and "step-00000040.rank-3.h5" (at least 8 digits).
+std::string checkpoint_file_name(int64_t step);
+std::string rank_file_name(int64_t step, int rank);
+
+// Saves a checkpoint: collective over `group` (every rank calls it with the same step). Creates
+// `dir` when missing and returns the main file's path. A failure on any rank throws on every rank
+// (Error naming the file and the rank) and leaves no file under a checkpoint's final name.
+std::string save_checkpoint(dist::ProcessGroup& group, const SaveRequest& request);
+
+// Checks that the checkpoint at `path` is whole: the main file opens and is `complete`, every rank
+// file it maps onto exists and is complete, and the data of every range hashes to the checksum
+// the main file recorded. Collective over `group` (the hashing is split over its ranks). Returns
+// "" when it is intact, else a message naming the file and what is wrong, the same on every rank.
+std::string verify_checkpoint(dist::ProcessGroup& group, const std::string& path);
+
+struct CheckpointEntry {
+  int64_t step = 0;
+  std::string path;  // main file
+};
+// The main files in `dir` by name (complete or not; temporary files excluded), newest first.
+// A missing directory gives an empty list.
+std::vector<CheckpointEntry> list_checkpoints(const std::string& dir);
+// Keeps the `keep_last` newest complete checkpoints of `dir` (0 keeps everything) and deletes
+// every file of older checkpoints, complete or not, and leftovers of interrupted saves older than
+// the newest complete checkpoint. Not collective: one rank calls it.
+void prune_checkpoints(const std::string& dir, int64_t keep_last);
+
+// Reads a checkpoint's main file (tensors through its virtual datasets).
+class CheckpointReader {
+ public:
+  // Throws FormatError naming the file when it is not an HDF5 file, cannot be opened (e.g.
+  // truncated), is not a shardtrain checkpoint or lacks its `complete` attribute.
+  explicit CheckpointReader(const std::string& path);
+  ~CheckpointReader();
+  CheckpointReader(const CheckpointReader&) = delete;
+  CheckpointReader& operator=(const CheckpointReader&) = delete;
+
+  const std::string& path() const { return path_; }
+  const TrainingState& state() const { return state_; }
+  // Tensor paths ("model/<param>", "optim/<kind>/<param>"), sorted.
+  const std::vector<std::string>& tensor_names() const { return names_; }
+  bool has(const std::string& name) const;
+  // Throws FormatError naming the file when the tensor is missing.
+  Shape shape(const std::string& name) const;
+  // The whole tensor, fp32 on the CPU device.
+  Tensor read(const std::string& name) const;
+  // Elements [begin, begin + out.numel()) of the flattened tensor into `out` (any float dtype,
+  // any device). Throws ShapeError when the range exceeds the tensor.
+  void read_range(const std::string& name, int64_t begin, Tensor& out) const;
+
+ private:
+  struct File;
+  std::string path_;
+  std::unique_ptr<File> file_;
+  TrainingState state_;
+  std::vector<std::string> names_;
+};
+
+}  // namespace shardtrain::io

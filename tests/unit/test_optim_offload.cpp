@@ -1,0 +1,468 @@
+// The CPU AdamW kernels and the offloaded optimizer: bitwise equality with the on-device AdamW,
+// exact memory accounting on the device and in the host pool, and the training step through
+// Runtime with optim.offload=cpu.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "shardtrain/autograd/node.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/data/batch.h"
+#include "shardtrain/io/safetensors.h"
+#include "shardtrain/optim/cpu_adam.h"
+#include "shardtrain/optim/offload.h"
+#include "shardtrain/train/runtime.h"
+
+namespace shardtrain {
+namespace {
+
+using optim::CpuAdamKernel;
+
+const std::string kGolden = std::string(SHARDTRAIN_TEST_DATA) + "/golden/llama-tiny-gqa";
+
+int64_t rounded(int64_t bytes) {
+  return (bytes + 63) / 64 * 64;
+}  // the allocators' granularity
+
+// Bit patterns, so that -0.0 vs 0.0 and NaN payloads count as differences.
+std::vector<uint32_t> bits_of(const Tensor& t) {
+  std::vector<float> f = t.to_float_vector();
+  std::vector<uint32_t> out(f.size());
+  std::memcpy(out.data(), f.data(), f.size() * 4);
+  return out;
+}
+
+std::vector<uint32_t> bits_of(const std::vector<float>& f) {
+  std::vector<uint32_t> out(f.size());
+  std::memcpy(out.data(), f.data(), f.size() * 4);
+  return out;
+}
+
+std::vector<float> random_floats(int64_t n, uint64_t seed, float scale) {
+  Generator gen(seed);
+  std::vector<float> out(static_cast<size_t>(n));
+  gen.normal(out.data(), n);
+  for (float& x : out) x *= scale;
+  return out;
+}
+
+std::vector<float> random_second_moments(int64_t n, uint64_t seed) {
+  std::vector<float> out = random_floats(n, seed, 1e-3f);
+  for (float& x : out) x = x * x;  // non-negative, spread over many exponents
+  return out;
+}
+
+const CpuAdamKernel kKernels[] = {CpuAdamKernel::Scalar, CpuAdamKernel::Avx2,
+                                  CpuAdamKernel::Avx512};
+
+void skip_unless_supported(CpuAdamKernel k) {
+  if (!optim::cpu_adam_kernel_supported(k))
+    GTEST_SKIP() << "this CPU lacks the instructions of the '" << optim::cpu_adam_kernel_name(k)
+                 << "' kernel";
+}
+
+// ---- the CPU AdamW kernels ---------------------------------------------------------------------
+
+// Lengths around every vector width and block boundary, and long enough to run multi-threaded.
+const int64_t kLengths[] = {1, 7, 8, 9, 15, 16, 17, 31, 4095, 4096, 4097, 70001};
+
+class CpuAdamKernelTest : public ::testing::TestWithParam<CpuAdamKernel> {};
+
+TEST_P(CpuAdamKernelTest, BitwiseEqualToTheCpuBackendOnRandomData) {
+  skip_unless_supported(GetParam());
+  Backend& cpu = backend_for(Device::cpu());
+  for (DType grad_dtype : {DType::F32, DType::BF16}) {
+    for (int64_t n : kLengths) {
+      for (int threads : {1, 2}) {
+        SCOPED_TRACE("n=" + std::to_string(n) + " threads=" + std::to_string(threads) + " grad " +
+                     std::string(dtype_name(grad_dtype)));
+        std::vector<float> p0 = random_floats(n, 1, 1.0f), g0 = random_floats(n, 2, 1e-2f);
+        std::vector<float> m0 = random_floats(n, 3, 1e-3f), v0 = random_second_moments(n, 4);
+        // The reference: the CPU backend's kernel on tensors.
+        Tensor p = from_floats(p0, {n}), m = from_floats(m0, {n}), v = from_floats(v0, {n});
+        Tensor g = from_floats(g0, {n}, grad_dtype);
+        std::vector<float> p1 = p0, m1 = m0, v1 = v0;
+        for (int64_t step = 1; step <= 3; ++step) {
+          Backend::AdamWArgs args{1e-3f, 0.9f, 0.95f, 1e-8f, step == 2 ? 0.0f : 0.1f, step};
+          cpu.adamw(p, g, m, v, args);
+          optim::cpu_adamw(p1.data(), g.data_ptr(), grad_dtype, m1.data(), v1.data(), n, args,
+                           {GetParam(), threads});
+        }
+        ASSERT_EQ(bits_of(p1), bits_of(p));
+        ASSERT_EQ(bits_of(m1), bits_of(m));
+        ASSERT_EQ(bits_of(v1), bits_of(v));
+        ASSERT_NE(bits_of(p1), bits_of(p0)) << "the step changed nothing";
+      }
+    }
+  }
+}
+
+TEST_P(CpuAdamKernelTest, FirstStepMovesEachWeightByLrTimesTheGradientSign) {
+  skip_unless_supported(GetParam());
+  // Step 1 from zero moments: m/bc1 = g and sqrt(v/bc2) = |g|, so p -= lr * g / (|g| + eps).
+  const int64_t n = 37;
+  std::vector<float> p = random_floats(n, 5, 1.0f), g = random_floats(n, 6, 1.0f);
+  std::vector<float> p0 = p, m(n, 0.0f), v(n, 0.0f);
+  optim::cpu_adamw(p.data(), g.data(), DType::F32, m.data(), v.data(), n,
+                   {0.01f, 0.9f, 0.999f, 1e-8f, 0.0f, 1}, {GetParam(), 1});
+  for (int64_t i = 0; i < n; ++i) {
+    const double want = p0[i] - 0.01 * (g[i] > 0 ? 1.0 : -1.0);
+    EXPECT_NEAR(p[i], want, 1e-6) << i;
+    EXPECT_FLOAT_EQ(m[i], 0.1f * g[i]) << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, CpuAdamKernelTest, ::testing::ValuesIn(kKernels),
+                         [](const auto& info) {
+                           return std::string(optim::cpu_adam_kernel_name(info.param));
+                         });
+
+TEST(CpuAdam, EveryKernelGivesTheSameBitsAsEveryOther) {
+  const int64_t n = 12345;  // odd: tails in every kernel
+  std::vector<std::vector<float>> results;
+  for (CpuAdamKernel k : kKernels) {
+    if (!optim::cpu_adam_kernel_supported(k)) continue;
+    std::vector<float> p = random_floats(n, 7, 1.0f), g = random_floats(n, 8, 1.0f);
+    std::vector<float> m = random_floats(n, 9, 0.1f), v = random_second_moments(n, 10);
+    for (int64_t step = 1; step <= 3; ++step)
+      optim::cpu_adamw(p.data(), g.data(), DType::F32, m.data(), v.data(), n,
+                       {3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step}, {k, 2});
+    p.insert(p.end(), m.begin(), m.end());
+    p.insert(p.end(), v.begin(), v.end());
+    results.push_back(p);
+  }
+  ASSERT_GE(results.size(), 1u);
+  for (size_t i = 1; i < results.size(); ++i) EXPECT_EQ(bits_of(results[i]), bits_of(results[0]));
+}
+
+TEST(CpuAdam, AutoPicksTheWidestSupportedKernelAndRejectsUnsupportedOnes) {
+  CpuAdamKernel best = optim::cpu_adam_best_kernel();
+  EXPECT_TRUE(optim::cpu_adam_kernel_supported(best));
+  EXPECT_TRUE(optim::cpu_adam_kernel_supported(CpuAdamKernel::Scalar));
+  if (optim::cpu_adam_kernel_supported(CpuAdamKernel::Avx512))
+    EXPECT_EQ(best, CpuAdamKernel::Avx512);
+  for (CpuAdamKernel k : kKernels) {
+    if (optim::cpu_adam_kernel_supported(k)) continue;
+    float x = 0;
+    EXPECT_THROW(optim::cpu_adamw(&x, &x, DType::F32, &x, &x, 1,
+                                  {1e-3f, 0.9f, 0.95f, 1e-8f, 0.0f, 1}, {k, 1}),
+                 Error);
+  }
+  float x = 0;
+  EXPECT_THROW(
+      optim::cpu_adamw(&x, &x, DType::I32, &x, &x, 1, {1e-3f, 0.9f, 0.95f, 1e-8f, 0.0f, 1}), Error);
+}
+
+TEST(CpuAdam, Bf16MomentsMatchOnTheFirstStepThenDriftByRoundingOnly) {
+  const int64_t n = 5003;
+  std::vector<float> g = random_floats(n, 11, 1e-2f);
+  std::vector<float> p32 = random_floats(n, 12, 1.0f), p16 = p32;
+  std::vector<float> m32(n, 0.0f), v32(n, 0.0f);
+  std::vector<uint16_t> m16(n, 0), v16(n, 0);
+  Backend::AdamWArgs args{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1};
+  optim::cpu_adamw(p32.data(), g.data(), DType::F32, m32.data(), v32.data(), n, args);
+  optim::cpu_adamw_bf16_moments(p16.data(), g.data(), DType::F32, m16.data(), v16.data(), n, args);
+  // The first update uses the fp32 moments before they are stored: the same weights; the stored
+  // moments are those moments rounded to bf16.
+  EXPECT_EQ(bits_of(p16), bits_of(p32));
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(m16[i], float_to_bf16(m32[i])) << i;
+    ASSERT_EQ(v16[i], float_to_bf16(v32[i])) << i;
+  }
+  // Later steps read rounded moments: not bitwise equal any more, but each weight's update
+  // differs by about bf16's relative precision (2^-8) of the update itself (about lr).
+  std::vector<float> before = p32;
+  args.step = 2;
+  optim::cpu_adamw(p32.data(), g.data(), DType::F32, m32.data(), v32.data(), n, args);
+  optim::cpu_adamw_bf16_moments(p16.data(), g.data(), DType::F32, m16.data(), v16.data(), n, args);
+  int64_t differ = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double update = std::fabs(static_cast<double>(p32[i]) - before[i]);
+    EXPECT_LE(std::fabs(static_cast<double>(p16[i]) - p32[i]), 2e-2 * update + 1e-7) << i;
+    differ += p16[i] != p32[i];
+  }
+  EXPECT_GT(differ, 0) << "the bf16 path should not be bitwise equal after the first step";
+}
+
+// ---- OffloadedAdamW against AdamW
+// ----------------------------------------------------------------
+
+struct ParamSet {
+  std::vector<std::string> names;
+  std::vector<Tensor> tensors;
+  std::vector<optim::NamedParam> named() {
+    std::vector<optim::NamedParam> out;
+    for (size_t i = 0; i < names.size(); ++i) out.push_back({names[i], &tensors[i]});
+    return out;
+  }
+};
+
+// Several shapes, decayed ("proj") and not ("norm", "embed"), identical in both sets.
+ParamSet make_params(Device device, DType dtype = DType::F32) {
+  const std::vector<std::pair<std::string, Shape>> specs = {
+      {"layers.0.q_proj.weight", {33, 17}}, {"layers.0.input_norm.weight", {7}},
+      {"embed_tokens.weight", {5, 1003}},   {"layers.0.down_proj.weight", {4097}},
+      {"layers.0.bias_like", {1}},
+  };
+  ParamSet s;
+  uint64_t seed = 100;
+  CategoryScope scope(MemoryCategory::Parameters);
+  for (auto& [name, shape] : specs) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    s.names.push_back(name);
+    s.tensors.push_back(from_floats(random_floats(n, seed++, 1.0f), shape, dtype, device));
+  }
+  return s;
+}
+
+void set_random_grads(ParamSet& s, uint64_t seed, size_t skip = SIZE_MAX) {
+  CategoryScope scope(MemoryCategory::Gradients);
+  for (size_t i = 0; i < s.tensors.size(); ++i) {
+    Tensor& p = s.tensors[i];
+    if (i == skip) {
+      autograd::set_grad(p, Tensor());
+      continue;
+    }
+    autograd::set_grad(p, from_floats(random_floats(p.numel(), seed * 31 + i, 1e-2f), p.shape(),
+                                      DType::F32, p.device()));
+  }
+}
+
+void expect_bitwise_equal(ParamSet& a, ParamSet& b) {
+  for (size_t i = 0; i < a.tensors.size(); ++i)
+    EXPECT_EQ(bits_of(a.tensors[i]), bits_of(b.tensors[i])) << a.names[i];
+}
+
+class OffloadMatchesAdamW : public ::testing::TestWithParam<bool> {};  // moments on the device
+
+TEST_P(OffloadMatchesAdamW, BitwiseOverThreeStepsWithAndWithoutWeightDecay) {
+  for (bool decay_all : {false, true}) {
+    for (float wd : {0.0f, 0.1f}) {
+      SCOPED_TRACE("decay_all=" + std::to_string(decay_all) + " wd=" + std::to_string(wd));
+      ParamSet ref = make_params(Device::cpu()), off = make_params(Device::cpu());
+      optim::AdamWOptions opts;
+      opts.weight_decay = wd;
+      opts.decay_all = decay_all;
+      optim::OffloadOptions offload;
+      offload.moments_on_device = GetParam();
+      offload.pipeline_chunk_elements = 1000;  // several pieces per large parameter
+      optim::AdamW adamw(ref.named(), opts);
+      optim::OffloadedAdamW offloaded(off.named(), opts, offload);
+      for (int step = 1; step <= 3; ++step) {
+        // Step 2 leaves one parameter without a gradient: it and its moments must not change.
+        const size_t skip = step == 2 ? 2 : SIZE_MAX;
+        set_random_grads(ref, static_cast<uint64_t>(step), skip);
+        set_random_grads(off, static_cast<uint64_t>(step), skip);
+        const float lr = 1e-2f * static_cast<float>(step);
+        adamw.step(lr);
+        offloaded.step(lr);
+        expect_bitwise_equal(ref, off);
+        EXPECT_EQ(offloaded.steps_taken(), step);
+      }
+      auto want = adamw.state(), got = offloaded.state();
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < want.size(); ++i) {
+        EXPECT_EQ(got[i].first, want[i].first);
+        EXPECT_EQ(got[i].second->device(), GetParam() ? Device::cpu() : Device::host());
+        EXPECT_EQ(bits_of(*got[i].second), bits_of(*want[i].second)) << want[i].first;
+      }
+      for (size_t i = 0; i < off.tensors.size(); ++i)  // the master is the parameter, exactly
+        EXPECT_EQ(bits_of(offloaded.master(i)), bits_of(off.tensors[i])) << off.names[i];
+      // Bytes over the link in the last step: 4 per gradient element down, 4 per weight up, and
+      // 8 + 8 more per element when the moments live on the device.
+      int64_t elems = 0;
+      for (const Tensor& t : off.tensors) elems += t.numel();
+      const optim::OffloadStepStats& s = offloaded.last_step_stats();
+      EXPECT_EQ(s.bytes_down, elems * (GetParam() ? 12 : 4));
+      EXPECT_EQ(s.bytes_up, elems * (GetParam() ? 12 : 4));
+      EXPECT_EQ(s.pieces, 1 + 1 + 6 + 5 + 1);  // ceil(numel / 1000) per parameter
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Moments, OffloadMatchesAdamW, ::testing::Values(false, true),
+                         [](const auto& info) {
+                           return std::string(info.param ? "on_device" : "on_host");
+                         });
+
+TEST(OffloadedAdamW, Bf16ParametersGetTheRoundedFp32Master) {
+  ParamSet ref = make_params(Device::cpu());
+  ParamSet off = make_params(Device::cpu(), DType::BF16);
+  // The same starting values: the fp32 reference starts from the bf16 weights.
+  for (size_t i = 0; i < ref.tensors.size(); ++i) ref.tensors[i].copy_from(off.tensors[i]);
+  optim::AdamW adamw(ref.named(), {});
+  optim::OffloadedAdamW offloaded(off.named(), {}, {});
+  for (int step = 1; step <= 2; ++step) {
+    set_random_grads(ref, static_cast<uint64_t>(step));
+    set_random_grads(off, static_cast<uint64_t>(step));
+    adamw.step(1e-2f);
+    offloaded.step(1e-2f);
+  }
+  for (size_t i = 0; i < ref.tensors.size(); ++i) {
+    SCOPED_TRACE(ref.names[i]);
+    EXPECT_EQ(bits_of(offloaded.master(i)), bits_of(ref.tensors[i]));
+    EXPECT_EQ(off.tensors[i].dtype(), DType::BF16);
+    EXPECT_EQ(bits_of(off.tensors[i]), bits_of(ref.tensors[i].to(DType::BF16)));
+  }
+}
+
+TEST(OffloadedAdamW, WeightsWrittenAfterConstructionOrOnReloadAreTheOnesUpdated) {
+  ParamSet ref = make_params(Device::cpu()), off = make_params(Device::cpu());
+  optim::AdamW adamw(ref.named(), {});
+  optim::OffloadedAdamW offloaded(off.named(), {}, {});
+  // A checkpoint loaded into the parameters after the optimizer was created.
+  for (size_t i = 0; i < ref.tensors.size(); ++i) {
+    Tensor loaded =
+        from_floats(random_floats(ref.tensors[i].numel(), 900 + i, 0.5f), ref.tensors[i].shape());
+    ref.tensors[i].copy_from(loaded);
+    off.tensors[i].copy_from(loaded);
+  }
+  set_random_grads(ref, 1);
+  set_random_grads(off, 1);
+  adamw.step(1e-2f);
+  offloaded.step(1e-2f);
+  expect_bitwise_equal(ref, off);
+  // Later writes are seen after reload_params() (and only then: the master is the truth).
+  Backend& cpu = backend_for(Device::cpu());
+  for (size_t i = 0; i < ref.tensors.size(); ++i) {
+    cpu.scale(ref.tensors[i], ref.tensors[i], 0.5f);
+    cpu.scale(off.tensors[i], off.tensors[i], 0.5f);
+  }
+  offloaded.reload_params();
+  set_random_grads(ref, 2);
+  set_random_grads(off, 2);
+  adamw.step(1e-2f);
+  offloaded.step(1e-2f);
+  expect_bitwise_equal(ref, off);
+}
+
+TEST(OffloadedAdamW, RejectsAnEmptyPipelinePiece) {
+  ParamSet off = make_params(Device::cpu());
+  optim::OffloadOptions o;
+  o.pipeline_chunk_elements = 0;
+  EXPECT_THROW(optim::OffloadedAdamW(off.named(), {}, o), ConfigError);
+}
+
+// ---- memory -------------------------------------------------------------------------------------
+
+struct StateBytes {
+  int64_t device, host;
+};
+
+StateBytes optimizer_state_in_use() {
+  return {allocator_for(Device::cpu()).stats().in_use_of(MemoryCategory::OptimizerState),
+          allocator_for(Device::host()).stats().in_use_of(MemoryCategory::OptimizerState)};
+}
+
+TEST(OffloadedAdamW, StateLivesInTheHostPoolTwelveBytesPerElement) {
+  ParamSet off = make_params(Device::cpu());
+  int64_t per_tensor = 0;  // one fp32 tensor per parameter, each rounded to 64 bytes
+  for (const Tensor& t : off.tensors) per_tensor += rounded(4 * t.numel());
+  EXPECT_EQ(per_tensor, rounded(4 * 33 * 17) + rounded(4 * 7) + rounded(4 * 5 * 1003) +
+                            rounded(4 * 4097) + rounded(4));
+
+  const StateBytes before = optimizer_state_in_use();
+  {
+    optim::OffloadOptions o;
+    o.pipeline_chunk_elements = 1000;
+    optim::OffloadedAdamW offloaded(off.named(), {}, o);
+    StateBytes now = optimizer_state_in_use();
+    EXPECT_EQ(now.device - before.device, 0);
+    EXPECT_EQ(now.host - before.host, 3 * per_tensor);  // master, exp_avg, exp_avg_sq
+
+    // A step adds nothing lasting; its staging is three host Workspace slots of one piece.
+    set_random_grads(off, 1);
+    offloaded.step(1e-3f);
+    Allocator& host = allocator_for(Device::host());
+    const int64_t workspace = host.stats().in_use_of(MemoryCategory::Workspace);
+    host.reset_peak();
+    set_random_grads(off, 2);
+    offloaded.step(1e-3f);
+    EXPECT_EQ(host.stats().peak_of(MemoryCategory::Workspace) - workspace, 3 * rounded(4 * 1000));
+    EXPECT_EQ(host.stats().in_use_of(MemoryCategory::Workspace), workspace);
+    now = optimizer_state_in_use();
+    EXPECT_EQ(now.device - before.device, 0);
+    EXPECT_EQ(now.host - before.host, 3 * per_tensor);
+  }
+  EXPECT_EQ(optimizer_state_in_use().host, before.host);  // freed with the optimizer
+
+  {
+    optim::OffloadOptions o;
+    o.moments_on_device = true;
+    optim::OffloadedAdamW offloaded(off.named(), {}, o);
+    StateBytes now = optimizer_state_in_use();
+    EXPECT_EQ(now.device - before.device, 2 * per_tensor);  // the moments
+    EXPECT_EQ(now.host - before.host, per_tensor);          // the master
+  }
+  {
+    // The on-device optimizer for comparison: everything on the device.
+    optim::AdamW adamw(off.named(), {});
+    StateBytes now = optimizer_state_in_use();
+    EXPECT_EQ(now.device - before.device, 2 * per_tensor);
+    EXPECT_EQ(now.host - before.host, 0);
+  }
+}
+
+// ---- through Runtime
+// ------------------------------------------------------------------------------
+
+train::Config golden_config(const std::vector<std::string>& sets) {
+  std::vector<std::string> all = {"train.device=cpu", "model.from_hf=" + kGolden,
+                                  "optim.grad_clip=0", "optim.decay_norms_and_embeddings=true"};
+  all.insert(all.end(), sets.begin(), sets.end());
+  return train::Config::parse("{}", all, "golden");
+}
+
+std::vector<Batch> golden_batch() {
+  io::SafetensorsFile file = io::SafetensorsFile::open(kGolden + "/batch.safetensors");
+  Batch b;
+  b.input_ids = file.load("input_ids", Device::cpu(), DType::I64);
+  b.targets = file.load("targets", Device::cpu(), DType::I64);
+  b.num_target_tokens = count_target_tokens(b.targets);
+  return {b};
+}
+
+TEST(OffloadedAdamW, RuntimeStepsAreBitwiseEqualToTheOnDeviceOptimizer) {
+  train::Runtime on_device(golden_config({}));
+  train::Runtime offloaded(golden_config({"optim.offload=cpu"}));
+  ASSERT_NE(dynamic_cast<optim::OffloadedAdamW*>(&offloaded.optimizer()), nullptr);
+  ASSERT_NE(dynamic_cast<optim::AdamW*>(&on_device.optimizer()), nullptr);
+  EXPECT_EQ(allocator_for(Device::cpu()).stats().in_use_of(MemoryCategory::OptimizerState),
+            [&] {  // only the on-device optimizer's moments are on the device
+              int64_t bytes = 0;
+              for (auto& [name, t] : on_device.optimizer().state()) bytes += rounded(t->nbytes());
+              return bytes;
+            }());
+  const std::vector<Batch> batch = golden_batch();
+  for (int step = 0; step < 2; ++step) {
+    train::StepResult a = on_device.train_step(batch, 1e-2f);
+    train::StepResult b = offloaded.train_step(batch, 1e-2f);
+    EXPECT_EQ(a.loss, b.loss) << "step " << step;
+    auto pa = on_device.model().named_parameters(), pb = offloaded.model().named_parameters();
+    ASSERT_EQ(pa.size(), pb.size());
+    for (size_t i = 0; i < pa.size(); ++i)
+      EXPECT_EQ(bits_of(*pa[i].second), bits_of(*pb[i].second))
+          << "step " << step << " " << pa[i].first;
+    EXPECT_EQ(b.device_memory.peak_of(MemoryCategory::OptimizerState), 0);
+    EXPECT_GT(b.host_memory.peak_of(MemoryCategory::OptimizerState), 0);
+  }
+}
+
+TEST(OffloadedAdamW, RuntimeRejectsOffloadWithSgd) {
+  try {
+    train::Runtime rt(golden_config({"optim.offload=cpu", "optim.name=sgd"}));
+    FAIL() << "expected a ConfigError";
+  } catch (const ConfigError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("optim.offload"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("optim.name"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("sgd"), std::string::npos) << msg;
+  }
+}
+
+}  // namespace
+}  // namespace shardtrain
