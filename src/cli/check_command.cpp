@@ -37,7 +37,7 @@ Command check_command() {
     if (args.has("rtol")) o.rtol = std::stod(args.get("rtol"));
     if (args.has("atol")) o.atol = std::stod(args.get("atol"));
     train::CheckReport report = train::run_check(config, o);
-    std::printf("%s", report.table().c_str());
+    if (report.leader) std::printf("%s", report.table().c_str());
     return report.ok() ? 0 : 1;
   };
   return c;

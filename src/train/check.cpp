@@ -5,6 +5,8 @@
 
 #include "shardtrain/autograd/grad_mode.h"
 #include "shardtrain/autograd/node.h"
+#include "shardtrain/dist/env.h"
+#include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/io/safetensors.h"
 #include "shardtrain/train/runtime.h"
 
@@ -26,8 +28,10 @@ float metadata_float(const std::map<std::string, std::string>& meta, const std::
   }
 }
 
+// `extra_atol` (optional, per element) widens the absolute tolerance element by element.
 TensorError compare(const std::string& name, const std::vector<float>& got,
-                    const std::vector<float>& want, double rtol, double atol, bool normwise) {
+                    const std::vector<float>& want, double rtol, double atol, bool normwise,
+                    const std::vector<double>* extra_atol = nullptr) {
   TensorError e;
   e.name = name;
   e.normwise = normwise;
@@ -48,7 +52,9 @@ TensorError compare(const std::string& name, const std::vector<float>& got,
     if (!std::isfinite(static_cast<double>(got[i]))) diff = INFINITY;
     e.max_abs = std::max(e.max_abs, diff);
     e.max_rel = std::max(e.max_rel, diff / (std::fabs(static_cast<double>(want[i])) + e.tolerance_atol + 1e-30));
-    if (!(diff <= e.tolerance_atol + rtol * std::fabs(static_cast<double>(want[i])))) e.ok = false;
+    double allowed = e.tolerance_atol + rtol * std::fabs(static_cast<double>(want[i]));
+    if (extra_atol) allowed += (*extra_atol)[i];
+    if (!(diff <= allowed)) e.ok = false;
     err_sq += diff * diff;
   }
   e.rel_l2 = sq > 0 ? std::sqrt(err_sq / sq) : std::sqrt(err_sq);
@@ -97,6 +103,7 @@ CheckReport run_check(Config config, const CheckOptions& options) {
   config.optim.decay_norms_and_embeddings = true;  // the reference decays every weight
   config.optim.grad_clip = 0;
   float lr = metadata_float(meta, "lr", ef);
+  double eps = config.optim.eps;
 
   const std::string& compute = config.precision.effective_param_dtype();
   bool half = compute != "fp32";
@@ -111,49 +118,99 @@ CheckReport run_check(Config config, const CheckOptions& options) {
               full.targets.describe(), " must both be [batch, seq]");
   full.num_target_tokens = count_target_tokens(full.targets);
   int64_t b = full.batch_size();
-  int64_t micro = std::min<int64_t>(config.train.micro_batch, b);
-  ST_CHECK_AS(ConfigError, micro > 0 && b % micro == 0, "train.micro_batch ", micro,
-              " must divide the reference batch of ", b, " sequences");
 
   Runtime rt(config);
+  const int rank = rt.dist().rank(), world = rt.dist().world_size();
+  // Under mpirun every rank takes an equal share of the sequences; ranks past the end get
+  // padding sequences whose targets are all ignored (they still run every collective).
+  int64_t per_rank = (b + world - 1) / world;
+  int64_t micro = std::min<int64_t>(config.train.micro_batch, per_rank);
+  ST_CHECK_AS(ConfigError, micro > 0 && per_rank % micro == 0, "train.micro_batch ", micro,
+              " must divide the ", per_rank, " reference sequences each of the ", world,
+              " ranks gets");
+  Batch mine;
+  {
+    std::vector<int64_t> ids = full.input_ids.to_int_vector(), tgt = full.targets.to_int_vector();
+    int64_t s = full.seq_len();
+    std::vector<int64_t> my_ids(static_cast<size_t>(per_rank * s), 0),
+        my_tgt(static_cast<size_t>(per_rank * s), -100);
+    for (int64_t i = 0; i < per_rank; ++i) {
+      int64_t row = rank * per_rank + i;
+      if (row >= b) break;
+      std::copy_n(ids.begin() + row * s, s, my_ids.begin() + i * s);
+      std::copy_n(tgt.begin() + row * s, s, my_tgt.begin() + i * s);
+    }
+    mine.input_ids = from_ints(my_ids, {per_rank, s});
+    mine.targets = from_ints(my_tgt, {per_rank, s});
+    mine.num_target_tokens = count_target_tokens(mine.targets);
+  }
+
   CheckReport report;
   auto want = [&](const std::string& name) { return expected.load(name).to_float_vector(); };
+  // Every parameter's full value (or gradient), gathered unit by unit when sharded.
+  auto for_each_full = [&](bool gradients, const std::function<void(const std::string&, const Tensor&)>& fn) {
+    if (fsdp::ShardedModel* sharded = rt.sharded()) {
+      if (gradients) sharded->for_each_full_gradient(fn);
+      else sharded->for_each_full_parameter(fn);
+      return;
+    }
+    for (auto& [name, slot] : rt.model().named_parameters()) {
+      if (!gradients) {
+        fn(name, *slot);
+        continue;
+      }
+      Tensor g = autograd::grad(*slot);
+      ST_CHECK(g.defined(), "parameter '", name, "' received no gradient");
+      fn(name, g);
+    }
+  };
 
-  // Logits without a graph (the same parameters, so the same numbers as the training forward).
+  // Logits without a graph (the same parameters, so the same numbers as the training forward);
+  // every rank runs the whole reference batch so that sharded gathers line up.
   if (expected.contains("logits")) {
     autograd::NoGrad ng;
     Tensor logits = rt.model().forward(full.input_ids.to(rt.device()));
     report.tensors.push_back(compare("logits", logits.to_float_vector(), want("logits"), rtol,
                                      options.atol, half));
   }
-  std::vector<Batch> micro_batches = split_batch(full, b / micro);
+  std::vector<Batch> micro_batches = split_batch(mine, per_rank / micro);
   rt.optimizer().zero_grad();
   Runtime::Gradients grads = rt.forward_backward(micro_batches);
   ST_CHECK(!grads.found_inf, "the gradients overflowed at loss scale ", rt.scaler().scale(),
            "; lower precision.init_scale");
-  double loss = grads.loss;
   if (expected.contains("loss"))
-    report.tensors.push_back(compare("loss", {static_cast<float>(loss)}, want("loss"), rtol,
+    report.tensors.push_back(compare("loss", {static_cast<float>(grads.loss)}, want("loss"), rtol,
                                      options.atol, half));
-  for (auto& [name, slot] : rt.model().named_parameters()) {
+  for_each_full(true, [&](const std::string& name, const Tensor& g) {
     std::string key = "grad." + name;
-    if (!expected.contains(key)) continue;
-    Tensor g = autograd::grad(*slot);
-    ST_CHECK(g.defined(), "parameter '", name, "' received no gradient");
+    if (!expected.contains(key)) return;
     report.tensors.push_back(
         compare(key, g.to_float_vector(), want(key), rtol, options.atol, half));
-  }
+  });
   rt.optimizer().step(lr);
-  for (auto& [name, slot] : rt.model().named_parameters()) {
+  for_each_full(false, [&](const std::string& name, const Tensor& p) {
     std::string key = "step1." + name;
-    if (!expected.contains(key)) continue;
-    // AdamW's first step moves each weight by about lr * sign(g); in half precision a gradient
-    // whose sign is decided by rounding can move it the other way, hence an absolute tolerance.
-    // Judged elementwise with atol 2.5 lr, and no relative part beyond fp32's.
+    if (!expected.contains(key)) return;
+    // AdamW's first step moves each weight by lr * g / (|g| + eps): a gradient error d allowed
+    // above moves it by up to lr * d / (|g| + eps), which is large where the reference gradient
+    // is tiny (its sign is then decided by rounding). That bound, capped at 2 lr, is added per
+    // element. In half precision rounding decides many signs: atol 2.5 lr throughout.
     double atol = half ? 2.5 * lr : options.atol;
-    report.tensors.push_back(
-        compare(key, slot->to_float_vector(), want(key), half ? 1e-4 : rtol, atol, false));
-  }
+    std::vector<double> slack;
+    if (!half && expected.contains("grad." + name)) {
+      std::vector<float> g = want("grad." + name);
+      double sq = 0;
+      for (float v : g) sq += static_cast<double>(v) * v;
+      double grad_atol = (options.atol >= 0 ? options.atol : rtol * std::sqrt(sq / static_cast<double>(g.size())));
+      slack.resize(g.size());
+      for (size_t i = 0; i < g.size(); ++i)
+        slack[i] = lr * std::min(2.0, grad_atol / (std::fabs(static_cast<double>(g[i])) + eps));
+    }
+    report.tensors.push_back(compare(key, p.to_float_vector(), want(key), half ? 1e-4 : rtol,
+                                     atol, false, slack.empty() ? nullptr : &slack));
+  });
+  report.world_size = world;
+  report.leader = rank == 0;
   return report;
 }
 

@@ -181,6 +181,7 @@ MemoryModelInput MemoryModelInput::from_config(const Config& config, int world_s
   in.lora_r = config.lora.r;
   in.lora_targets = config.lora.target_modules;
   in.quantize_base = config.lora.quantize_base;
+  in.lora_dropout = config.lora.dropout;
   return in;
 }
 
@@ -202,9 +203,11 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   const int64_t pe =
       dtype_bytes(in.param_dtype.empty() ? in.compute : in.param_dtype, "precision.param_dtype");
   const int64_t rb = dtype_bytes(in.reduce_dtype, "precision.reduce_dtype");
-  // Frozen floating weights of a LoRA model are kept in the compute dtype (fp32 when training
-  // in fp32).
-  const ModelBytes mb = model_bytes(in, pe, e);
+  // Frozen floating weights of a LoRA model are stored in bf16 when the parameter dtype is bf16,
+  // else in fp32 (nn::LoraOptions::frozen_dtype as the runtime sets it).
+  const std::string param_name = in.param_dtype.empty() ? in.compute : in.param_dtype;
+  const int64_t frozen_bytes = dtype_from_name(param_name) == DType::BF16 ? 2 : 4;
+  const ModelBytes mb = model_bytes(in, pe, frozen_bytes);
   const int64_t L = c.num_layers, V = c.vocab_size, H = c.hidden_size;
   const int64_t T = in.micro_batch * in.seq_len;
 
@@ -229,10 +232,15 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   p.gradient_bytes = p.master_bytes;
   int64_t state_tensors = in.optimizer == "adamw" ? 2 : (in.momentum > 0 ? 1 : 0);
   int64_t optimizer_total = state_tensors * p.master_bytes;
-  if (in.optimizer_offload == "cpu" && in.offload_moments == "host") {
-    p.host_optimizer_bytes = optimizer_total;
-  } else {
-    p.optimizer_bytes = optimizer_total;
+  // Optimizer offload (ZeRO-Offload): the host pool holds an fp32 master copy and, unless
+  // optim.offload_moments=device, the moments; the device keeps the weights and gradients.
+  p.optimizer_bytes = optimizer_total;
+  if (in.optimizer_offload == "cpu") {
+    p.host_optimizer_bytes = p.master_bytes;
+    if (in.offload_moments == "host") {
+      p.host_optimizer_bytes += optimizer_total;
+      p.optimizer_bytes = 0;
+    }
   }
   const int64_t persistent = p.master_bytes + p.frozen_bytes + p.optimizer_bytes;
 
@@ -257,9 +265,49 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
                                                   c.num_kv_heads, c.intermediate_size, e,
                                                   shape.attention_impl, in.offload_min_bytes);
   };
-  const int64_t saved = per_layer("none");   // everything one layer's ops save
-  const int64_t kept = per_layer(strategy);  // what the strategy keeps of it on the device
-  const int64_t inputs = 2 * r64(8 * T);     // ids and targets
+  // LoRA changes what a layer saves (nn/lora.h): each adapter keeps its rank-r intermediate and,
+  // with dropout, its own dropped-out input and an fp32 mask, while an NF4 base saves no input;
+  // an NF4 weight is dequantized into a dense transient in forward and again in backward.
+  int64_t lora_delta = 0, dequantized = 0;
+  if (in.lora) {
+    auto targeted = [&](const std::string& m) {
+      return std::find(in.lora_targets.begin(), in.lora_targets.end(), m) != in.lora_targets.end();
+    };
+    struct Group {
+      std::vector<std::string> modules;
+      int64_t input_bytes, in_features, out_features;
+    };
+    const int64_t kv = c.num_kv_heads * c.head_dim(), I = c.intermediate_size;
+    const std::vector<Group> groups = {{{"q_proj", "k_proj", "v_proj"}, a.X, H, H},
+                                       {{"o_proj"}, a.X, H, H},
+                                       {{"gate_proj", "up_proj"}, a.X, H, I},
+                                       {{"down_proj"}, a.M, I, H}};
+    const bool dropout = in.lora_dropout > 0, nf4 = in.quantize_base == "nf4";
+    for (const Group& g : groups) {
+      int64_t n = 0;
+      for (const std::string& m : g.modules) n += targeted(m) ? 1 : 0;
+      lora_delta += n * r64(T * in.lora_r * e);
+      if (dropout) lora_delta += n * (r64(4 * T * g.in_features) + r64(e * T * g.in_features));
+      if (dropout && nf4 && n == static_cast<int64_t>(g.modules.size()))
+        lora_delta -= g.input_bytes;  // no op keeps the group's shared input any more
+      if (nf4 && n > 0)
+        dequantized = std::max(dequantized, r64(e * g.in_features * g.out_features));
+    }
+    if (nf4 && targeted("k_proj")) dequantized = std::max(dequantized, r64(e * H * kv));
+  }
+  const int64_t saved = per_layer("none") + lora_delta;  // everything one layer's ops save
+  // What the strategy keeps of it on the device.
+  const int64_t kept =
+      per_layer(strategy) + (strategy == "none" || strategy == "selective" ? lora_delta : 0);
+  // The activation estimate's totals, with the LoRA change of every layer that keeps its saves.
+  int64_t after_forward = act.after_forward, forward_peak = act.forward_peak + dequantized;
+  if (strategy == "none" || strategy == "selective") {
+    after_forward += L * lora_delta;
+    forward_peak += L * lora_delta;
+  } else if (strategy == "offload") {
+    p.host_activation_bytes += L * lora_delta;
+  }
+  const int64_t inputs = 2 * r64(8 * T);  // ids and targets
   const int64_t logits = r64(T * V * e);
   // Layer starts of the segments sqrt_segment keeps the input of.
   std::vector<std::pair<int, int>> segments;
@@ -295,7 +343,7 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   std::vector<Moment> moments;
   {
     Moment m{"end of forward"};
-    m.activations = act.forward_peak;
+    m.activations = forward_peak;
     m.gradients = acc_grads;
     int64_t layers_alive = all_gathered || (mixed && keeps_layers) ? L : in_flight_units;
     m.copies = root_copy + layers_alive * unit_copy;
@@ -306,7 +354,7 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
       (all_gathered || (mixed && keeps_layers) ? L * unit_copy : 0);
   {
     Moment m{"loss gradient"};
-    m.activations = act.after_forward;
+    m.activations = after_forward;
     m.workspace = logits;  // d(loss)/d(logits), same shape and dtype as the logits
     m.gradients = acc_grads;
     m.copies = copies_after_forward;
@@ -314,7 +362,7 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   }
   {
     Moment m{"backward of the output projection"};
-    m.activations = act.after_forward - logits;
+    m.activations = after_forward - logits;
     // The incoming gradient, d(input) and d(weight) (in the compute dtype, then its fp32 cast).
     m.workspace = logits + r64(T * H * e) + (mb.head_grad > 0 ? r64(e * V * H) : 0) +
                   (e != 4 && mb.head_grad > 0 ? mb.head_grad : 0);
@@ -329,7 +377,8 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   // flight, and the head's gradient waits (in the compute dtype) for the root unit's reduction
   // after the embedding's backward.
   const int64_t layer_ops =
-      std::max(2 * a.M + a.X, a.plain ? a.P + 2 * a.X + 2 * a.KV : 3 * a.X + 2 * a.KV);
+      std::max(2 * a.M + a.X, a.plain ? a.P + 2 * a.X + 2 * a.KV : 3 * a.X + 2 * a.KV) +
+      dequantized;
   auto layer_transient = [&](int64_t i) {
     if (!fsdp) return layer_ops;
     int64_t previous = i < L - 1 ? in_flight_reduce : 0;
@@ -434,8 +483,9 @@ StepCost predict_step_cost(const MemoryModelInput& in) {
   const int64_t micro = in.micro_batches_per_step;
   cost.pcie_bytes = 2 * p.host_activation_bytes * micro;
   if (in.optimizer_offload == "cpu") {
-    // Gradients and master weights go to the host, updated master weights come back.
-    cost.pcie_bytes += 3 * p.master_bytes;
+    // Gradients go down, updated weights come back; moments kept on the device make the trip too.
+    cost.pcie_bytes +=
+        2 * p.master_bytes + (in.offload_moments == "host" ? 0 : 2 * p.optimizer_bytes);
   }
   const int64_t trainable = p.trainable_parameters;
   const int64_t pe = static_cast<int64_t>(

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -16,6 +17,7 @@
 #include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/io/hf_model.h"
 #include "shardtrain/io/peft.h"
+#include "shardtrain/train/checkpointing.h"
 #include "shardtrain/train/progress.h"
 #include "shardtrain/train/runtime.h"
 
@@ -65,6 +67,8 @@ optim::LrSchedule schedule_from(const Config& c) {
 TrainSummary run_training(const Config& config) {
   const TrainConfig& t = config.train;
   TrainSummary summary;
+  // From here on SIGTERM/SIGUSR1 end the run after the current step, with a checkpoint.
+  StopSignalHandlers stop_signals;
   // Under mpirun every rank runs this function on its share of each global batch; rank 0 alone
   // writes files and prints progress.
   const int world = dist::job_world_size();
@@ -111,7 +115,6 @@ TrainSummary run_training(const Config& config) {
 
   summary.metrics_path = t.out_dir + "/metrics.jsonl";
   std::ofstream metrics;
-  if (leader) metrics.open(summary.metrics_path);
   metrics.precision(17);
   Progress progress(leader ? t.progress : "none", t.steps, "train");
   // Sharded parameter slots are empty outside a forward: count from the configuration.
@@ -125,6 +128,15 @@ TrainSummary run_training(const Config& config) {
                    std::to_string(accumulation) + " micro-batches), data " + data.source() +
                    " (" + std::to_string(data.size()) + " tokens)");
 
+  Checkpointing checkpoints(config, rt,
+                            [&progress](const std::string& line) { progress.message(line); });
+  int64_t first_step = 0;
+  if (std::optional<ResumePoint> resumed = checkpoints.resume()) {
+    first_step = resumed->step;
+    train_sampler.restore(resumed->sampler);
+  }
+  if (leader) open_metrics(metrics, summary.metrics_path, first_step);
+
   auto run_eval = [&](int64_t step) {
     double loss = rt.eval_loss(eval_set);
     summary.final_eval_loss = loss;
@@ -137,7 +149,7 @@ TrainSummary run_training(const Config& config) {
   };
 
   double total_tokens = 0, total_seconds = 0;
-  for (int64_t step = 0; step < t.steps; ++step) {
+  for (int64_t step = first_step; step < t.steps; ++step) {
     Batch batch = train_sampler.next_batch(global_batch);
     std::vector<Batch> all = split_batch(batch, accumulation * world);
     std::vector<Batch> micro(all.begin() + rank * accumulation,
@@ -148,7 +160,7 @@ TrainSummary run_training(const Config& config) {
     double tokens = static_cast<double>(batch.input_ids.numel());
     total_tokens += tokens;
     total_seconds += seconds;
-    if (step == 0) summary.first_loss = r.loss;
+    if (step == first_step) summary.first_loss = r.loss;
     summary.final_loss = r.loss;
     ST_CHECK(std::isfinite(r.loss) || r.skipped, "the loss became ", r.loss, " at step ", step,
              ": lower optim.lr, enable optim.grad_clip, or use fp32/bf16 instead of fp16");
@@ -172,8 +184,18 @@ TrainSummary run_training(const Config& config) {
       progress.update(step + 1, text);
     }
     if (t.eval_every > 0 && (step + 1) % t.eval_every == 0) run_eval(step + 1);
+    if (checkpoints.after_step(step + 1, train_sampler.state(), r.lr)) {
+      // A stop request: the checkpoint is written; skip the final evaluation and export.
+      progress.finish();
+      summary.steps = step + 1;
+      summary.stopped_early = true;
+      summary.last_checkpoint = checkpoints.last_saved();
+      summary.tokens_per_second = total_seconds > 0 ? total_tokens / total_seconds : 0;
+      return summary;
+    }
   }
   progress.finish();
+  summary.last_checkpoint = checkpoints.last_saved();
   if (!eval_set.empty() && (t.eval_every == 0 || t.steps % t.eval_every != 0)) run_eval(t.steps);
   summary.steps = t.steps;
   summary.tokens_per_second = total_seconds > 0 ? total_tokens / total_seconds : 0;

@@ -141,6 +141,24 @@ TEST(Plan, Llama125mShapeWithAShortSequenceMatchesTheRuntime) {
               1e-4 * 16.0 * static_cast<double>(fp32.predicted.trainable_parameters));
 }
 
+TEST(Plan, QloraTinyRowsMatchTheRuntime) {
+  // NF4 bases, rank-8 adapters with dropout (each adapter keeps its own input and mask).
+  train::Config c =
+      train::load_config(kConfigs + "qlora-tiny.yaml", {"train.device=cpu", "train.micro_batch=4"});
+  train::Plan plan = train::make_plan(c, 80 * kGiB, 1);
+  EXPECT_LT(plan.rows[0].predicted.trainable_parameters,
+            plan.rows[0].predicted.total_parameters / 10);
+  train::measure_plan(plan, 0, 1);
+  ASSERT_TRUE(plan.rows[0].measured) << plan.rows[0].measure_note;
+  int measured = 0;
+  for (const train::RecipeRow& r : plan.rows) {
+    if (!r.measured) continue;
+    ++measured;
+    expect_within(r.predicted.peak, r.measured_peak, 0.10, "qlora-tiny " + r.name);
+  }
+  EXPECT_GE(measured, 4) << plan.table();
+}
+
 // ---- ZeRO accounting on the 8B shape --------------------------------------------------------
 
 TEST(Plan, Llama8bModelStatesFollowZeroBytesPerParameter) {
@@ -173,10 +191,12 @@ TEST(Plan, Llama8bModelStatesFollowZeroBytesPerParameter) {
   // Plain data parallelism (no_shard): every rank holds all 16.
   train::MemoryPrediction dp8 = predict(8, "no_shard", "none");
   EXPECT_EQ(dp8.model_state_bytes(), one.model_state_bytes());
-  // Optimizer offload: the 8 bytes of moments move to the host.
+  // Optimizer offload (ZeRO-Offload): the moments move to the host beside an fp32 master copy
+  // (12 bytes per parameter there); the device keeps 4 + 4.
   train::MemoryPrediction off1 = predict(1, "full_shard", "cpu");
   EXPECT_EQ(off1.optimizer_bytes, 0);
-  EXPECT_EQ(off1.host_optimizer_bytes, one.optimizer_bytes);
+  EXPECT_EQ(off1.host_optimizer_bytes, one.optimizer_bytes + one.master_bytes);
+  EXPECT_NEAR(static_cast<double>(off1.model_state_bytes()), 8.0 * P, 1e-6 * 8.0 * P);
 }
 
 TEST(Plan, Llama8bOn80GiBNeedsOffloadOnOneGpuAndFullShardOnEight) {

@@ -31,6 +31,8 @@ struct TensorError {
 
 struct CheckReport {
   std::vector<TensorError> tensors;
+  int world_size = 1;
+  bool leader = true;  // rank 0: the one that prints
   bool ok() const;
   std::string table() const;  // one row per tensor, then a verdict line
 };

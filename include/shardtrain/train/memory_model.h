@@ -47,6 +47,7 @@ struct MemoryModelInput {
   // QLoRA: adapters of rank lora_r on lora_targets; the frozen base NF4 or plain.
   bool lora = false;
   int64_t lora_r = 16;
+  double lora_dropout = 0;  // > 0: every adapter keeps its own dropped-out input and mask
   std::vector<std::string> lora_targets;
   std::string quantize_base = "nf4";
 
@@ -76,7 +77,8 @@ struct MemoryPrediction {
   int64_t workspace_bytes = 0;
 
   int64_t host_activation_bytes = 0;  // offloaded activations when forward returns
-  int64_t host_optimizer_bytes = 0;   // optimizer state moved to host memory
+  // Optimizer offload: the fp32 master copy and (optim.offload_moments=host) the moments.
+  int64_t host_optimizer_bytes = 0;
   int64_t host_bytes() const { return host_activation_bytes + host_optimizer_bytes; }
 
   int64_t total_parameters = 0;      // elements of the model

@@ -1,0 +1,388 @@
+// Checkpointing of a training run: Runtime state to and from io checkpoints, save scheduling,
+// resume selection and stop signals (see include/shardtrain/train/checkpointing.h).
+#include "shardtrain/train/checkpointing.h"
+
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "shardtrain/autograd/grad_mode.h"
+#include "shardtrain/dist/env.h"
+#include "shardtrain/fsdp/fsdp.h"
+#include "shardtrain/nn/lora.h"
+#include "shardtrain/train/runtime.h"
+
+namespace shardtrain::train {
+
+using detail::concat;
+namespace fs = std::filesystem;
+
+// ---- stop requests ----------------------------------------------------------------------------
+
+namespace {
+
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+extern "C" void record_stop_signal(int signal) {
+  g_stop_signal = signal;
+}
+
+const char* signal_name(int signal) {
+  switch (signal) {
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGUSR1:
+      return "SIGUSR1";
+    case SIGINT:
+      return "SIGINT";
+    default:
+      return "a stop request";
+  }
+}
+
+}  // namespace
+
+StopSignalHandlers::StopSignalHandlers() {
+  clear_stop_request();
+  struct sigaction action {};
+  action.sa_handler = record_stop_signal;
+  sigemptyset(&action.sa_mask);
+  // Interrupted system calls (MPI, file writes) resume: the flag is all the handler changes.
+  action.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &action, &previous_term_);
+  sigaction(SIGUSR1, &action, &previous_usr1_);
+}
+
+StopSignalHandlers::~StopSignalHandlers() {
+  sigaction(SIGTERM, &previous_term_, nullptr);
+  sigaction(SIGUSR1, &previous_usr1_, nullptr);
+}
+
+int stop_signal() {
+  return g_stop_signal;
+}
+
+void request_stop(int signal) {
+  g_stop_signal = signal;
+}
+
+void clear_stop_request() {
+  g_stop_signal = 0;
+}
+
+// ---- checkpoint <-> runtime -------------------------------------------------------------------
+
+namespace {
+
+// One trainable parameter as this rank holds it: elements [begin, begin + param->numel()) of the
+// flattened full parameter.
+struct Slot {
+  std::string name;
+  Shape full_shape;
+  int64_t begin = 0;
+  Tensor* param = nullptr;
+};
+
+std::vector<Slot> trainable_slots(Runtime& rt) {
+  std::vector<optim::NamedParam> params = rt.trainable();
+  std::vector<Slot> out;
+  if (fsdp::ShardedModel* sharded = rt.sharded()) {
+    // optimizer_params() and param_pieces() list the same pieces in the same order.
+    std::vector<fsdp::ParamPiece> pieces = sharded->param_pieces();
+    ST_CHECK(pieces.size() == params.size(), "internal: ", pieces.size(), " shard pieces but ",
+             params.size(), " optimizer parameters");
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      ST_CHECK(pieces[i].name == params[i].name, "internal: piece '", pieces[i].name,
+               "' does not match optimizer parameter '", params[i].name, "'");
+      out.push_back({pieces[i].name, pieces[i].full_shape, pieces[i].begin, params[i].param});
+    }
+  } else {
+    for (const optim::NamedParam& p : params) out.push_back({p.name, p.param->shape(), 0, p.param});
+  }
+  return out;
+}
+
+// Optimizer state entries "exp_avg.<param>" -> ("exp_avg", "<param>").
+std::pair<std::string, std::string> split_state_name(const std::string& name) {
+  size_t dot = name.find('.');
+  ST_CHECK(dot != std::string::npos, "internal: optimizer state '", name,
+           "' is not named <kind>.<param>");
+  return {name.substr(0, dot), name.substr(dot + 1)};
+}
+
+// The generators training draws from that this model has: LoRA dropout masks.
+std::vector<std::pair<std::string, Generator*>> reachable_generators(nn::LlamaModel& model) {
+  std::vector<std::pair<std::string, Generator*>> out;
+  for (int i = 0; i < model.num_layers(); ++i) {
+    nn::DecoderLayer& layer = *model.layers[static_cast<size_t>(i)];
+    const std::pair<const char*, nn::Linear*> projections[] = {
+        {"self_attn.q_proj", layer.self_attn.q_proj.get()},
+        {"self_attn.k_proj", layer.self_attn.k_proj.get()},
+        {"self_attn.v_proj", layer.self_attn.v_proj.get()},
+        {"self_attn.o_proj", layer.self_attn.o_proj.get()},
+        {"mlp.gate_proj", layer.mlp.gate_proj.get()},
+        {"mlp.up_proj", layer.mlp.up_proj.get()},
+        {"mlp.down_proj", layer.mlp.down_proj.get()}};
+    for (const auto& [name, linear] : projections)
+      if (auto* lora = dynamic_cast<nn::LoraLinear*>(linear))
+        out.emplace_back(concat("model.layers.", i, ".", name, ".lora_dropout"),
+                         &lora->dropout_generator());
+  }
+  return out;
+}
+
+std::string layout_json(fsdp::ShardedModel& sharded, const std::string& strategy) {
+  nlohmann::json units = nlohmann::json::array();
+  for (int u = 0; u < sharded.num_units(); ++u) {
+    const fsdp::FlatParamLayout& layout = sharded.unit_layout(u);
+    nlohmann::json params = nlohmann::json::array();
+    for (const auto& e : layout.entries)
+      params.push_back(
+          {{"name", e.name}, {"shape", e.shape}, {"offset", e.offset}, {"numel", e.numel}});
+    units.push_back({{"unit", sharded.unit_name(u)},
+                     {"num_shards", layout.num_shards},
+                     {"total", layout.total},
+                     {"padded", layout.padded},
+                     {"padding", layout.padded - layout.total},
+                     {"shard_numel", layout.shard_numel},
+                     {"params", params}});
+  }
+  return nlohmann::json{
+      {"strategy", strategy}, {"shard_group_size", sharded.shard_group().size()}, {"units", units}}
+      .dump();
+}
+
+// Whether this rank writes its ranges: replicas of a shard (no_shard, hybrid_shard across nodes)
+// leave them to the first replica.
+bool writes_ranges(Runtime& rt) {
+  fsdp::ShardedModel* sharded = rt.sharded();
+  if (sharded == nullptr) return rt.dist().rank() == 0;
+  dist::ProcessGroup* replicas = sharded->replicate_group();
+  return replicas == nullptr || replicas->rank() == 0;
+}
+
+// True on every rank when `value` is the same on every rank.
+bool ranks_agree(dist::ProcessGroup& group, int64_t value) {
+  return group.all_reduce_host(value, dist::ReduceOp::Max) == value &&
+         group.all_reduce_host(-value, dist::ReduceOp::Max) == -value;
+}
+
+}  // namespace
+
+io::SaveRequest make_save_request(Runtime& rt, const std::string& dir, int64_t step,
+                                  const SamplerState& sampler, float lr) {
+  const Config& config = rt.config();
+  io::SaveRequest req;
+  req.dir = dir;
+  io::TrainingState& s = req.state;
+  s.step = step;
+  s.optimizer = config.optim.name;
+  s.optimizer_steps = rt.optimizer().steps_taken();
+  s.lr = lr;
+  s.scaler_enabled = rt.scaler().enabled();
+  s.scaler = rt.scaler().state();
+  s.sampler = sampler;
+  s.init_seed = static_cast<uint64_t>(config.train.seed);
+  s.config_yaml = config.to_yaml();
+  if (fsdp::ShardedModel* sharded = rt.sharded()) {
+    s.sharding = config.dist.sharding;
+    s.layout_json = layout_json(*sharded, config.dist.sharding);
+  }
+  for (const auto& [name, gen] : reachable_generators(rt.model()))
+    req.generators.push_back({name, gen->seed(), gen->offset()});
+
+  req.writes_ranges = writes_ranges(rt);
+  std::vector<Slot> slots = trainable_slots(rt);
+  std::map<std::string, const Slot*> by_name;
+  for (const Slot& slot : slots) {
+    by_name[slot.name] = &slot;
+    req.ranges.push_back({"model/" + slot.name, slot.full_shape, slot.begin, *slot.param});
+  }
+  for (const auto& [state_name, tensor] : rt.optimizer().state()) {
+    auto [kind, param] = split_state_name(state_name);
+    auto it = by_name.find(param);
+    ST_CHECK(it != by_name.end(), "internal: optimizer state '", state_name,
+             "' of no trainable parameter");
+    req.ranges.push_back(
+        {"optim/" + kind + "/" + param, it->second->full_shape, it->second->begin, *tensor});
+  }
+  return req;
+}
+
+io::TrainingState load_checkpoint(Runtime& rt, const std::string& path) {
+  const Config& config = rt.config();
+  io::CheckpointReader reader(path);
+  const io::TrainingState& state = reader.state();
+  if (!state.optimizer.empty() && state.optimizer != config.optim.name)
+    throw FormatError(concat("checkpoint '", path, "' was saved with optimizer '", state.optimizer,
+                             "' but optim.name is '", config.optim.name,
+                             "'; resume with the same optimizer"));
+
+  // The checkpoint's weights must be exactly the model's trainable parameters, at their shapes.
+  std::map<std::string, Shape> expected;
+  if (fsdp::ShardedModel* sharded = rt.sharded()) {
+    for (int u = 0; u < sharded->num_units(); ++u)
+      for (const auto& e : sharded->unit_layout(u).entries) expected[e.name] = e.shape;
+  } else {
+    for (const optim::NamedParam& p : rt.trainable()) expected[p.name] = p.param->shape();
+  }
+  for (const std::string& name : reader.tensor_names()) {
+    if (name.rfind("model/", 0) != 0) continue;
+    if (expected.count(name.substr(6)) == 0)
+      throw FormatError(concat("checkpoint '", path, "' has tensor '", name,
+                               "', which this model does not train (was it saved with another "
+                               "model or lora configuration?)"));
+  }
+  for (const auto& [name, shape] : expected) {
+    const std::string key = "model/" + name;
+    if (!reader.has(key))
+      throw FormatError(concat("checkpoint '", path, "' has no tensor '", key,
+                               "' (was it saved with another model or lora configuration?)"));
+    Shape saved = reader.shape(key);
+    if (saved != shape)
+      throw FormatError(concat("checkpoint '", path, "': tensor '", key, "' has shape ",
+                               shape_str(saved), " but the model's parameter is ", shape_str(shape),
+                               " (another model configuration?)"));
+  }
+
+  autograd::NoGrad no_grad;
+  std::vector<Slot> slots = trainable_slots(rt);
+  if (fsdp::ShardedModel* sharded = rt.sharded()) {
+    // Unit by unit: only the full tensors of one unit are in memory at a time.
+    sharded->load_full_parameters(
+        [&](const std::string& name) { return reader.read("model/" + name); });
+  } else {
+    for (const Slot& slot : slots) reader.read_range("model/" + slot.name, 0, *slot.param);
+  }
+  std::map<std::string, const Slot*> by_name;
+  for (const Slot& slot : slots) by_name[slot.name] = &slot;
+  for (const auto& [state_name, tensor] : rt.optimizer().state()) {
+    auto [kind, param] = split_state_name(state_name);
+    const std::string key = "optim/" + kind + "/" + param;
+    if (!reader.has(key))
+      throw FormatError(concat("checkpoint '", path, "' has no optimizer state '", key, "'"));
+    reader.read_range(key, by_name.at(param)->begin, *tensor);
+  }
+  rt.optimizer().reload_params();  // optimizers that keep their own copy of the weights
+  rt.optimizer().set_steps_taken(state.optimizer_steps);
+  if (rt.scaler().enabled() && state.scaler_enabled) rt.scaler().set_state(state.scaler);
+
+  // Generators continue exactly only with the same ranks; otherwise they keep their seeds.
+  const int rank = rt.dist().rank();
+  if (state.world_size == rt.dist().world_size()) {
+    std::map<std::string, io::GeneratorState> saved;
+    for (const io::GeneratorState& g : state.rng[static_cast<size_t>(rank)]) saved[g.name] = g;
+    for (const auto& [name, gen] : reachable_generators(rt.model())) {
+      auto it = saved.find(name);
+      if (it != saved.end()) gen->set_state(it->second.seed, it->second.offset);
+    }
+  }
+  return state;
+}
+
+// ---- the training loop's checkpointing --------------------------------------------------------
+
+Checkpointing::Checkpointing(const Config& config, Runtime& runtime, Log log)
+    : config_(config),
+      runtime_(runtime),
+      log_(std::move(log)),
+      dir_(config.effective_checkpoint_dir()),
+      last_save_time_(std::chrono::steady_clock::now()) {}
+
+std::optional<ResumePoint> Checkpointing::resume() {
+  const std::string& mode = config_.train.resume;
+  if (mode.empty() || mode == "none") return std::nullopt;
+  dist::ProcessGroup& world = runtime_.dist().world();
+  auto load = [&](const std::string& path) {
+    io::TrainingState state = load_checkpoint(runtime_, path);
+    log_(concat("resumed from ", path, " (step ", state.step, ", saved by ", state.world_size,
+                " rank(s), sharding ", state.sharding, ")"));
+    return ResumePoint{path, state.step, state.sampler};
+  };
+  std::error_code ec;
+  const bool explicit_file = mode != "auto" && !fs::is_directory(mode, ec);
+  if (explicit_file) {
+    std::string problem = io::verify_checkpoint(world, mode);
+    if (!problem.empty())
+      throw FormatError(concat("train.resume: cannot resume from '", mode, "': ", problem));
+    return load(mode);
+  }
+  const std::string dir = mode == "auto" ? dir_ : mode;
+  std::vector<io::CheckpointEntry> candidates = io::list_checkpoints(dir);
+  ST_CHECK(ranks_agree(world, static_cast<int64_t>(candidates.size())),
+           "train.resume: the ranks see different checkpoints in '", dir,
+           "'; the checkpoint directory must be on a file system every rank shares");
+  for (const io::CheckpointEntry& c : candidates) {
+    ST_CHECK(ranks_agree(world, c.step), "train.resume: the ranks see different checkpoints in '",
+             dir, "'; the checkpoint directory must be on a file system every rank shares");
+    std::string problem = io::verify_checkpoint(world, c.path);
+    if (problem.empty()) return load(c.path);
+    log_(concat("refusing checkpoint ", c.path, ": ", problem,
+                "; falling back to the previous one"));
+  }
+  log_(concat("train.resume=", mode, ": no complete checkpoint in '", dir,
+              "'; starting from scratch"));
+  return std::nullopt;
+}
+
+bool Checkpointing::after_step(int64_t step, const SamplerState& sampler, float lr) {
+  const CheckpointConfig& c = config_.checkpoint;
+  const bool periodic = c.every_steps > 0 || c.every_minutes > 0;
+  dist::ProcessGroup& world = runtime_.dist().world();
+  // Rank 0's clock decides the timed saves; a stop request on any rank stops every rank.
+  int64_t minutes_due = 0;
+  if (c.every_minutes > 0 && world.rank() == 0) {
+    double minutes =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - last_save_time_).count() /
+        60.0;
+    minutes_due = minutes >= c.every_minutes ? 1 : 0;
+  }
+  std::vector<int64_t> flags = {stop_signal(), minutes_due};
+  world.all_reduce_host(flags, dist::ReduceOp::Max);
+  const int signal = static_cast<int>(flags[0]);
+  const bool due = (c.every_steps > 0 && step % c.every_steps == 0) || flags[1] != 0 ||
+                   (periodic && step == config_.train.steps);
+  if (due || signal != 0) save(step, sampler, lr);
+  if (signal == 0) return false;
+  log_(concat("received ", signal_name(signal), ": stopped after step ", step, " with checkpoint ",
+              last_saved_, " (continue with train.resume=auto)"));
+  return true;
+}
+
+std::string Checkpointing::save(int64_t step, const SamplerState& sampler, float lr) {
+  auto start = std::chrono::steady_clock::now();
+  io::SaveRequest req = make_save_request(runtime_, dir_, step, sampler, lr);
+  last_saved_ = io::save_checkpoint(runtime_.dist().world(), req);
+  if (runtime_.dist().rank() == 0) io::prune_checkpoints(dir_, config_.checkpoint.keep_last);
+  last_save_time_ = std::chrono::steady_clock::now();
+  char seconds[32];
+  std::snprintf(seconds, sizeof seconds, "%.2f",
+                std::chrono::duration<double>(last_save_time_ - start).count());
+  log_(concat("saved checkpoint ", last_saved_, " (step ", step, ", ", seconds, " s)"));
+  return last_saved_;
+}
+
+void open_metrics(std::ofstream& out, const std::string& path, int64_t resumed_step) {
+  std::error_code ec;
+  if (resumed_step <= 0 || !fs::exists(path, ec)) {
+    out.open(path);
+    return;
+  }
+  std::vector<std::string> kept;
+  {
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.empty()) continue;
+      nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (j.is_object() && j.value("step", int64_t{0}) <= resumed_step) kept.push_back(line);
+    }
+  }
+  out.open(path, std::ios::trunc);
+  for (const std::string& line : kept) out << line << "\n";
+}
+
+}  // namespace shardtrain::train

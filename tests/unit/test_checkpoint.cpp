@@ -1,0 +1,523 @@
+// Training checkpoints on one rank: the file format (every tensor at full shape, also for
+// h5ls/h5dump), bitwise resume, refusal of damaged checkpoints with fallback, keep_last, a stop
+// by SIGTERM and a save killed part-way. Children are this test binary run again (a fresh
+// process: forking a process that already ran OpenMP code is not safe).
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <hdf5.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
+#include <thread>
+
+#include "shardtrain/dist/process_group.h"
+#include "shardtrain/io/checkpoint.h"
+#include "shardtrain/io/safetensors.h"
+#include "shardtrain/train/checkpointing.h"
+#include "shardtrain/train/runtime.h"
+#include "shardtrain/train/trainer.h"
+
+extern char** environ;
+
+using namespace shardtrain;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kChildEnv = "SHARDTRAIN_TEST_CHILD_CONFIG";
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    static int counter = 0;
+    path = fs::temp_directory_path() /
+           ("shardtrain-ckpt-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  std::string operator/(const std::string& name) const { return (path / name).string(); }
+};
+
+// A tiny Llama on the built-in corpus: a step takes milliseconds.
+train::Config tiny_config(const std::string& out_dir, std::vector<std::string> overrides = {}) {
+  const char* yaml = R"(
+model:
+  vocab_size: 256
+  hidden_size: 32
+  intermediate_size: 64
+  num_layers: 2
+  num_heads: 4
+  num_kv_heads: 2
+  max_seq_len: 16
+train:
+  steps: 40
+  seq_len: 16
+  micro_batch: 4
+  eval_every: 0
+  progress: none
+  device: cpu
+  seed: 7
+optim:
+  lr: 3.0e-3
+  warmup_steps: 5
+  schedule: cosine
+checkpoint:
+  every_steps: 0
+)";
+  overrides.push_back("train.out_dir=" + out_dir);
+  return train::Config::parse(yaml, overrides, "test_checkpoint");
+}
+
+std::map<int64_t, double> step_losses(const std::string& metrics_path) {
+  std::map<int64_t, double> out;
+  std::ifstream in(metrics_path);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j["event"] == "step") {
+      int64_t step = j["step"].get<int64_t>();
+      EXPECT_EQ(out.count(step), 0u) << "step " << step << " logged twice in " << metrics_path;
+      out[step] = j["loss"].get<double>();
+    }
+  }
+  return out;
+}
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::string run_command(const std::string& command, int* exit_code = nullptr) {
+  std::string out;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return out;
+  char buf[4096];
+  size_t got = 0;
+  while ((got = fread(buf, 1, sizeof buf, pipe)) > 0) out.append(buf, got);
+  int status = pclose(pipe);
+  if (exit_code != nullptr) *exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return out;
+}
+
+bool have_tool(const std::string& name) {
+  int code = -1;
+  run_command("command -v " + name + " >/dev/null 2>&1", &code);
+  return code == 0;
+}
+
+// ---- children ---------------------------------------------------------------------------------
+
+// Runs this test binary again, as CheckpointChild.DISABLED_RunTraining on `config`, with stdout
+// and stderr going to `log_path`.
+pid_t spawn_training_child(const train::Config& config, const std::string& dir,
+                           const std::string& log_path) {
+  const std::string config_path = dir + "/child.yaml";
+  std::ofstream(config_path) << config.to_yaml();
+  // Everything the child needs is built before fork: only async-signal-safe calls follow it.
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e)
+    if (std::string(*e).rfind(std::string(kChildEnv) + "=", 0) != 0) env_strings.push_back(*e);
+  env_strings.push_back(std::string(kChildEnv) + "=" + config_path);
+  std::vector<char*> envp;
+  for (auto& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::string exe = fs::read_symlink("/proc/self/exe").string();
+  std::string filter = "--gtest_filter=CheckpointChild.DISABLED_RunTraining";
+  std::string disabled = "--gtest_also_run_disabled_tests";
+  char* argv[] = {exe.data(), filter.data(), disabled.data(), nullptr};
+  pid_t pid = fork();
+  if (pid == 0) {
+    int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+    }
+    execve(exe.c_str(), argv, envp.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+// Exit code, or 128 + signal.
+int wait_child(pid_t pid) {
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// Waits (up to 120 s) until `ready` holds; false on timeout.
+template <typename Pred>
+bool wait_until(Pred ready) {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (ready()) return true;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return false;
+}
+
+}  // namespace
+
+// Not a test of its own: the body of the child processes above.
+TEST(CheckpointChild, DISABLED_RunTraining) {
+  const char* path = std::getenv(kChildEnv);
+  if (path == nullptr) GTEST_SKIP() << "run by the tests below";
+  train::TrainSummary s = train::run_training(train::load_config(path));
+  std::printf("child finished: %lld steps, stopped_early %d, checkpoint %s\n",
+              static_cast<long long>(s.steps), s.stopped_early ? 1 : 0, s.last_checkpoint.c_str());
+}
+
+// ---- format -----------------------------------------------------------------------------------
+
+TEST(CheckpointFormat, HoldsEveryTensorAtFullShapeAndTheTrainingState) {
+  TempDir tmp;
+  train::Config config = tiny_config(tmp / "run", {"train.steps=3", "checkpoint.every_steps=3"});
+  train::TrainSummary summary = train::run_training(config);
+  const std::string path = tmp / "run/checkpoints/step-00000003.h5";
+  ASSERT_EQ(summary.last_checkpoint, path);
+  ASSERT_TRUE(fs::exists(tmp / "run/checkpoints/step-00000003.rank-0.h5"));
+
+  io::CheckpointReader reader(path);
+  const io::TrainingState& s = reader.state();
+  EXPECT_EQ(s.step, 3);
+  EXPECT_EQ(s.world_size, 1);
+  EXPECT_EQ(s.optimizer, "adamw");
+  EXPECT_EQ(s.optimizer_steps, 3);
+  EXPECT_EQ(s.sampler.epoch, 0);
+  EXPECT_EQ(s.sampler.position, 3 * 4);  // 3 steps of 4 windows
+  EXPECT_EQ(s.sampler.seed, 1234u);      // data.seed
+  EXPECT_EQ(s.init_seed, 7u);
+  EXPECT_EQ(s.sharding, "none");
+  EXPECT_FALSE(s.scaler_enabled);
+  EXPECT_EQ(train::Config::parse(s.config_yaml), config);
+  optim::LrSchedule schedule;
+  schedule.peak = 3e-3f;
+  schedule.min_lr = 3e-4f;
+  schedule.warmup_steps = 5;
+  schedule.total_steps = 3;
+  EXPECT_FLOAT_EQ(static_cast<float>(s.lr), schedule.at(2));
+
+  // The weights are the final weights of the run (its export), at full shape; the moments too.
+  io::SafetensorsFile export_file =
+      io::SafetensorsFile::open(summary.export_dir + "/model.safetensors");
+  std::map<std::string, Tensor> exported;
+  for (const std::string& name : export_file.names()) exported[name] = export_file.load(name);
+  ASSERT_FALSE(exported.empty());
+  for (const auto& [name, weights] : exported) {
+    ASSERT_TRUE(reader.has("model/" + name)) << name;
+    EXPECT_EQ(reader.shape("model/" + name), weights.shape()) << name;
+    EXPECT_EQ(reader.read("model/" + name).to_float_vector(), weights.to_float_vector()) << name;
+    for (const char* kind : {"exp_avg", "exp_avg_sq"}) {
+      const std::string key = std::string("optim/") + kind + "/" + name;
+      ASSERT_TRUE(reader.has(key)) << key;
+      EXPECT_EQ(reader.shape(key), weights.shape()) << key;
+    }
+  }
+  EXPECT_EQ(reader.tensor_names().size(), 3 * exported.size());
+  // A flat range across rows of a 2-d tensor: partial first row, whole rows, partial last row.
+  const std::string embed = "model/model.embed_tokens.weight";
+  std::vector<float> all = reader.read(embed).to_float_vector();
+  Tensor part = empty({75}, DType::F32, Device::cpu());
+  reader.read_range(embed, 29, part);
+  EXPECT_EQ(part.to_float_vector(), std::vector<float>(all.begin() + 29, all.begin() + 104));
+
+  dist::LocalProcessGroup local;
+  EXPECT_EQ(io::verify_checkpoint(local, path), "");
+
+  // External tools see whole tensors through the virtual datasets.
+  if (!have_tool("h5ls") || !have_tool("h5dump")) GTEST_SKIP() << "hdf5-tools not installed";
+  std::string listing = run_command("h5ls -r " + path);
+  for (const auto& [name, weights] : exported) {
+    std::string dims;
+    for (int64_t d : weights.shape()) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+    for (std::string prefix : {"/model/", "/optim/exp_avg/", "/optim/exp_avg_sq/"}) {
+      std::regex line(std::regex_replace(prefix + name, std::regex(R"([.])"), R"(\.)") +
+                      R"(\s+Dataset \{)" + dims + R"(\})");
+      EXPECT_TRUE(std::regex_search(listing, line)) << prefix << name << " [" << dims << "]\n"
+                                                    << listing;
+    }
+  }
+  std::string header = run_command("h5dump -H " + path);
+  EXPECT_NE(header.find("DATASPACE  SIMPLE { ( 256, 32 ) / ( 256, 32 ) }"), std::string::npos)
+      << header;
+  // h5dump reads the data through the mapping as well.
+  int code = -1;
+  std::string values =
+      run_command("h5dump -d /model/model.norm.weight -w 0 -m %.9g " + path, &code);
+  ASSERT_EQ(code, 0) << values;
+  std::smatch data;
+  ASSERT_TRUE(std::regex_search(values, data, std::regex(R"(DATA \{\s*\(0\):\s*([^}]*)\})")))
+      << values;
+  std::vector<float> dumped;
+  std::stringstream numbers(std::regex_replace(data[1].str(), std::regex(","), " "));
+  for (float v; numbers >> v;) dumped.push_back(v);
+  EXPECT_EQ(dumped, exported.at("model.norm.weight").to_float_vector());
+}
+
+// ---- bitwise resume ---------------------------------------------------------------------------
+
+class ResumeIsBitwise : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ResumeIsBitwise, TwentyStepsSavedAndResumedGiveTheFortyStepRun) {
+  TempDir tmp;
+  std::vector<std::string> precision = {"precision.compute=" + GetParam()};
+  if (GetParam() == "fp16") precision.push_back("precision.growth_interval=3");
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), precision.begin(), precision.end());
+    return extra;
+  };
+  train::TrainSummary ref = train::run_training(tiny_config(tmp / "ref", with({})));
+  std::map<int64_t, double> ref_losses = step_losses(ref.metrics_path);
+  ASSERT_EQ(ref_losses.size(), 40u);
+
+  // Saving does not disturb the run.
+  train::TrainSummary saving = train::run_training(
+      tiny_config(tmp / "saving", with({"checkpoint.every_steps=20", "checkpoint.keep_last=0"})));
+  EXPECT_EQ(step_losses(saving.metrics_path), ref_losses);
+  const std::string at20 = tmp / "saving/checkpoints/step-00000020.h5";
+  ASSERT_TRUE(fs::exists(at20));
+  ASSERT_TRUE(fs::exists(tmp / "saving/checkpoints/step-00000040.h5"));
+  if (GetParam() == "fp16") {
+    // The scaler's state is worth restoring: it has moved away from its initial value.
+    io::CheckpointReader reader(at20);
+    EXPECT_TRUE(reader.state().scaler_enabled);
+    EXPECT_NE(reader.state().scaler.scale, 65536.0f);
+  }
+
+  train::TrainSummary resumed =
+      train::run_training(tiny_config(tmp / "resumed", with({"train.resume=" + at20})));
+  std::map<int64_t, double> losses = step_losses(resumed.metrics_path);
+  ASSERT_EQ(losses.size(), 20u);
+  for (const auto& [step, loss] : losses) {
+    EXPECT_GT(step, 20);
+    EXPECT_EQ(loss, ref_losses.at(step)) << "step " << step;
+  }
+  EXPECT_EQ(file_bytes(resumed.export_dir + "/model.safetensors"),
+            file_bytes(ref.export_dir + "/model.safetensors"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Precision, ResumeIsBitwise, ::testing::Values("fp32", "fp16"));
+
+// ---- damaged checkpoints ----------------------------------------------------------------------
+
+TEST(CheckpointResume, AutoRefusesDamagedCheckpointsAndFallsBackToAnIntactOne) {
+  TempDir tmp;
+  const std::string dir = tmp / "run/checkpoints";
+  train::TrainSummary first = train::run_training(tiny_config(
+      tmp / "run", {"train.steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=0"}));
+  std::map<int64_t, double> first_losses = step_losses(first.metrics_path);
+  auto main_file = [&](int step) { return dir + "/" + io::checkpoint_file_name(step); };
+  auto rank_file = [&](int step) { return dir + "/" + io::rank_file_name(step, 0); };
+
+  // step 6: its rank file is gone.
+  fs::remove(rank_file(6));
+  // step 4: bytes in the middle of its rank file are overwritten.
+  {
+    std::fstream f(rank_file(4), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(rank_file(4)) / 2));
+    f.write("\x5a\x5a\x5a\x5a\x5a\x5a\x5a\x5a", 8);
+  }
+  // step 8: a copy of step 2 whose save never finished (no `complete` attribute).
+  fs::copy_file(main_file(2), main_file(8));
+  {
+    hid_t f = H5Fopen(main_file(8).c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    ASSERT_GE(f, 0);
+    ASSERT_GE(H5Adelete(f, "complete"), 0);
+    H5Fclose(f);
+  }
+  // step 10: a main file cut short.
+  {
+    std::string bytes = file_bytes(main_file(2));
+    std::ofstream(main_file(10), std::ios::binary).write(bytes.data(), bytes.size() / 2);
+  }
+
+  dist::LocalProcessGroup local;
+  std::string v10 = io::verify_checkpoint(local, main_file(10));
+  EXPECT_NE(v10.find(main_file(10)), std::string::npos) << v10;
+  std::string v8 = io::verify_checkpoint(local, main_file(8));
+  EXPECT_NE(v8.find(main_file(8)), std::string::npos) << v8;
+  EXPECT_NE(v8.find("incomplete"), std::string::npos) << v8;
+  std::string v6 = io::verify_checkpoint(local, main_file(6));
+  EXPECT_NE(v6.find(rank_file(6)), std::string::npos) << v6;
+  EXPECT_NE(v6.find("missing"), std::string::npos) << v6;
+  std::string v4 = io::verify_checkpoint(local, main_file(4));
+  EXPECT_NE(v4.find(rank_file(4)), std::string::npos) << v4;
+  EXPECT_EQ(io::verify_checkpoint(local, main_file(2)), "");
+
+  // An explicit path to a damaged checkpoint is an error naming it.
+  for (int step : {10, 8, 6, 4}) {
+    try {
+      train::run_training(
+          tiny_config(tmp / "explicit", {"train.steps=7", "train.resume=" + main_file(step)}));
+      ADD_FAILURE() << "resumed from damaged " << main_file(step);
+    } catch (const FormatError& e) {
+      EXPECT_NE(std::string(e.what()).find(main_file(step)), std::string::npos) << e.what();
+    }
+  }
+
+  // auto: refuses 10, 8, 6 and 4 (logging each) and continues from step 2 exactly.
+  train::Config cfg =
+      tiny_config(tmp / "run", {"train.steps=3", "train.resume=auto", "train.progress=lines"});
+  testing::internal::CaptureStderr();
+  train::TrainSummary resumed = train::run_training(cfg);
+  std::string log = testing::internal::GetCapturedStderr();
+  for (int step : {10, 8, 6, 4})
+    EXPECT_NE(log.find("refusing checkpoint " + main_file(step)), std::string::npos) << log;
+  EXPECT_NE(log.find("resumed from " + main_file(2)), std::string::npos) << log;
+  std::map<int64_t, double> losses = step_losses(resumed.metrics_path);
+  // Steps 1 and 2 kept from the first run (the metrics file is shared), step 3 recomputed.
+  ASSERT_EQ(losses.size(), 3u);
+  EXPECT_EQ(losses.at(3), first_losses.at(3));
+}
+
+TEST(CheckpointResume, ACheckpointOfAnotherModelIsAClearError) {
+  TempDir tmp;
+  train::run_training(tiny_config(tmp / "run", {"train.steps=1", "checkpoint.every_steps=1"}));
+  try {
+    train::run_training(tiny_config(
+        tmp / "other", {"train.steps=2", "model.hidden_size=64", "model.intermediate_size=96",
+                        "train.resume=" + (tmp / "run/checkpoints/step-00000001.h5")}));
+    ADD_FAILURE() << "a checkpoint of hidden size 32 loaded into hidden size 64";
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("[256, 32]"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("[256, 64]"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CheckpointResume, ResumeAutoWithoutCheckpointsStartsFromScratch) {
+  TempDir tmp;
+  train::TrainSummary s =
+      train::run_training(tiny_config(tmp / "run", {"train.steps=2", "train.resume=auto"}));
+  EXPECT_EQ(step_losses(s.metrics_path).size(), 2u);
+}
+
+TEST(CheckpointRetention, KeepLastDeletesOlderCheckpointsAndTheirRankFiles) {
+  TempDir tmp;
+  train::run_training(tiny_config(
+      tmp / "run", {"train.steps=10", "checkpoint.every_steps=2", "checkpoint.keep_last=2"}));
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(tmp / "run/checkpoints"))
+    names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"step-00000008.h5", "step-00000008.rank-0.h5",
+                                             "step-00000010.h5", "step-00000010.rank-0.h5"}));
+}
+
+// ---- signals and crashes ----------------------------------------------------------------------
+
+TEST(CheckpointSignals, SigtermSavesAtTheEndOfTheStepExitsZeroAndResumesBitwise) {
+  TempDir tmp;
+  train::TrainSummary ref = train::run_training(tiny_config(tmp / "ref"));
+  std::map<int64_t, double> ref_losses = step_losses(ref.metrics_path);
+
+  train::Config config = tiny_config(tmp / "run", {"train.progress=lines"});
+  const std::string log_path = tmp / "child.log";
+  pid_t child = spawn_training_child(config, tmp.path.string(), log_path);
+  ASSERT_GT(child, 0);
+  // The handlers are installed before the model is built, so the first line is late enough.
+  ASSERT_TRUE(wait_until([&] {
+    return file_bytes(log_path).find("parameters on") != std::string::npos;
+  })) << file_bytes(log_path);
+  kill(child, SIGTERM);
+  const int code = wait_child(child);
+  const std::string log = file_bytes(log_path);
+  EXPECT_EQ(code, 0) << log;
+  std::smatch m;
+  ASSERT_TRUE(
+      std::regex_search(log, m, std::regex(R"(received SIGTERM: stopped after step (\d+))")))
+      << log;
+  const int64_t stopped = std::stoll(m[1].str());
+  EXPECT_GE(stopped, 1);
+  EXPECT_LT(stopped, 40) << "the run ended before the signal arrived; nothing was tested";
+  const std::string saved = tmp / ("run/checkpoints/" + io::checkpoint_file_name(stopped));
+  EXPECT_NE(log.find("child finished: " + std::to_string(stopped) + " steps, stopped_early 1"),
+            std::string::npos)
+      << log;
+  dist::LocalProcessGroup local;
+  EXPECT_EQ(io::verify_checkpoint(local, saved), "");
+
+  // Resuming in the same run directory continues the metrics and the exact run.
+  config.train.resume = "auto";
+  config.train.progress = "none";
+  train::TrainSummary resumed = train::run_training(config);
+  EXPECT_EQ(step_losses(resumed.metrics_path), ref_losses);
+  EXPECT_EQ(file_bytes(resumed.export_dir + "/model.safetensors"),
+            file_bytes(ref.export_dir + "/model.safetensors"));
+}
+
+TEST(CheckpointCrash, ASaveKilledPartWayLeavesThePreviousCheckpointIntactAndChosen) {
+  // Big enough that a save takes a while (~40 MB per checkpoint).
+  const std::vector<std::string> bigger = {"model.hidden_size=256", "model.intermediate_size=688",
+                                           "model.num_layers=4",    "train.micro_batch=1",
+                                           "train.steps=1000",      "checkpoint.every_steps=1",
+                                           "checkpoint.keep_last=2"};
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    TempDir tmp;
+    const std::string dir = tmp / "run/checkpoints";
+    train::Config config = tiny_config(tmp / "run", bigger);
+    pid_t child = spawn_training_child(config, tmp.path.string(), tmp / "child.log");
+    ASSERT_GT(child, 0);
+    // Kill it while it writes a checkpoint after at least one complete one.
+    static const std::regex tmp_name(R"(step-(\d+)(\.rank-\d+)?\.h5\.tmp)");
+    int64_t interrupted = -1;
+    bool seen = wait_until([&] {
+      std::vector<io::CheckpointEntry> done = io::list_checkpoints(dir);
+      if (done.empty()) return false;
+      std::error_code ec;
+      for (const auto& e : fs::directory_iterator(dir, ec)) {
+        std::smatch m;
+        std::string name = e.path().filename().string();
+        if (std::regex_match(name, m, tmp_name) && std::stoll(m[1].str()) > done.front().step) {
+          interrupted = std::stoll(m[1].str());
+          return true;
+        }
+      }
+      return false;
+    });
+    kill(child, SIGKILL);
+    EXPECT_EQ(wait_child(child), 128 + SIGKILL);
+    ASSERT_TRUE(seen) << file_bytes(tmp / "child.log");
+    bool left_temporary = false;
+    for (const auto& e : fs::directory_iterator(dir))
+      if (e.path().extension() == ".tmp") left_temporary = true;
+    if (!left_temporary) continue;  // the save finished before the kill landed: try again
+
+    std::vector<io::CheckpointEntry> entries = io::list_checkpoints(dir);
+    ASSERT_FALSE(entries.empty());
+    EXPECT_EQ(entries.front().step, interrupted - 1);
+    dist::LocalProcessGroup local;
+    EXPECT_EQ(io::verify_checkpoint(local, entries.front().path), "");
+
+    // resume=auto picks it and trains on from it.
+    config.train.resume = "auto";
+    config.train.steps = interrupted;
+    config.checkpoint.every_steps = 0;
+    config.train.export_model = false;
+    config.train.progress = "lines";
+    testing::internal::CaptureStderr();
+    train::TrainSummary resumed = train::run_training(config);
+    std::string log = testing::internal::GetCapturedStderr();
+    EXPECT_NE(log.find("resumed from " + entries.front().path), std::string::npos) << log;
+    EXPECT_TRUE(std::isfinite(resumed.final_loss));
+    return;
+  }
+  FAIL() << "three saves finished before SIGKILL landed; the window was never hit";
+}
