@@ -32,11 +32,12 @@ constexpr const char* kTmpSuffix = ".tmp";
 
 // ---- HDF5 plumbing ----------------------------------------------------------------------------
 
-// The innermost message of HDF5's error stack, then clears it.
+// The message of the innermost failing function on HDF5's error stack (the most specific one,
+// e.g. "truncated file: eof = ..."), then clears the stack.
 std::string hdf5_message() {
   std::string message;
   H5Ewalk2(
-      H5E_DEFAULT, H5E_WALK_DOWNWARD,
+      H5E_DEFAULT, H5E_WALK_UPWARD,
       [](unsigned n, const H5E_error2_t* err, void* out) -> herr_t {
         if (n == 0 && err->desc != nullptr) *static_cast<std::string*>(out) = err->desc;
         return 0;
@@ -876,6 +877,10 @@ std::string verify_checkpoint(dist::ProcessGroup& group, const std::string& path
     for (int64_t r : read_attr<int64_t>(f, "writer_ranks")) {
       const std::string rank_path =
           (fs::path(dir) / rank_file_name(step, static_cast<int>(r))).string();
+      std::error_code ec;
+      if (!fs::exists(rank_path, ec))
+        throw FormatError(concat("rank file '", rank_path, "' of checkpoint '", path,
+                                 "' is missing (it holds rank ", r, "'s part of the tensors)"));
       Node rf = open_file(rank_path);
       if (!rf.has_attribute("complete") || rf.read_int64_attribute("complete") != 1)
         throw FormatError(concat("rank file '", rank_path, "' is incomplete"));

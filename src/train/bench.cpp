@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "shardtrain/activation/strategy.h"
+#include "shardtrain/backend/backend.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/data/corpus.h"
 #include "shardtrain/data/sampler.h"
@@ -186,8 +187,11 @@ BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t meas
       std::vector<Batch> micro = batches.next();
       int64_t tokens = 0;
       for (const Batch& b : micro) tokens += b.input_ids.numel();
+      Backend& backend = backend_for(rt.device());
+      backend.synchronize();
       auto start = std::chrono::steady_clock::now();
       StepResult r = rt.train_step(micro, schedule.at(step));
+      backend.synchronize();  // a GPU may still be running the optimizer step
       ms.push_back(
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
               .count());

@@ -4,13 +4,19 @@
 //   shardtrain-adamw-bench [--sizes 10M,100M] [--iters N] [--threads N] [--json PATH]
 //
 // AdamW with fp32 parameters, gradients and moments reads 16 bytes per parameter (p, g, m, v) and
-// writes 12 (p, m, v): 28 B/param, so at best it runs at bandwidth / 28 parameters per second. The
-// bandwidth is measured here with a STREAM-style triad (a[i] = b[i] + s * c[i], counted as 12 B per
-// element like STREAM does, i.e. without the write-allocate read of a[]) at the same thread
-// count, and each kernel's result is reported as a fraction of that bound. Every measurement is
-// the median of `iters` runs after one warm-up run. The CPU backend's Backend::adamw (the
-// on-device optimizer's kernel on the CPU device) and a whole OffloadedAdamW step on the CPU
-// device are timed as well for comparison.
+// writes 12 (p, m, v back in place): 28 B/param, so at best it runs at bandwidth / 28 parameters
+// per second. Two bandwidths are measured at the same size and thread count:
+//  - STREAM triad, a[i] = b[i] + s * c[i], counted as STREAM counts it (12 B per element, not
+//    counting the read that allocates a[]'s lines before they are written);
+//  - the AdamW access pattern with trivial arithmetic (p = p*a + g, m = m*b + g, v = v*c + g, in
+//    place: 28 B per element). This is the bound: no AdamW can move its bytes faster. In-place
+//    updates need no write-allocate reads, so this is usually above the triad figure.
+// Each bandwidth is the best of its loop compiled for the baseline, AVX2 and AVX-512 (whichever
+// the CPU has).
+// Every figure is the best of `iters` runs after one warm-up run (STREAM's convention: the least
+// disturbed run), the runs of all kernels and both bandwidths interleaved. The CPU backend's
+// Backend::adamw (the on-device optimizer's kernel on the CPU device) and a whole OffloadedAdamW
+// step on the CPU device are timed as well.
 #include <omp.h>
 
 #include <algorithm>
@@ -18,7 +24,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <iostream>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -35,8 +43,8 @@ namespace {
 using namespace shardtrain;
 using Clock = std::chrono::steady_clock;
 
-constexpr double kAdamBytesPerParam = 28.0;  // reads p, g, m, v (16 B); writes p, m, v (12 B)
-constexpr double kTriadBytesPerElement = 12.0;
+constexpr double kAdamBytesPerParam = 28.0;     // reads p, g, m, v (16 B); writes p, m, v (12 B)
+constexpr double kTriadBytesPerElement = 12.0;  // STREAM's count
 
 struct Options {
   std::vector<int64_t> sizes = {10'000'000, 100'000'000};
@@ -95,18 +103,70 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-// Median seconds of `iters` runs of fn after one warm-up run.
-template <typename Fn>
-double median_seconds(int iters, Fn&& fn) {
-  fn();
-  std::vector<double> t;
-  for (int i = 0; i < iters; ++i) {
-    const Clock::time_point start = Clock::now();
-    fn();
-    t.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+// Runs every timed function once to warm up, then `iters` rounds that each run every function
+// once, and returns each one's best (least) seconds. Interleaving the rounds exposes every
+// measurement, the bandwidth bounds included, to the same disturbances from other processes.
+std::vector<double> best_seconds_interleaved(int iters,
+                                             const std::vector<std::function<void()>>& fns) {
+  std::vector<double> best(fns.size(), 1e300);
+  for (const auto& fn : fns) fn();
+  for (int round = 0; round < iters; ++round) {
+    for (size_t i = 0; i < fns.size(); ++i) {
+      const Clock::time_point start = Clock::now();
+      fns[i]();
+      best[i] = std::min(best[i], std::chrono::duration<double>(Clock::now() - start).count());
+    }
   }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return best;
+}
+
+// A CPU-device tensor over memory the caller owns (no copy, not counted).
+Tensor borrow(std::vector<float>& x) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = std::make_shared<Storage>();
+  impl->storage->data = DataPtr::borrowed(x.data(), x.size() * sizeof(float), Device::cpu());
+  impl->shape = {static_cast<int64_t>(x.size())};
+  impl->dtype = DType::F32;
+  return Tensor(impl);
+}
+
+// The bandwidth loops in three instruction sets: on one core the widest one usually moves the
+// most bytes (fewer instructions per cache line keep more misses in flight), and a bound must be
+// the best the machine can do.
+#define ST_TRIAD_LOOP                                                                            \
+  _Pragma("omp parallel for simd schedule(static) num_threads(threads)") for (int64_t i = 0;     \
+                                                                              i < n; ++i) a[i] = \
+      b[i] + 3.0f * c[i];
+#define ST_ADAM_STREAMS_LOOP                                                                 \
+  _Pragma("omp parallel for simd schedule(static) num_threads(threads)") for (int64_t i = 0; \
+                                                                              i < n; ++i) {  \
+    p[i] = p[i] * 0.999f + g[i];                                                             \
+    m[i] = m[i] * 0.9f + g[i];                                                               \
+    v[i] = v[i] * 0.95f + g[i];                                                              \
+  }
+
+void triad_base(float* a, const float* b, const float* c, int64_t n, int threads) {
+  ST_TRIAD_LOOP
+}
+__attribute__((target("avx2"))) void triad_avx2(float* a, const float* b, const float* c, int64_t n,
+                                                int threads) {
+  ST_TRIAD_LOOP
+}
+__attribute__((target("avx512f"))) void triad_avx512(float* a, const float* b, const float* c,
+                                                     int64_t n, int threads) {
+  ST_TRIAD_LOOP
+}
+// AdamW's streams (read p, g, m, v; write p, m, v in place) with a multiply-add each.
+void adam_streams_base(float* p, const float* g, float* m, float* v, int64_t n, int threads) {
+  ST_ADAM_STREAMS_LOOP
+}
+__attribute__((target("avx2"))) void adam_streams_avx2(float* p, const float* g, float* m, float* v,
+                                                       int64_t n, int threads) {
+  ST_ADAM_STREAMS_LOOP
+}
+__attribute__((target("avx512f"))) void adam_streams_avx512(float* p, const float* g, float* m,
+                                                            float* v, int64_t n, int threads) {
+  ST_ADAM_STREAMS_LOOP
 }
 
 // Fills in parallel so that pages are first touched by the threads that will use them.
@@ -116,35 +176,19 @@ void fill(std::vector<float>& x, float base, int threads) {
   for (int64_t i = 0; i < n; ++i) x[i] = base + static_cast<float>(i % 1009) * 1e-4f;
 }
 
-double triad_gbps(int64_t n, int threads, int iters) {
-  std::vector<float> a(n), b(n), c(n);
-  fill(a, 0.0f, threads);
-  fill(b, 1.0f, threads);
-  fill(c, 2.0f, threads);
-  const float s = 3.0f;
-  float* ap = a.data();
-  const float* bp = b.data();
-  const float* cp = c.data();
-  const double t = median_seconds(iters, [&] {
-#pragma omp parallel for simd schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < n; ++i) ap[i] = bp[i] + s * cp[i];
-  });
-  if (a[static_cast<size_t>(n / 2)] < 0) std::puts("");  // keep the loop's result alive
-  return kTriadBytesPerElement * static_cast<double>(n) / t / 1e9;
-}
-
 struct Row {
   std::string kernel;
   int64_t params = 0;
   int threads = 1;
-  double seconds = 0, params_per_s = 0, gbps = 0, triad_gbps = 0;
+  double seconds = 0, params_per_s = 0, gbps = 0;
+  double bound_gbps = 0, triad_gbps = 0;  // of this size and thread count
 };
 
 void print_row(const Row& r) {
-  std::printf("| %-22s | %5lldM | %7d | %9.2f | %10.1f | %6.1f | %11.1f | %4.0f%% |\n",
+  std::printf("| %-19s | %5lldM | %7d | %8.2f | %8.0f | %6.1f | %4.0f%% | %11.1f | %10.1f |\n",
               r.kernel.c_str(), static_cast<long long>(r.params / 1'000'000), r.threads,
-              r.seconds * 1e3, r.params_per_s / 1e6, r.gbps, r.triad_gbps,
-              100.0 * r.gbps / r.triad_gbps);
+              r.seconds * 1e3, r.params_per_s / 1e6, r.gbps, 100.0 * r.gbps / r.bound_gbps,
+              r.bound_gbps, r.triad_gbps);
   std::fflush(stdout);
 }
 
@@ -159,65 +203,89 @@ int main(int argc, char** argv) {
     const Backend::AdamWArgs args{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3};
 
     std::printf(
-        "CPU AdamW, fp32 p/g/m/v: 28 B/param moved (16 read + 12 written); the bound is "
-        "triad bandwidth / 28.\n");
+        "CPU AdamW with fp32 p/g/m/v moves 28 B/param (16 read + 12 written). bound = the same "
+        "streams with trivial arithmetic; triad = STREAM triad (12 B/element). Best of %d runs.\n",
+        o.iters);
     std::printf("best kernel here: %s; OpenMP threads: %d\n\n",
                 std::string(optim::cpu_adam_kernel_name(optim::cpu_adam_best_kernel())).c_str(),
                 all);
-    std::printf("| %-22s | %6s | %7s | %9s | %10s | %6s | %11s | %5s |\n", "kernel", "params",
-                "threads", "ms/step", "Mparam/s", "GB/s", "triad GB/s", "bound");
+    std::printf("| %-19s | %6s | %7s | %8s | %8s | %6s | %5s | %11s | %10s |\n", "kernel", "params",
+                "threads", "ms/step", "Mparam/s", "GB/s", "bound", "bound GB/s", "triad GB/s");
     std::printf(
-        "|%s|%s|%s|%s|%s|%s|%s|%s|\n", std::string(24, '-').c_str(), std::string(8, '-').c_str(),
-        std::string(9, '-').c_str(), std::string(11, '-').c_str(), std::string(12, '-').c_str(),
-        std::string(8, '-').c_str(), std::string(13, '-').c_str(), std::string(7, '-').c_str());
+        "|---------------------|--------|---------|----------|----------|--------|-------|"
+        "-------------|------------|\n");
     std::vector<Row> rows;
     for (int64_t n : o.sizes) {
+      std::vector<float> a(n), b(n), c(n), p(n), g(n), m(n), v(n);
       for (int threads : thread_counts) {
-        const double triad = triad_gbps(n, threads, o.iters);
-        std::vector<float> p(n), g(n), m(n), v(n);
+        fill(a, 0.0f, threads);
+        fill(b, 1.0f, threads);
+        fill(c, 2.0f, threads);
         fill(p, 0.5f, threads);
         fill(g, 1e-3f, threads);
         fill(m, 1e-4f, threads);
         fill(v, 1e-6f, threads);
-        auto record = [&](const std::string& name, double seconds) {
-          Row r;
-          r.kernel = name;
-          r.params = n;
-          r.threads = threads;
-          r.seconds = seconds;
-          r.params_per_s = static_cast<double>(n) / seconds;
-          r.gbps = kAdamBytesPerParam * r.params_per_s / 1e9;
-          r.triad_gbps = triad;
-          print_row(r);
-          rows.push_back(r);
-        };
+        float *ap = a.data(), *pp = p.data(), *mp = m.data(), *vp = v.data();
+        const float *bp = b.data(), *cp = c.data(), *gp = g.data();
+        // The bandwidth measurements first: triads, then AdamW's streams, one per instruction set.
+        std::vector<std::string> names;
+        std::vector<std::function<void()>> fns;
+        const bool avx2 = __builtin_cpu_supports("avx2"),
+                   avx512 = __builtin_cpu_supports("avx512f");
+        fns.push_back([=] { triad_base(ap, bp, cp, n, threads); });
+        if (avx2) fns.push_back([=] { triad_avx2(ap, bp, cp, n, threads); });
+        if (avx512) fns.push_back([=] { triad_avx512(ap, bp, cp, n, threads); });
+        const size_t triads = fns.size();
+        fns.push_back([=] { adam_streams_base(pp, gp, mp, vp, n, threads); });
+        if (avx2) fns.push_back([=] { adam_streams_avx2(pp, gp, mp, vp, n, threads); });
+        if (avx512) fns.push_back([=] { adam_streams_avx512(pp, gp, mp, vp, n, threads); });
+        const size_t bandwidths = fns.size();
+        names.resize(bandwidths);
         for (optim::CpuAdamKernel k : {optim::CpuAdamKernel::Scalar, optim::CpuAdamKernel::Avx2,
                                        optim::CpuAdamKernel::Avx512}) {
           if (!optim::cpu_adam_kernel_supported(k)) continue;
-          record(std::string(optim::cpu_adam_kernel_name(k)), median_seconds(o.iters, [&] {
-                   optim::cpu_adamw(p.data(), g.data(), DType::F32, m.data(), v.data(), n, args,
-                                    {k, threads});
-                 }));
+          names.emplace_back(optim::cpu_adam_kernel_name(k));
+          fns.push_back([=, &args] {
+            optim::cpu_adamw(pp, gp, DType::F32, mp, vp, n, args, {k, threads});
+          });
         }
-        {
-          // The CPU backend's kernel (OpenMP threads as set here) on CPU-device tensors.
+        // The CPU backend's kernel (with this many OpenMP threads) on the same memory.
+        Tensor tp = borrow(p), tg = borrow(g), tm = borrow(m), tv = borrow(v);
+        Backend& cpu = backend_for(Device::cpu());
+        names.emplace_back("cpu backend adamw");
+        fns.push_back([&, threads] {
           omp_set_num_threads(threads);
-          Tensor tp = from_buffer(p.data(), {n}, DType::F32),
-                 tg = from_buffer(g.data(), {n}, DType::F32);
-          Tensor tm = from_buffer(m.data(), {n}, DType::F32),
-                 tv = from_buffer(v.data(), {n}, DType::F32);
-          Backend& cpu = backend_for(Device::cpu());
-          record("cpu backend adamw",
-                 median_seconds(o.iters, [&] { cpu.adamw(tp, tg, tm, tv, args); }));
-          // A whole offloaded step on the CPU device: gradient to the host pool, update, weights
-          // back (the "copies" are memcpys on the pipeline's copy threads).
-          std::vector<optim::NamedParam> named = {{"w", &tp}};
-          optim::OffloadOptions offload;
-          offload.cpu.threads = threads;
-          optim::OffloadedAdamW offloaded(named, {}, offload);
-          autograd::set_grad(tp, tg);
-          record("OffloadedAdamW step", median_seconds(o.iters, [&] { offloaded.step(1e-3f); }));
+          cpu.adamw(tp, tg, tm, tv, args);
           omp_set_num_threads(all);
+        });
+        // A whole offloaded step on the CPU device: gradient to the host pool, update, weights
+        // back (the "copies" are memcpys on the pipeline's copy threads).
+        std::vector<optim::NamedParam> named = {{"w", &tp}};
+        optim::OffloadOptions offload;
+        offload.cpu.threads = threads;
+        optim::OffloadedAdamW offloaded(named, {}, offload);
+        autograd::set_grad(tp, tg);
+        names.emplace_back("OffloadedAdamW step");
+        fns.push_back([&] { offloaded.step(1e-3f); });
+
+        const std::vector<double> t = best_seconds_interleaved(o.iters, fns);
+        const double fastest_triad = *std::min_element(t.begin(), t.begin() + triads);
+        const double fastest_streams =
+            *std::min_element(t.begin() + triads, t.begin() + bandwidths);
+        const double triad = kTriadBytesPerElement * static_cast<double>(n) / fastest_triad / 1e9;
+        const double bound = kAdamBytesPerParam * static_cast<double>(n) / fastest_streams / 1e9;
+        for (size_t i = bandwidths; i < fns.size(); ++i) {
+          Row r;
+          r.kernel = names[i];
+          r.params = n;
+          r.threads = threads;
+          r.seconds = t[i];
+          r.params_per_s = static_cast<double>(n) / t[i];
+          r.gbps = kAdamBytesPerParam * r.params_per_s / 1e9;
+          r.bound_gbps = bound;
+          r.triad_gbps = triad;
+          print_row(r);
+          rows.push_back(r);
         }
       }
     }
@@ -230,8 +298,9 @@ int main(int argc, char** argv) {
                      {"seconds", r.seconds},
                      {"params_per_s", r.params_per_s},
                      {"gbps", r.gbps},
+                     {"bound_gbps", r.bound_gbps},
                      {"triad_gbps", r.triad_gbps},
-                     {"fraction_of_bound", r.gbps / r.triad_gbps}});
+                     {"fraction_of_bound", r.gbps / r.bound_gbps}});
       std::ofstream(o.json) << j.dump(2) << "\n";
     }
     return 0;

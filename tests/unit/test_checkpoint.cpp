@@ -216,8 +216,7 @@ TEST(CheckpointFormat, HoldsEveryTensorAtFullShapeAndTheTrainingState) {
   EXPECT_FLOAT_EQ(static_cast<float>(s.lr), schedule.at(2));
 
   // The weights are the final weights of the run (its export), at full shape; the moments too.
-  io::SafetensorsFile export_file =
-      io::SafetensorsFile::open(summary.export_dir + "/model.safetensors");
+  SafetensorsFile export_file = SafetensorsFile::open(summary.export_dir + "/model.safetensors");
   std::map<std::string, Tensor> exported;
   for (const std::string& name : export_file.names()) exported[name] = export_file.load(name);
   ASSERT_FALSE(exported.empty());
@@ -263,12 +262,17 @@ TEST(CheckpointFormat, HoldsEveryTensorAtFullShapeAndTheTrainingState) {
   std::string values =
       run_command("h5dump -d /model/model.norm.weight -w 0 -m %.9g " + path, &code);
   ASSERT_EQ(code, 0) << values;
-  std::smatch data;
-  ASSERT_TRUE(std::regex_search(values, data, std::regex(R"(DATA \{\s*\(0\):\s*([^}]*)\})")))
-      << values;
+  // "(i): value" per element (-w 0: no wrapping), values with 9 significant digits.
   std::vector<float> dumped;
-  std::stringstream numbers(std::regex_replace(data[1].str(), std::regex(","), " "));
-  for (float v; numbers >> v;) dumped.push_back(v);
+  const std::regex element(R"(\((\d+)\): ([-+0-9.eE]+))");
+  ASSERT_NE(values.find("DATA {"), std::string::npos) << values;
+  const size_t data_begin = values.find("DATA {");
+  const std::string data = values.substr(data_begin, values.find('}', data_begin) - data_begin);
+  for (auto it = std::sregex_iterator(data.begin(), data.end(), element);
+       it != std::sregex_iterator(); ++it) {
+    EXPECT_EQ(std::stoul((*it)[1].str()), dumped.size());
+    dumped.push_back(std::stof((*it)[2].str()));
+  }
   EXPECT_EQ(dumped, exported.at("model.norm.weight").to_float_vector());
 }
 
@@ -360,6 +364,8 @@ TEST(CheckpointResume, AutoRefusesDamagedCheckpointsAndFallsBackToAnIntactOne) {
   EXPECT_NE(v6.find("missing"), std::string::npos) << v6;
   std::string v4 = io::verify_checkpoint(local, main_file(4));
   EXPECT_NE(v4.find(rank_file(4)), std::string::npos) << v4;
+  std::printf("refusals:\n  %s\n  %s\n  %s\n  %s\n", v10.c_str(), v8.c_str(), v6.c_str(),
+              v4.c_str());
   EXPECT_EQ(io::verify_checkpoint(local, main_file(2)), "");
 
   // An explicit path to a damaged checkpoint is an error naming it.
