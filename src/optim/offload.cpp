@@ -91,7 +91,12 @@ char* element_ptr(const Tensor& t, int64_t offset) {
 
 }  // namespace
 
-struct OffloadedAdamW::Streams {
+struct OffloadedAdamW::Pipeline {
+  // Staging, kept from step to step: allocating it afresh would cost page faults (CPU) or pinning
+  // (GPU hosts without a caching pinned pool) every step. Grown when a step needs larger pieces.
+  std::vector<Slot> slots;
+  int64_t slot_elems = 0;
+  bool with_moments = false, with_param_out = false;
 #ifdef SHARDTRAIN_HAVE_CUDA
   int device = -1;
   std::optional<cuda::Stream> download, upload;
@@ -103,7 +108,7 @@ OffloadedAdamW::OffloadedAdamW(std::vector<NamedParam> params, AdamWOptions opti
     : Optimizer(std::move(params)),
       options_(options),
       offload_(offload),
-      streams_(std::make_unique<Streams>()) {
+      pipeline_(std::make_unique<Pipeline>()) {
   ST_CHECK_AS(ConfigError, offload_.pipeline_chunk_elements > 0,
               "the offloaded optimizer's pipeline_chunk_elements must be positive, got ",
               offload_.pipeline_chunk_elements);
@@ -144,7 +149,6 @@ std::vector<std::pair<std::string, Tensor*>> OffloadedAdamW::state() {
 
 void OffloadedAdamW::step(float lr) {
   const Clock::time_point start = Clock::now();
-  ++steps_;
   if (masters_stale_) read_masters();
   stats_ = OffloadStepStats{};
 
@@ -170,37 +174,50 @@ void OffloadedAdamW::step(float lr) {
       pieces.push_back({i, off, std::min(chunk, p.numel() - off), g});
     slot_elems = std::max(slot_elems, std::min(chunk, p.numel()));
   }
+  // Counted like AdamW counts (even when no parameter has a gradient), once the gradients are
+  // known to be usable. A failure further on (a copy) leaves the step partly applied, as it would
+  // on the device.
+  ++steps_;
   if (pieces.empty()) return;
 
-  // ---- staging (host pool, Workspace, freed when the step returns) ----
-  std::vector<Slot> slots(kSlots);
-  {
+  // ---- staging (host pool, Workspace) ----
+  Pipeline& pipe = *pipeline_;
+  if (pipe.slots.empty() || pipe.slot_elems < slot_elems ||
+      pipe.with_moments != offload_.moments_on_device ||
+      (any_16bit_param && !pipe.with_param_out)) {
+    pipe.slots.clear();  // free the old staging before allocating the new
+    pipe.slots.resize(kSlots);
+    pipe.slot_elems = std::max(pipe.slot_elems, slot_elems);
+    pipe.with_moments = offload_.moments_on_device;
+    pipe.with_param_out = pipe.with_param_out || any_16bit_param;
     CategoryScope scope(MemoryCategory::Workspace);
-    for (Slot& s : slots) {
+    for (Slot& slot : pipe.slots) {
       // Sized for fp32; 16-bit pieces use the first half.
-      s.grad = empty({slot_elems}, DType::F32, Device::host());
-      if (offload_.moments_on_device) {
-        s.m = empty({slot_elems}, DType::F32, Device::host());
-        s.v = empty({slot_elems}, DType::F32, Device::host());
+      slot.grad = empty({pipe.slot_elems}, DType::F32, Device::host());
+      if (pipe.with_moments) {
+        slot.m = empty({pipe.slot_elems}, DType::F32, Device::host());
+        slot.v = empty({pipe.slot_elems}, DType::F32, Device::host());
       }
-      if (any_16bit_param) s.param_out = empty({slot_elems}, DType::F32, Device::host());
+      if (pipe.with_param_out)
+        slot.param_out = empty({pipe.slot_elems}, DType::F32, Device::host());
     }
   }
+  std::vector<Slot>& slots = pipe.slots;
 
 #ifdef SHARDTRAIN_HAVE_CUDA
   // Copies run on two streams of their own, after everything already queued on the caller's
   // stream (which produced the gradients and may still read the parameters).
   std::optional<cuda::Event> queued;
   if (device->is_cuda()) {
-    if (streams_->device != device->index) {
-      streams_->download.emplace(device->index);
-      streams_->upload.emplace(device->index);
-      streams_->device = device->index;
+    if (pipe.device != device->index) {
+      pipe.download.emplace(device->index);
+      pipe.upload.emplace(device->index);
+      pipe.device = device->index;
     }
     queued.emplace();
     queued->record(cuda::current_stream(device->index));
-    queued->block(streams_->download->view());
-    queued->block(streams_->upload->view());
+    queued->block(pipe.download->view());
+    queued->block(pipe.upload->view());
   }
 #endif
 
@@ -228,7 +245,7 @@ void OffloadedAdamW::step(float lr) {
     try {
 #ifdef SHARDTRAIN_HAVE_CUDA
       std::optional<cuda::StreamGuard> on_stream;
-      if (dev.is_cuda()) on_stream.emplace(streams_->download->view());
+      if (dev.is_cuda()) on_stream.emplace(pipe.download->view());
 #endif
       for (size_t k = 0; k < pieces.size(); ++k) {
         size_t s;
@@ -260,7 +277,7 @@ void OffloadedAdamW::step(float lr) {
     try {
 #ifdef SHARDTRAIN_HAVE_CUDA
       std::optional<cuda::StreamGuard> on_stream;
-      if (dev.is_cuda()) on_stream.emplace(streams_->upload->view());
+      if (dev.is_cuda()) on_stream.emplace(pipe.upload->view());
 #endif
       Item item;
       while (to_upload.pop(item)) {

@@ -60,6 +60,7 @@ Runtime::Runtime(const Config& config) : config_(config), device_(resolve_device
   dist_ = std::make_unique<dist::DistEnv>(dist_options);
 
   int64_t capacity = config_.train.device_memory_bytes();
+  previous_capacity_ = allocator_for(device_).stats().capacity;
   allocator_for(device_).set_capacity(capacity);
 
   nn::LlamaConfig mc = llama_config_from(config_.model);
@@ -143,7 +144,8 @@ Runtime::Runtime(const Config& config) : config_(config), device_(resolve_device
   }
 }
 
-Runtime::~Runtime() = default;
+// The capacity is a property of this run, not of the process (tests build many runtimes).
+Runtime::~Runtime() { allocator_for(device_).set_capacity(previous_capacity_); }
 
 std::vector<optim::NamedParam> Runtime::trainable() const {
   if (sharded_) return sharded_->optimizer_params();

@@ -1,6 +1,7 @@
 #include "shardtrain/train/trainer.h"
 
 #include <chrono>
+#include <cstdio>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -9,6 +10,9 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#ifdef SHARDTRAIN_HAVE_CUDA
+#include "shardtrain/backend/cuda.h"
+#endif
 #include "shardtrain/core/units.h"
 #include "shardtrain/data/corpus.h"
 #include "shardtrain/data/sampler.h"
@@ -18,6 +22,7 @@
 #include "shardtrain/io/hf_model.h"
 #include "shardtrain/io/peft.h"
 #include "shardtrain/train/checkpointing.h"
+#include "shardtrain/train/plan.h"
 #include "shardtrain/train/progress.h"
 #include "shardtrain/train/runtime.h"
 
@@ -62,9 +67,27 @@ optim::LrSchedule schedule_from(const Config& c) {
   return s;
 }
 
+Config resolve_recipe(const Config& requested) {
+  if (requested.recipe != "auto") return requested;
+  int64_t device_bytes = requested.train.device_memory_bytes();
+  Device device = resolve_device(requested.train.device);
+#ifdef SHARDTRAIN_HAVE_CUDA
+  if (device_bytes == 0 && device.is_cuda()) device_bytes = cuda::total_memory(device.index);
+#endif
+  ST_CHECK_AS(ConfigError, device_bytes > 0,
+              "recipe: auto needs a device capacity to plan against: set train.device_memory "
+              "(e.g. 24GiB); the ", device.str(), " device has no fixed size");
+  std::string why;
+  Config chosen = apply_recipe(requested, device_bytes, dist::job_world_size(), &why);
+  if (dist::job_rank() == 0) std::fprintf(stderr, "%s\n", why.c_str());
+  return chosen;
+}
+
 }  // namespace
 
-TrainSummary run_training(const Config& config) {
+TrainSummary run_training(const Config& requested) {
+  // recipe: auto walks the scale-up recipe and trains the first configuration that fits.
+  const Config config = resolve_recipe(requested);
   const TrainConfig& t = config.train;
   TrainSummary summary;
   // From here on SIGTERM/SIGUSR1 end the run after the current step, with a checkpoint.

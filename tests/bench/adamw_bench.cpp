@@ -184,6 +184,12 @@ struct Row {
   double bound_gbps = 0, triad_gbps = 0;  // of this size and thread count
 };
 
+struct OffloadRow {
+  int64_t params = 0;
+  int threads = 1;
+  optim::OffloadStepStats stats;
+};
+
 void print_row(const Row& r) {
   std::printf("| %-19s | %5lldM | %7d | %8.2f | %8.0f | %6.1f | %4.0f%% | %11.1f | %10.1f |\n",
               r.kernel.c_str(), static_cast<long long>(r.params / 1'000'000), r.threads,
@@ -215,6 +221,7 @@ int main(int argc, char** argv) {
         "|---------------------|--------|---------|----------|----------|--------|-------|"
         "-------------|------------|\n");
     std::vector<Row> rows;
+    std::vector<OffloadRow> offload_rows;
     for (int64_t n : o.sizes) {
       std::vector<float> a(n), b(n), c(n), p(n), g(n), m(n), v(n);
       for (int threads : thread_counts) {
@@ -267,6 +274,7 @@ int main(int argc, char** argv) {
         autograd::set_grad(tp, tg);
         names.emplace_back("OffloadedAdamW step");
         fns.push_back([&] { offloaded.step(1e-3f); });
+        OffloadRow breakdown;
 
         const std::vector<double> t = best_seconds_interleaved(o.iters, fns);
         const double fastest_triad = *std::min_element(t.begin(), t.begin() + triads);
@@ -287,8 +295,22 @@ int main(int argc, char** argv) {
           print_row(r);
           rows.push_back(r);
         }
+        breakdown.params = n;
+        breakdown.threads = threads;
+        breakdown.stats = offloaded.last_step_stats();
+        offload_rows.push_back(breakdown);
       }
     }
+    std::printf(
+        "\nOffloadedAdamW, last step: busy seconds of each pipeline stage (they overlap)\n\n");
+    std::printf("| params | threads | wall ms | download ms | update ms | upload ms | pieces |\n");
+    std::printf("|--------|---------|---------|-------------|-----------|-----------|--------|\n");
+    for (const OffloadRow& r : offload_rows)
+      std::printf("| %5lldM | %7d | %7.1f | %11.1f | %9.1f | %9.1f | %6lld |\n",
+                  static_cast<long long>(r.params / 1'000'000), r.threads,
+                  r.stats.wall_seconds * 1e3, r.stats.download_seconds * 1e3,
+                  r.stats.update_seconds * 1e3, r.stats.upload_seconds * 1e3,
+                  static_cast<long long>(r.stats.pieces));
     if (!o.json.empty()) {
       nlohmann::json j = nlohmann::json::array();
       for (const Row& r : rows)

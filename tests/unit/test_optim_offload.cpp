@@ -367,6 +367,8 @@ TEST(OffloadedAdamW, StateLivesInTheHostPoolTwelveBytesPerElement) {
                             rounded(4 * 4097) + rounded(4));
 
   const StateBytes before = optimizer_state_in_use();
+  const int64_t workspace_before =
+      allocator_for(Device::host()).stats().in_use_of(MemoryCategory::Workspace);
   {
     optim::OffloadOptions o;
     o.pipeline_chunk_elements = 1000;
@@ -375,20 +377,24 @@ TEST(OffloadedAdamW, StateLivesInTheHostPoolTwelveBytesPerElement) {
     EXPECT_EQ(now.device - before.device, 0);
     EXPECT_EQ(now.host - before.host, 3 * per_tensor);  // master, exp_avg, exp_avg_sq
 
-    // A step adds nothing lasting; its staging is three host Workspace slots of one piece.
+    // Steps add no state. The first allocates the staging, three host Workspace slots of one
+    // piece (1000 fp32 elements), kept for later steps.
+    Allocator& host = allocator_for(Device::host());
+    const int64_t staging = 3 * rounded(4 * 1000);
     set_random_grads(off, 1);
     offloaded.step(1e-3f);
-    Allocator& host = allocator_for(Device::host());
-    const int64_t workspace = host.stats().in_use_of(MemoryCategory::Workspace);
+    EXPECT_EQ(host.stats().in_use_of(MemoryCategory::Workspace) - workspace_before, staging);
     host.reset_peak();
     set_random_grads(off, 2);
     offloaded.step(1e-3f);
-    EXPECT_EQ(host.stats().peak_of(MemoryCategory::Workspace) - workspace, 3 * rounded(4 * 1000));
-    EXPECT_EQ(host.stats().in_use_of(MemoryCategory::Workspace), workspace);
+    EXPECT_EQ(host.stats().peak_of(MemoryCategory::Workspace) - workspace_before, staging);
+    EXPECT_EQ(host.stats().in_use_of(MemoryCategory::Workspace) - workspace_before, staging);
     now = optimizer_state_in_use();
     EXPECT_EQ(now.device - before.device, 0);
     EXPECT_EQ(now.host - before.host, 3 * per_tensor);
   }
+  EXPECT_EQ(allocator_for(Device::host()).stats().in_use_of(MemoryCategory::Workspace),
+            workspace_before);
   EXPECT_EQ(optimizer_state_in_use().host, before.host);  // freed with the optimizer
 
   {

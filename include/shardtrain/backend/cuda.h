@@ -34,6 +34,8 @@ void set_device(int device);
 // "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs, 79.1 GiB)".
 std::string device_description(int device);
 int multiprocessor_count(int device);
+// Physical memory of `device` in bytes (what the memory planner may use).
+int64_t total_memory(int device);
 // Waits for all work on `device`.
 void synchronize_device(int device);
 

@@ -17,8 +17,11 @@
 // device's memory and the host pool on the copy threads, overlapping the update of another piece
 // on the remaining cores.
 //
-// Staging slots are allocated in the host pool for the duration of a step and counted there as
-// MemoryCategory::Workspace (3 slots of one piece each).
+// Staging is three slots of one piece each in the host pool, counted there as
+// MemoryCategory::Workspace: allocated at the first step (grown if a later step has larger pieces)
+// and kept until the optimizer is destroyed. By default a slot holds one 4M-element piece of
+// gradient, so the host keeps 48 MiB of staging (more with offload_moments=device or 16-bit
+// parameters: each adds two or one buffers of the same size per slot).
 //
 // The results are bitwise equal to AdamW on the CPU device (and to any backend whose adamw kernel
 // matches it bitwise). state() names the moments as AdamW does ("exp_avg.<name>",
@@ -73,7 +76,7 @@ class OffloadedAdamW : public Optimizer {
   const OffloadStepStats& last_step_stats() const { return stats_; }
 
  private:
-  struct Streams;  // the copy stages' CUDA streams (nothing without CUDA)
+  struct Pipeline;  // staging slots and the copy stages' CUDA streams
   void read_masters();
 
   AdamWOptions options_;
@@ -81,7 +84,7 @@ class OffloadedAdamW : public Optimizer {
   std::vector<Tensor> master_, exp_avg_, exp_avg_sq_;
   std::vector<bool> decay_;
   bool masters_stale_ = true;
-  std::unique_ptr<Streams> streams_;
+  std::unique_ptr<Pipeline> pipeline_;
   OffloadStepStats stats_;
 };
 

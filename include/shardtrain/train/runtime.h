@@ -82,6 +82,7 @@ class Runtime {
  private:
   Config config_;
   Device device_;
+  int64_t previous_capacity_ = 0;
   std::unique_ptr<dist::DistEnv> dist_;
   std::unique_ptr<nn::LlamaModel> model_;
   std::unique_ptr<fsdp::ShardedModel> sharded_;  // after model_, before optimizer_ (lifetimes)

@@ -76,6 +76,12 @@ int multiprocessor_count(int device) {
   return cached[device];
 }
 
+int64_t total_memory(int device) {
+  cudaDeviceProp prop{};
+  ST_CUDA_CHECK(cudaGetDeviceProperties(&prop, checked_device(device)));
+  return static_cast<int64_t>(prop.totalGlobalMem);
+}
+
 std::string device_description(int device) {
   cudaDeviceProp prop{};
   ST_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));

@@ -1,0 +1,224 @@
+// Checkpoints inside one job of several ranks: ranges written by every rank come back as whole
+// tensors (also through arbitrary flat ranges), and 20 steps saved and resumed on the same ranks
+// give the 40-step run bit for bit under every sharding strategy.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "shardtrain/dist/env.h"
+#include "shardtrain/io/checkpoint.h"
+#include "shardtrain/train/trainer.h"
+
+using namespace shardtrain;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A directory every rank names the same (rank 0's pid), removed by rank 0 at the end.
+struct SharedDir {
+  dist::ProcessGroup& world;
+  fs::path path;
+  explicit SharedDir(dist::ProcessGroup& group) : world(group) {
+    static int counter = 0;
+    int64_t pid = world.all_reduce_host(world.rank() == 0 ? int64_t{::getpid()} : int64_t{0},
+                                        dist::ReduceOp::Max);
+    path = fs::temp_directory_path() /
+           ("shardtrain-mpi-ckpt-" + std::to_string(pid) + "-" + std::to_string(counter++));
+    if (world.rank() == 0) {
+      fs::remove_all(path);
+      fs::create_directories(path);
+    }
+    world.barrier();
+  }
+  ~SharedDir() {
+    world.barrier();
+    std::error_code ec;
+    if (world.rank() == 0) fs::remove_all(path, ec);
+  }
+  std::string operator/(const std::string& name) const { return (path / name).string(); }
+};
+
+float value_of(int tensor, int64_t index) {
+  return static_cast<float>(tensor * 1000) + 0.5f * static_cast<float>(index);
+}
+
+// `parts` contiguous ranges of [0, n) with uneven boundaries.
+std::vector<int64_t> boundaries(int64_t n, int parts) {
+  std::vector<int64_t> b(static_cast<size_t>(parts + 1));
+  for (int k = 0; k <= parts; ++k) b[static_cast<size_t>(k)] = k * n / parts;
+  for (int k = 1; k < parts; ++k)
+    b[static_cast<size_t>(k)] =
+        std::min(b[static_cast<size_t>(k)] + (k % 2) * 3, b[static_cast<size_t>(k + 1)]);
+  return b;
+}
+
+TEST(CheckpointAcrossRanks, EveryRanksRangesFormWholeTensors) {
+  dist::DistEnv env;
+  dist::ProcessGroup& world = env.world();
+  SharedDir dir(world);
+  const int W = world.size(), rank = world.rank();
+  // With more than two ranks the last one is a replica: it writes nothing.
+  const int writers = W > 2 ? W - 1 : W;
+  const std::vector<std::pair<std::string, Shape>> tensors = {
+      {"model/a", {5, 7, 3}}, {"model/b.weight", {10}}, {"optim/exp_avg/c", {4, 6}}};
+
+  io::SaveRequest req;
+  req.dir = dir.path.string();
+  req.state.step = 5;
+  req.state.optimizer = "adamw";
+  req.state.sampler = {3, 1, 2};
+  req.generators = {{"gen", 100u + static_cast<uint64_t>(rank), 7u * static_cast<uint64_t>(rank)}};
+  req.writes_ranges = rank < writers;
+  for (size_t t = 0; t < tensors.size() && req.writes_ranges; ++t) {
+    std::vector<int64_t> b = boundaries(numel(tensors[t].second), writers);
+    const int64_t begin = b[static_cast<size_t>(rank)], end = b[static_cast<size_t>(rank + 1)];
+    std::vector<float> values;
+    for (int64_t i = begin; i < end; ++i) values.push_back(value_of(static_cast<int>(t), i));
+    req.ranges.push_back(
+        {tensors[t].first, tensors[t].second, begin, from_floats(values, {end - begin})});
+  }
+  const std::string path = io::save_checkpoint(world, req);
+  EXPECT_EQ(path, dir / "step-00000005.h5");
+  EXPECT_EQ(io::verify_checkpoint(world, path), "");
+  for (int r = 0; r < W; ++r)
+    EXPECT_EQ(fs::exists(dir / io::rank_file_name(5, r)), r < writers) << "rank " << r;
+
+  io::CheckpointReader reader(path);
+  EXPECT_EQ(reader.state().world_size, W);
+  EXPECT_EQ(reader.state().sampler, (SamplerState{3, 1, 2}));
+  ASSERT_EQ(reader.state().rng.size(), static_cast<size_t>(W));
+  for (int r = 0; r < W; ++r)
+    EXPECT_EQ(reader.state().rng[static_cast<size_t>(r)],
+              (std::vector<io::GeneratorState>{
+                  {"gen", 100u + static_cast<uint64_t>(r), 7u * static_cast<uint64_t>(r)}}));
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const auto& [name, shape] = tensors[t];
+    Tensor full = reader.read(name);
+    ASSERT_EQ(full.shape(), shape) << name;
+    std::vector<float> got = full.to_float_vector();
+    for (int64_t i = 0; i < numel(shape); ++i)
+      ASSERT_EQ(got[static_cast<size_t>(i)], value_of(static_cast<int>(t), i)) << name << " " << i;
+    // Flat ranges that start and end inside rows and cross the writers' boundaries.
+    for (auto [begin, length] :
+         {std::pair<int64_t, int64_t>{1, numel(shape) - 2}, {4, 9}, {7, 1}}) {
+      Tensor part = empty({length}, DType::F32, Device::cpu());
+      reader.read_range(name, begin, part);
+      std::vector<float> p = part.to_float_vector();
+      for (int64_t i = 0; i < length; ++i)
+        ASSERT_EQ(p[static_cast<size_t>(i)], value_of(static_cast<int>(t), begin + i))
+            << name << " [" << begin << ", " << begin + length << ")";
+    }
+  }
+}
+
+// ---- whole runs -------------------------------------------------------------------------------
+
+train::Config tiny_config(const std::string& out_dir, std::vector<std::string> overrides) {
+  const char* yaml = R"(
+model:
+  vocab_size: 256
+  hidden_size: 32
+  intermediate_size: 64
+  num_layers: 2
+  num_heads: 4
+  num_kv_heads: 2
+  max_seq_len: 16
+train:
+  steps: 40
+  seq_len: 16
+  micro_batch: 1
+  global_batch: 8
+  eval_every: 0
+  progress: none
+  device: cpu
+  seed: 7
+optim:
+  lr: 3.0e-3
+  warmup_steps: 5
+dist:
+  timeout_s: 120
+checkpoint:
+  every_steps: 0
+)";
+  overrides.push_back("train.out_dir=" + out_dir);
+  return train::Config::parse(yaml, overrides, "mpi checkpoint test");
+}
+
+std::map<int64_t, double> step_losses(const std::string& metrics_path) {
+  std::map<int64_t, double> out;
+  std::ifstream in(metrics_path);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j["event"] == "step") out[j["step"].get<int64_t>()] = j["loss"].get<double>();
+  }
+  return out;
+}
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+class ResumeOnTheSameRanks : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ResumeOnTheSameRanks, TwentyPlusTwentyStepsGiveTheFortyStepRunBitwise) {
+  dist::DistEnv env;
+  SharedDir dir(env.world());
+  const int W = env.world().size();
+  std::vector<std::string> sharding = {"dist.sharding=" + GetParam()};
+  if (GetParam() == "hybrid_shard")  // two pretend nodes
+    sharding.push_back("dist.ranks_per_node=" + std::to_string(W / 2));
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), sharding.begin(), sharding.end());
+    return extra;
+  };
+  train::TrainSummary ref = train::run_training(tiny_config(dir / "ref", with({})));
+  train::TrainSummary saving = train::run_training(
+      tiny_config(dir / "saving", with({"checkpoint.every_steps=20", "checkpoint.keep_last=0"})));
+  const std::string at20 = dir / "saving/checkpoints/step-00000020.h5";
+  train::TrainSummary resumed =
+      train::run_training(tiny_config(dir / "resumed", with({"train.resume=" + at20})));
+  if (env.rank() != 0) return;  // rank 0 writes the metrics and the export
+  std::map<int64_t, double> ref_losses = step_losses(ref.metrics_path);
+  ASSERT_EQ(ref_losses.size(), 40u);
+  EXPECT_EQ(step_losses(saving.metrics_path), ref_losses);
+  std::map<int64_t, double> losses = step_losses(resumed.metrics_path);
+  ASSERT_EQ(losses.size(), 20u);
+  for (const auto& [step, loss] : losses) EXPECT_EQ(loss, ref_losses.at(step)) << "step " << step;
+  EXPECT_TRUE(file_bytes(resumed.export_dir + "/model.safetensors") ==
+              file_bytes(ref.export_dir + "/model.safetensors"))
+      << "the exported weights differ from the uninterrupted run's";
+  io::CheckpointReader reader(at20);
+  EXPECT_EQ(reader.state().world_size, W);
+  EXPECT_EQ(reader.state().sharding, GetParam());
+  EXPECT_FALSE(reader.state().layout_json.empty());
+}
+
+INSTANTIATE_TEST_SUITE_P(Sharding, ResumeOnTheSameRanks,
+                         ::testing::Values("full_shard", "grad_op_shard", "no_shard",
+                                           "hybrid_shard"));
+
+TEST(CheckpointAcrossRanks, TimedSavesAreDecidedTogether) {
+  // Rank 0's clock decides; if the ranks decided alone, their collectives would not match and
+  // the job would fail or hang.
+  dist::DistEnv env;
+  SharedDir dir(env.world());
+  train::TrainSummary s = train::run_training(
+      tiny_config(dir / "run",
+                  {"train.steps=6", "checkpoint.every_minutes=0.00001", "checkpoint.keep_last=0"}));
+  EXPECT_EQ(s.steps, 6);
+  std::vector<io::CheckpointEntry> saved = io::list_checkpoints(dir / "run/checkpoints");
+  ASSERT_FALSE(saved.empty());
+  EXPECT_EQ(saved.front().step, 6);
+  EXPECT_EQ(io::verify_checkpoint(env.world(), saved.front().path), "");
+}
+
+}  // namespace

@@ -1,0 +1,68 @@
+// recipe: auto picks the first configuration of the scale-up recipe that fits the device, trains
+// it, and stays under the capacity; with nothing that fits it fails with the plan table.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "shardtrain/core/error.h"
+#include "shardtrain/train/config.h"
+#include "shardtrain/train/trainer.h"
+
+using namespace shardtrain;
+
+namespace {
+std::string out_dir(const std::string& tag) {
+  return (std::filesystem::temp_directory_path() /
+          ("shardtrain-recipe-" + std::to_string(::getpid()) + "-" + tag))
+      .string();
+}
+
+train::Config tiny(const std::string& out, const std::string& capacity) {
+  return train::load_config(std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/tiny.yaml",
+                            {"recipe=auto", "train.device_memory=" + capacity, "train.steps=2",
+                             "train.eval_every=0", "train.export=false", "train.progress=none",
+                             "train.device=cpu", "checkpoint.every_steps=0",
+                             "train.out_dir=" + out});
+}
+}  // namespace
+
+TEST(RecipeAuto, PicksACheckpointingRowAndStaysUnderTheCapacity) {
+  // fp32 eager needs about 93 MiB for this batch; 40 MiB forces the recipe further along.
+  const int64_t capacity = 40ll << 20;
+  std::string out = out_dir("fit");
+  train::TrainSummary s = train::run_training(tiny(out, "40MiB"));
+  EXPECT_EQ(s.steps, 2);
+  train::Config chosen = train::load_config(out + "/config.yaml");
+  EXPECT_EQ(chosen.recipe, "manual");
+  EXPECT_NE(chosen.activation.strategy, "none") << "expected a checkpointing or offload row";
+  std::ifstream in(out + "/metrics.jsonl");
+  std::string line;
+  int steps = 0;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j["event"] != "step") continue;
+    ++steps;
+    int64_t peak = j["device_memory"]["peak"].get<int64_t>();
+    EXPECT_GT(peak, 0);
+    EXPECT_LE(peak, capacity);
+  }
+  EXPECT_EQ(steps, 2);
+  std::filesystem::remove_all(out);
+}
+
+TEST(RecipeAuto, NothingFitsGivesThePlanTable) {
+  std::string out = out_dir("none");
+  try {
+    train::run_training(tiny(out, "1MiB"));
+    FAIL() << "expected a ConfigError";
+  } catch (const ConfigError& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("recipe: auto"), std::string::npos) << m;
+    EXPECT_NE(m.find("per_layer"), std::string::npos) << m;        // the table's rows
+    EXPECT_NE(m.find("optimizer offload"), std::string::npos) << m;
+  }
+  std::filesystem::remove_all(out);
+}
