@@ -7,8 +7,12 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include "shardtrain/core/error.h"
+#include "shardtrain/data/corpus.h"
+#include "shardtrain/data/tokenizer.h"
 
 namespace shardtrain {
 
@@ -154,6 +158,23 @@ TokenDataset TokenDataset::from_tokens(std::vector<uint32_t> tokens, int64_t voc
   out.tokenizer_ = std::move(tokenizer);
   out.tokens_ = std::make_shared<const std::vector<uint32_t>>(std::move(tokens));
   return out;
+}
+
+TokenDataset load_token_source(const std::string& path) {
+  if (path == "builtin") {
+    ByteTokenizer tok;
+    return TokenDataset::from_tokens(tok.encode(builtin_corpus()), tok.vocab_size(), tok.name(),
+                                     "builtin corpus");
+  }
+  if (path.size() > 4 && path.substr(path.size() - 4) == ".txt") {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw ConfigError("data.path: cannot open '" + path + "'");
+    std::stringstream text;
+    text << in.rdbuf();
+    ByteTokenizer tok;
+    return TokenDataset::from_tokens(tok.encode(text.str()), tok.vocab_size(), tok.name(), path);
+  }
+  return TokenDataset::open(path);
 }
 
 }  // namespace shardtrain

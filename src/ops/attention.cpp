@@ -17,22 +17,9 @@ Dims dims_of(const Tensor& q, const Tensor& k) {
   return {q.size(0), q.size(1), k.size(1), q.size(2), q.size(3), q.size(1) / k.size(1)};
 }
 
-// With heads of one kv group adjacent in memory, q[b, group g] is a [G*S, D] matrix, so every
+// Plain attention, forward and backward: with the heads of one kv group adjacent in memory,
+// q[b, group g] is a [G*S, D] matrix, so every
 // product is one strided-batched gemm over B*Hkv matrices.
-void gemm(const Tensor& a, const Tensor& b, Tensor& c, bool ta, bool tb, int64_t m, int64_t n,
-          int64_t k, int64_t batch, int64_t sa, int64_t sb, int64_t sc) {
-  GemmArgs args;
-  args.trans_a = ta;
-  args.trans_b = tb;
-  args.m = m;
-  args.n = n;
-  args.k = k;
-  args.batch = batch;
-  args.stride_a = sa;
-  args.stride_b = sb;
-  args.stride_c = sc;
-  backend_of(a).gemm(args, a, b, c);
-}
 
 struct PlainAttentionBackward : NamedNode<PlainAttentionBackward> {
   static constexpr const char* kName = "PlainAttentionBackward";

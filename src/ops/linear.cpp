@@ -7,24 +7,6 @@ namespace shardtrain::ops {
 using namespace detail;
 
 namespace {
-// C [m, n] = op(A) @ op(B) with batch and strides.
-void gemm(const Tensor& a, const Tensor& b, Tensor& c, bool ta, bool tb, int64_t m, int64_t n,
-          int64_t k, int64_t batch = 1, int64_t sa = 0, int64_t sb = 0, int64_t sc = 0,
-          float beta = 0.0f) {
-  GemmArgs args;
-  args.trans_a = ta;
-  args.trans_b = tb;
-  args.m = m;
-  args.n = n;
-  args.k = k;
-  args.beta = beta;
-  args.batch = batch;
-  args.stride_a = sa;
-  args.stride_b = sb;
-  args.stride_c = sc;
-  backend_of(a).gemm(args, a, b, c);
-}
-
 struct LinearBackward : NamedNode<LinearBackward> {
   static constexpr const char* kName = "LinearBackward";
   SavedTensor x, w;

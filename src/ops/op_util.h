@@ -30,6 +30,23 @@ inline void check_same(const Tensor& a, const Tensor& b, const char* op) {
 // An f32 accumulator for a weight gradient, returned in the weight's dtype.
 inline Tensor in_dtype(Tensor g, DType dtype) { return g.dtype() == dtype ? g : g.to(dtype); }
 
+// C = op(A) @ op(B) over `batch` matrices with element strides between them (see GemmArgs).
+inline void gemm(const Tensor& a, const Tensor& b, Tensor& c, bool ta, bool tb, int64_t m,
+                 int64_t n, int64_t k, int64_t batch = 1, int64_t sa = 0, int64_t sb = 0,
+                 int64_t sc = 0) {
+  GemmArgs args;
+  args.trans_a = ta;
+  args.trans_b = tb;
+  args.m = m;
+  args.n = n;
+  args.k = k;
+  args.batch = batch;
+  args.stride_a = sa;
+  args.stride_b = sb;
+  args.stride_c = sc;
+  backend_of(a).gemm(args, a, b, c);
+}
+
 // A Node with a fixed name and a lambda-free apply; ops subclass it.
 template <typename Derived>
 struct NamedNode : autograd::Node {

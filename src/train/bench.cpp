@@ -32,24 +32,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// data.path as `shardtrain train` reads it: the built-in corpus, a text file (bytes) or a
-// tokenized HDF5 dataset.
-TokenDataset load_dataset(const std::string& path) {
-  if (path == "builtin") {
-    ByteTokenizer tok;
-    return TokenDataset::from_tokens(tok.encode(builtin_corpus()), tok.vocab_size(), tok.name(),
-                                     "builtin corpus");
-  }
-  if (path.size() > 4 && path.substr(path.size() - 4) == ".txt") {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw ConfigError("data.path: cannot open '" + path + "'");
-    std::stringstream text;
-    text << in.rdbuf();
-    ByteTokenizer tok;
-    return TokenDataset::from_tokens(tok.encode(text.str()), tok.vocab_size(), tok.name(), path);
-  }
-  return TokenDataset::open(path);
-}
 
 }  // namespace
 
@@ -63,7 +45,7 @@ struct StepBatches::State {
 StepBatches::StepBatches(const Config& config)
     : world_(dist::job_world_size()), rank_(dist::job_rank()) {
   const TrainConfig& t = config.train;
-  TokenDataset data = load_dataset(config.data.path);
+  TokenDataset data = load_token_source(config.data.path);
   ST_CHECK_AS(ConfigError,
               data.vocab_size() <= config.model.vocab_size || !config.model.from_hf.empty(),
               "data.path '", config.data.path, "' has vocabulary size ", data.vocab_size(),

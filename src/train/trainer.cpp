@@ -30,22 +30,6 @@ namespace shardtrain::train {
 
 namespace {
 
-TokenDataset load_dataset(const std::string& path) {
-  if (path == "builtin") {
-    ByteTokenizer tok;
-    return TokenDataset::from_tokens(tok.encode(builtin_corpus()), tok.vocab_size(), tok.name(),
-                                     "builtin corpus");
-  }
-  if (path.size() > 4 && path.substr(path.size() - 4) == ".txt") {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw ConfigError("data.path: cannot open '" + path + "'");
-    std::stringstream text;
-    text << in.rdbuf();
-    ByteTokenizer tok;
-    return TokenDataset::from_tokens(tok.encode(text.str()), tok.vocab_size(), tok.name(), path);
-  }
-  return TokenDataset::open(path);
-}
 
 nlohmann::json memory_json(const MemoryStats& s) {
   nlohmann::json j;
@@ -102,7 +86,7 @@ TrainSummary run_training(const Config& requested) {
     out << config.to_yaml();
   }
 
-  TokenDataset data = load_dataset(config.data.path);
+  TokenDataset data = load_token_source(config.data.path);
   ST_CHECK_AS(ConfigError, data.vocab_size() <= config.model.vocab_size || !config.model.from_hf.empty(),
               "data.path '", config.data.path, "' has vocabulary size ", data.vocab_size(),
               " but model.vocab_size is ", config.model.vocab_size);

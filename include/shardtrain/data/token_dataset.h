@@ -65,4 +65,8 @@ class TokenDataset {
   std::shared_ptr<const std::vector<uint32_t>> tokens_;
 };
 
+// The token stream a run's `data.path` names: "builtin" (the embedded corpus), a .txt file
+// (tokenized as bytes) or a token dataset written by `shardtrain prepare-data` (.h5).
+TokenDataset load_token_source(const std::string& path);
+
 }  // namespace shardtrain
