@@ -27,14 +27,20 @@ cmake --build build -j "$cores"
 
 cd build
 failed=()
-echo "== tests (all but MPI), $parallel_tests at a time =="
-if ! ctest --output-on-failure --timeout 600 --no-tests=error -LE mpi -j "$parallel_tests"; then
-  failed+=("$(cat Testing/Temporary/LastTestsFailed.log 2>/dev/null || echo 'non-MPI tests')")
-fi
-echo "== MPI tests, one at a time =="
-if ! ctest --output-on-failure --timeout 600 --no-tests=ignore -L mpi; then
-  failed+=("$(cat Testing/Temporary/LastTestsFailed.log 2>/dev/null || echo 'MPI tests')")
-fi
+run_phase() {  # name, then ctest arguments
+  local name="$1"
+  shift
+  echo "== $name =="
+  if ! ctest --output-on-failure --timeout 900 "$@"; then
+    failed+=("$(cat Testing/Temporary/LastTestsFailed.log 2>/dev/null || echo "$name")")
+  fi
+}
+run_phase "unit and cuda tests, $parallel_tests at a time" --no-tests=error -LE "mpi|slow" \
+  -j "$parallel_tests"
+# MPI tests start several ranks each, so they run one at a time.
+run_phase "MPI tests, one at a time" --no-tests=ignore -L mpi
+# Whole training runs: one at a time, with every core.
+OMP_NUM_THREADS="$cores" OPENBLAS_NUM_THREADS="$cores" run_phase "slow tests, one at a time" --no-tests=ignore -L slow -LE mpi
 
 if ((${#failed[@]})); then
   echo "FAILED tests:"

@@ -18,9 +18,8 @@ Dims dims_of(const Tensor& q, const Tensor& k) {
 }
 
 // Plain attention, forward and backward: with the heads of one kv group adjacent in memory,
-// q[b, group g] is a [G*S, D] matrix, so every
-// product is one strided-batched gemm over B*Hkv matrices.
-
+// q[b, group g] is a [G*S, D] matrix, so every product is one strided-batched gemm over B*Hkv
+// matrices.
 struct PlainAttentionBackward : NamedNode<PlainAttentionBackward> {
   static constexpr const char* kName = "PlainAttentionBackward";
   SavedTensor q, k, v, probs;

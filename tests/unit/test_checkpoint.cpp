@@ -278,19 +278,36 @@ TEST(CheckpointFormat, HoldsEveryTensorAtFullShapeAndTheTrainingState) {
 
 // ---- bitwise resume ---------------------------------------------------------------------------
 
-class ResumeIsBitwise : public ::testing::TestWithParam<std::string> {};
+// What a case changes about the run, and the state a resume must restore for it to stay exact.
+struct ResumeCase {
+  std::string name;
+  std::vector<std::string> overrides;
+};
+
+void PrintTo(const ResumeCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+// The final trained weights: the export, or the adapter of a LoRA run.
+std::string final_weights(const train::TrainSummary& s) {
+  if (!s.export_dir.empty()) return file_bytes(s.export_dir + "/model.safetensors");
+  return file_bytes(fs::path(s.metrics_path).parent_path() / "adapter/adapter_model.safetensors");
+}
+
+class ResumeIsBitwise : public ::testing::TestWithParam<ResumeCase> {};
 
 TEST_P(ResumeIsBitwise, TwentyStepsSavedAndResumedGiveTheFortyStepRun) {
   TempDir tmp;
-  std::vector<std::string> precision = {"precision.compute=" + GetParam()};
-  if (GetParam() == "fp16") precision.push_back("precision.growth_interval=3");
+  const ResumeCase& c = GetParam();
   auto with = [&](std::vector<std::string> extra) {
-    extra.insert(extra.end(), precision.begin(), precision.end());
+    extra.insert(extra.end(), c.overrides.begin(), c.overrides.end());
     return extra;
   };
   train::TrainSummary ref = train::run_training(tiny_config(tmp / "ref", with({})));
   std::map<int64_t, double> ref_losses = step_losses(ref.metrics_path);
   ASSERT_EQ(ref_losses.size(), 40u);
+  const std::string ref_weights = final_weights(ref);
+  ASSERT_FALSE(ref_weights.empty());
 
   // Saving does not disturb the run.
   train::TrainSummary saving = train::run_training(
@@ -299,11 +316,20 @@ TEST_P(ResumeIsBitwise, TwentyStepsSavedAndResumedGiveTheFortyStepRun) {
   const std::string at20 = tmp / "saving/checkpoints/step-00000020.h5";
   ASSERT_TRUE(fs::exists(at20));
   ASSERT_TRUE(fs::exists(tmp / "saving/checkpoints/step-00000040.h5"));
-  if (GetParam() == "fp16") {
+  io::CheckpointReader reader(at20);
+  if (c.name == "fp16") {
     // The scaler's state is worth restoring: it has moved away from its initial value.
-    io::CheckpointReader reader(at20);
     EXPECT_TRUE(reader.state().scaler_enabled);
     EXPECT_NE(reader.state().scaler.scale, 65536.0f);
+  }
+  if (c.name == "lora_dropout") {
+    // One dropout generator per adapted projection, advanced by 20 steps of masks.
+    ASSERT_EQ(reader.state().rng.size(), 1u);
+    ASSERT_EQ(reader.state().rng[0].size(), 2u * 7u);
+    EXPECT_EQ(reader.state().rng[0][0].name, "model.layers.0.self_attn.q_proj.lora_dropout");
+    EXPECT_GT(reader.state().rng[0][0].offset, 0u);
+    for (const std::string& name : reader.tensor_names())
+      EXPECT_NE(name.find("lora_"), std::string::npos) << "a frozen weight was saved: " << name;
   }
 
   train::TrainSummary resumed =
@@ -314,12 +340,19 @@ TEST_P(ResumeIsBitwise, TwentyStepsSavedAndResumedGiveTheFortyStepRun) {
     EXPECT_GT(step, 20);
     EXPECT_EQ(loss, ref_losses.at(step)) << "step " << step;
   }
-  EXPECT_TRUE(file_bytes(resumed.export_dir + "/model.safetensors") ==
-              file_bytes(ref.export_dir + "/model.safetensors"))
-      << "the exported weights differ from the uninterrupted run's";
+  EXPECT_TRUE(final_weights(resumed) == ref_weights)
+      << "the final weights differ from the uninterrupted run's";
 }
 
-INSTANTIATE_TEST_SUITE_P(Precision, ResumeIsBitwise, ::testing::Values("fp32", "fp16"));
+INSTANTIATE_TEST_SUITE_P(
+    Runs, ResumeIsBitwise,
+    ::testing::Values(ResumeCase{"fp32", {}},
+                      ResumeCase{"fp16", {"precision.compute=fp16", "precision.growth_interval=3"}},
+                      ResumeCase{"optimizer_offload", {"optim.offload=cpu"}},
+                      ResumeCase{
+                          "lora_dropout",
+                          {"lora.enabled=true", "lora.r=4", "lora.alpha=8", "lora.dropout=0.2"}}),
+    [](const auto& info) { return info.param.name; });
 
 // ---- damaged checkpoints ----------------------------------------------------------------------
 
