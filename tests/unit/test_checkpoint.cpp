@@ -326,8 +326,12 @@ TEST_P(ResumeIsBitwise, TwentyStepsSavedAndResumedGiveTheFortyStepRun) {
     // One dropout generator per adapted projection, advanced by 20 steps of masks.
     ASSERT_EQ(reader.state().rng.size(), 1u);
     ASSERT_EQ(reader.state().rng[0].size(), 2u * 7u);
-    EXPECT_EQ(reader.state().rng[0][0].name, "model.layers.0.self_attn.q_proj.lora_dropout");
-    EXPECT_GT(reader.state().rng[0][0].offset, 0u);
+    bool found = false;
+    for (const io::GeneratorState& g : reader.state().rng[0]) {
+      EXPECT_GT(g.offset, 0u) << g.name;
+      found = found || g.name == "model.layers.0.self_attn.q_proj.lora_dropout";
+    }
+    EXPECT_TRUE(found);
     for (const std::string& name : reader.tensor_names())
       EXPECT_NE(name.find("lora_"), std::string::npos) << "a frozen weight was saved: " << name;
   }
@@ -349,6 +353,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(ResumeCase{"fp32", {}},
                       ResumeCase{"fp16", {"precision.compute=fp16", "precision.growth_interval=3"}},
                       ResumeCase{"optimizer_offload", {"optim.offload=cpu"}},
+                      ResumeCase{"sgd_momentum", {"optim.name=sgd", "optim.lr=0.05"}},
                       ResumeCase{
                           "lora_dropout",
                           {"lora.enabled=true", "lora.r=4", "lora.alpha=8", "lora.dropout=0.2"}}),
