@@ -14,7 +14,9 @@ Command train_command() {
   c.description =
       "Trains the model of --config on its data, printing progress on stderr and writing\n"
       "<train.out_dir>/metrics.jsonl, config.yaml and (train.export) the model in Hugging Face\n"
-      "layout. Under mpirun every rank runs this same command.";
+      "layout. Under mpirun every rank runs this same command. SIGTERM or SIGUSR1 stops the run\n"
+      "after the current step with a checkpoint (exit code 0); train.resume=auto continues it\n"
+      "(docs/checkpoints.md).";
   c.flags = config_flags();
   c.run = [](const Args& args) {
     train::Config config = config_from_args(args);
@@ -27,6 +29,9 @@ Command train_command() {
                   s.unigram_entropy_nats);
     std::printf(", %.0f tokens/s\nmetrics: %s\n", s.tokens_per_second, s.metrics_path.c_str());
     if (!s.export_dir.empty()) std::printf("model: %s\n", s.export_dir.c_str());
+    if (!s.last_checkpoint.empty()) std::printf("checkpoint: %s\n", s.last_checkpoint.c_str());
+    if (s.stopped_early)
+      std::printf("stopped early on a signal; continue with --set train.resume=auto\n");
     return 0;
   };
   return c;

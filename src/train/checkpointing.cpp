@@ -7,7 +7,6 @@
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <set>
 
 #include "shardtrain/autograd/grad_mode.h"
 #include "shardtrain/dist/env.h"
