@@ -31,7 +31,9 @@ Tensor add_grads(const Tensor& a, const Tensor& b) {
   return out;
 }
 
-Tensor zeros_for(const OutputMeta& m) { return zeros(m.shape, m.dtype, m.device); }
+Tensor zeros_for(const OutputMeta& m) {
+  return zeros(m.shape, m.dtype, m.device);
+}
 
 struct ReadyOrder {
   bool operator()(const Node* a, const Node* b) const {
@@ -149,6 +151,8 @@ void backward(const Tensor& root, const Tensor& grad_root) {
   }
 }
 
-BackwardStats last_backward_stats() { return tls_stats; }
+BackwardStats last_backward_stats() {
+  return tls_stats;
+}
 
 }  // namespace shardtrain::autograd

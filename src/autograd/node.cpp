@@ -32,8 +32,8 @@ void set_requires_grad(Tensor& t, bool value) {
   ST_CHECK(m.grad_fn == nullptr,
            "requires_grad can only be set on leaf tensors (this one is the result of ",
            m.grad_fn->name(), ")");
-  ST_CHECK(!value || is_floating(t.dtype()), "only floating-point tensors can require gradients, not ",
-           t.describe());
+  ST_CHECK(!value || is_floating(t.dtype()),
+           "only floating-point tensors can require gradients, not ", t.describe());
   m.requires_grad = value;
 }
 
@@ -47,7 +47,9 @@ Tensor grad(const Tensor& t) {
   return m ? m->grad : Tensor();
 }
 
-void set_grad(Tensor& t, Tensor g) { ensure_meta(t).grad = std::move(g); }
+void set_grad(Tensor& t, Tensor g) {
+  ensure_meta(t).grad = std::move(g);
+}
 
 std::shared_ptr<Node> grad_fn(const Tensor& t) {
   AutogradMeta* m = meta_of(t);

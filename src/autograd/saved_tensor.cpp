@@ -49,10 +49,14 @@ SavedTensor::SavedTensor(const Tensor& tensor) {
 
 Tensor SavedTensor::unpack() const {
   switch (state_) {
-    case State::Plain: return plain_;
-    case State::Packed: return hooks_->unpack(*packed_);
-    case State::Empty: return Tensor();
-    case State::Released: break;
+    case State::Plain:
+      return plain_;
+    case State::Packed:
+      return hooks_->unpack(*packed_);
+    case State::Empty:
+      return Tensor();
+    case State::Released:
+      break;
   }
   throw Error(
       "a saved tensor was used after its node's backward had run and freed it (backward through "

@@ -20,12 +20,8 @@ Command plan_command();
 
 const std::vector<Command>& commands() {
   static const std::vector<Command> all = {
-      train_command(),
-      check_command(),
-      bench_command(),
-      plan_command(),
-      config_command(),
-      prepare_data_command(),
+      train_command(), check_command(),  bench_command(),
+      plan_command(),  config_command(), prepare_data_command(),
   };
   return all;
 }

@@ -6,9 +6,12 @@ namespace shardtrain {
 
 std::string Device::str() const {
   switch (kind) {
-    case DeviceKind::Host: return "host";
-    case DeviceKind::CPU: return "cpu";
-    case DeviceKind::CUDA: return "cuda:" + std::to_string(index);
+    case DeviceKind::Host:
+      return "host";
+    case DeviceKind::CPU:
+      return "cpu";
+    case DeviceKind::CUDA:
+      return "cuda:" + std::to_string(index);
   }
   return "?";
 }

@@ -8,24 +8,36 @@ namespace shardtrain {
 
 size_t dtype_size(DType t) {
   switch (t) {
-    case DType::F32: return 4;
-    case DType::BF16: return 2;
-    case DType::F16: return 2;
-    case DType::I32: return 4;
-    case DType::I64: return 8;
-    case DType::U8: return 1;
+    case DType::F32:
+      return 4;
+    case DType::BF16:
+      return 2;
+    case DType::F16:
+      return 2;
+    case DType::I32:
+      return 4;
+    case DType::I64:
+      return 8;
+    case DType::U8:
+      return 1;
   }
   return 0;
 }
 
 std::string_view dtype_name(DType t) {
   switch (t) {
-    case DType::F32: return "f32";
-    case DType::BF16: return "bf16";
-    case DType::F16: return "f16";
-    case DType::I32: return "i32";
-    case DType::I64: return "i64";
-    case DType::U8: return "u8";
+    case DType::F32:
+      return "f32";
+    case DType::BF16:
+      return "bf16";
+    case DType::F16:
+      return "f16";
+    case DType::I32:
+      return "i32";
+    case DType::I64:
+      return "i64";
+    case DType::U8:
+      return "u8";
   }
   return "?";
 }
@@ -41,7 +53,9 @@ DType dtype_from_name(std::string_view n) {
                                    "': expected one of fp32, bf16, fp16, int32, int64, uint8"));
 }
 
-bool is_floating(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
+bool is_floating(DType t) {
+  return t == DType::F32 || t == DType::BF16 || t == DType::F16;
+}
 
 uint16_t float_to_f16(float f) {
   uint32_t x = float_bits(f);

@@ -13,7 +13,9 @@ namespace {
 
 constexpr size_t kAlignment = 64;
 
-size_t round_up(size_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
+size_t round_up(size_t bytes) {
+  return (bytes + kAlignment - 1) / kAlignment * kAlignment;
+}
 
 // Ordinary process memory, used both for the CPU device and for the host pool. On a machine with
 // a GPU the CUDA backend replaces the host pool's allocator with a pinned one.
@@ -103,8 +105,10 @@ void Allocator::set_capacity(int64_t bytes) {
 Allocator& allocator_for(Device device) {
   Registry& r = registry();
   switch (device.kind) {
-    case DeviceKind::CPU: return r.cpu;
-    case DeviceKind::Host: return *r.host;
+    case DeviceKind::CPU:
+      return r.cpu;
+    case DeviceKind::Host:
+      return *r.host;
     case DeviceKind::CUDA:
       if (device.index >= 0 && device.index < static_cast<int>(r.cuda.size()) &&
           r.cuda[device.index] != nullptr)
@@ -117,12 +121,17 @@ Allocator& allocator_for(Device device) {
 
 void register_allocator(Device device, Allocator* allocator) {
   Registry& r = registry();
-  if (device.is_host()) r.host = allocator;
-  else if (device.is_cuda()) r.cuda.at(device.index) = allocator;
-  else throw Error("the CPU device allocator cannot be replaced");
+  if (device.is_host())
+    r.host = allocator;
+  else if (device.is_cuda())
+    r.cuda.at(device.index) = allocator;
+  else
+    throw Error("the CPU device allocator cannot be replaced");
 }
 
-void register_cuda_copy(CopyFn fn) { registry().cuda_copy = fn; }
+void register_cuda_copy(CopyFn fn) {
+  registry().cuda_copy = fn;
+}
 
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
   if (bytes == 0) return;
@@ -149,7 +158,9 @@ DataPtr DataPtr::borrowed(void* ptr, size_t bytes, Device device) {
   return d;
 }
 
-DataPtr::~DataPtr() { reset(); }
+DataPtr::~DataPtr() {
+  reset();
+}
 
 DataPtr::DataPtr(DataPtr&& o) noexcept
     : ptr_(o.ptr_), bytes_(o.bytes_), device_(o.device_), category_(o.category_), owned_(o.owned_) {

@@ -8,12 +8,18 @@ thread_local MemoryCategory tls_category = MemoryCategory::Activations;
 
 std::string_view category_name(MemoryCategory c) {
   switch (c) {
-    case MemoryCategory::Parameters: return "parameters";
-    case MemoryCategory::Gradients: return "gradients";
-    case MemoryCategory::OptimizerState: return "optimizer_state";
-    case MemoryCategory::Activations: return "activations";
-    case MemoryCategory::Offloaded: return "offloaded";
-    case MemoryCategory::Workspace: return "workspace";
+    case MemoryCategory::Parameters:
+      return "parameters";
+    case MemoryCategory::Gradients:
+      return "gradients";
+    case MemoryCategory::OptimizerState:
+      return "optimizer_state";
+    case MemoryCategory::Activations:
+      return "activations";
+    case MemoryCategory::Offloaded:
+      return "offloaded";
+    case MemoryCategory::Workspace:
+      return "workspace";
   }
   return "?";
 }
@@ -21,7 +27,11 @@ std::string_view category_name(MemoryCategory c) {
 CategoryScope::CategoryScope(MemoryCategory category) : previous_(tls_category) {
   tls_category = category;
 }
-CategoryScope::~CategoryScope() { tls_category = previous_; }
-MemoryCategory CategoryScope::current() { return tls_category; }
+CategoryScope::~CategoryScope() {
+  tls_category = previous_;
+}
+MemoryCategory CategoryScope::current() {
+  return tls_category;
+}
 
 }  // namespace shardtrain

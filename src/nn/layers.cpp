@@ -20,20 +20,26 @@ Linear::Linear(int64_t in_features, int64_t out_features, Device device)
   register_parameter("weight", &weight);
 }
 
-Tensor Linear::forward(const Tensor& x) { return ops::linear(x, weight); }
+Tensor Linear::forward(const Tensor& x) {
+  return ops::linear(x, weight);
+}
 
 Embedding::Embedding(int64_t vocab, int64_t hidden, Device device) {
   weight = new_parameter({vocab, hidden}, 0.0f, device);
   register_parameter("weight", &weight);
 }
 
-Tensor Embedding::forward(const Tensor& ids) { return ops::embedding(weight, ids); }
+Tensor Embedding::forward(const Tensor& ids) {
+  return ops::embedding(weight, ids);
+}
 
 RMSNorm::RMSNorm(int64_t hidden, float eps_, Device device) : eps(eps_) {
   weight = new_parameter({hidden}, 1.0f, device);
   register_parameter("weight", &weight);
 }
 
-Tensor RMSNorm::forward(const Tensor& x) { return ops::rms_norm(x, weight, eps); }
+Tensor RMSNorm::forward(const Tensor& x) {
+  return ops::rms_norm(x, weight, eps);
+}
 
 }  // namespace shardtrain::nn

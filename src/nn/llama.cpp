@@ -30,11 +30,12 @@ Linear& Attention::projection(const std::string& name) {
 }
 
 void Attention::replace_projection(const std::string& name, std::unique_ptr<Linear> linear) {
-  std::unique_ptr<Linear>& slot = name == "q_proj"   ? q_proj
-                                  : name == "k_proj" ? k_proj
-                                  : name == "v_proj" ? v_proj
-                                  : name == "o_proj" ? o_proj
-                                                     : throw ConfigError("no attention projection named '" + name + "'");
+  std::unique_ptr<Linear>& slot =
+      name == "q_proj"   ? q_proj
+      : name == "k_proj" ? k_proj
+      : name == "v_proj" ? v_proj
+      : name == "o_proj" ? o_proj
+                         : throw ConfigError("no attention projection named '" + name + "'");
   slot = std::move(linear);
   replace_child(name, slot.get());
 }
@@ -147,9 +148,9 @@ void LlamaModel::init_weights(uint64_t seed) {
   autograd::NoGrad no_grad;
   for (auto& [name, slot] : named_parameters()) {
     bool is_norm = name.find("norm") != std::string::npos;
-    Tensor values = is_norm ? ones(slot->shape(), DType::F32, Device::host())
-                            : randn(slot->shape(), gen, config_.init_std, DType::F32,
-                                    Device::host());
+    Tensor values = is_norm
+                        ? ones(slot->shape(), DType::F32, Device::host())
+                        : randn(slot->shape(), gen, config_.init_std, DType::F32, Device::host());
     slot->copy_from(values);
   }
 }
@@ -160,7 +161,8 @@ std::vector<std::pair<std::string, Tensor*>> LlamaModel::layer_parameters(int la
 }
 
 std::vector<std::pair<std::string, Tensor*>> LlamaModel::root_parameters() {
-  std::vector<std::pair<std::string, Tensor*>> out = embed_tokens.named_parameters("model.embed_tokens");
+  std::vector<std::pair<std::string, Tensor*>> out =
+      embed_tokens.named_parameters("model.embed_tokens");
   auto n = norm.named_parameters("model.norm");
   out.insert(out.end(), n.begin(), n.end());
   if (lm_head) {

@@ -9,8 +9,9 @@ void LlamaConfig::validate() const {
   auto fail = [](const std::string& what) { throw ConfigError("model: " + what); };
   if (vocab_size <= 0 || hidden_size <= 0 || intermediate_size <= 0 || num_layers <= 0 ||
       num_heads <= 0 || num_kv_heads <= 0)
-    fail("vocab_size, hidden_size, intermediate_size, num_layers, num_heads and num_kv_heads "
-         "must all be positive");
+    fail(
+        "vocab_size, hidden_size, intermediate_size, num_layers, num_heads and num_kv_heads "
+        "must all be positive");
   if (hidden_size % num_heads != 0)
     fail("hidden_size " + std::to_string(hidden_size) + " is not divisible by num_heads " +
          std::to_string(num_heads));
@@ -56,7 +57,8 @@ LlamaConfig LlamaConfig::from_hf_json(const std::string& path) {
   }
   if (j.contains("head_dim") && j["head_dim"].is_number_integer() &&
       j["head_dim"].get<int64_t>() * c.num_heads != c.hidden_size)
-    throw FormatError("'" + path + "': head_dim * num_attention_heads != hidden_size is not "
+    throw FormatError("'" + path +
+                      "': head_dim * num_attention_heads != hidden_size is not "
                       "supported");
   c.validate();
   return c;

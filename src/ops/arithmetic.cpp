@@ -58,18 +58,19 @@ struct MulLastdimBackward : NamedNode<MulLastdimBackward> {
 
 Tensor add(const Tensor& a, const Tensor& b) {
   check_same(a, b, "add");
-  ST_CHECK_SHAPE(a.numel() == b.numel(), "add: shapes differ (", a.describe(), " vs ",
-                 b.describe(), ")");
+  ST_CHECK_SHAPE(a.numel() == b.numel(), "add: shapes differ (", a.describe(), " vs ", b.describe(),
+                 ")");
   Tensor out = empty_like(a);
   backend_of(a).add(a, b, out, 1.0f, 1.0f);
-  if (autograd::needs_graph({&a, &b})) autograd::attach(std::make_shared<AddBackward>(), {&a, &b}, {&out});
+  if (autograd::needs_graph({&a, &b}))
+    autograd::attach(std::make_shared<AddBackward>(), {&a, &b}, {&out});
   return out;
 }
 
 Tensor mul(const Tensor& a, const Tensor& b) {
   check_same(a, b, "mul");
-  ST_CHECK_SHAPE(a.numel() == b.numel(), "mul: shapes differ (", a.describe(), " vs ",
-                 b.describe(), ")");
+  ST_CHECK_SHAPE(a.numel() == b.numel(), "mul: shapes differ (", a.describe(), " vs ", b.describe(),
+                 ")");
   Tensor out = empty_like(a);
   backend_of(a).mul(a, b, out);
   if (autograd::needs_graph({&a, &b})) {

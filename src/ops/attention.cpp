@@ -53,8 +53,7 @@ struct FusedAttentionBackward : NamedNode<FusedAttentionBackward> {
     Tensor tq = q.unpack(), tk = k.unpack(), tv = v.unpack();
     Tensor dq = empty_like(tq), dk = empty_like(tk), dv = empty_like(tv);
     float sc = 1.0f / std::sqrt(static_cast<float>(tq.size(3)));
-    backend_of(tq).attention_backward(tq, tk, tv, out.unpack(), lse.unpack(), g[0], sc, dq, dk,
-                                      dv);
+    backend_of(tq).attention_backward(tq, tk, tv, out.unpack(), lse.unpack(), g[0], sc, dq, dk, dv);
     return {dq, dk, dv};
   }
   void release_saved() override {
@@ -77,9 +76,9 @@ AttentionImpl parse_attention_impl(const std::string& name) {
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, AttentionImpl impl) {
   check_same(q, k, "attention");
   check_same(q, v, "attention");
-  ST_CHECK_SHAPE(q.dim() == 4 && k.dim() == 4 && k.shape() == v.shape() &&
-                     q.size(0) == k.size(0) && q.size(2) == k.size(2) &&
-                     q.size(3) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+  ST_CHECK_SHAPE(q.dim() == 4 && k.dim() == 4 && k.shape() == v.shape() && q.size(0) == k.size(0) &&
+                     q.size(2) == k.size(2) && q.size(3) == k.size(3) && k.size(1) > 0 &&
+                     q.size(1) % k.size(1) == 0,
                  "attention: expected q [B, Hq, S, D] and k, v [B, Hkv, S, D] with Hq a multiple "
                  "of Hkv; got q ",
                  q.describe(), ", k ", k.describe(), ", v ", v.describe());

@@ -59,8 +59,8 @@ Tensor linear(const Tensor& x, const Tensor& w) {
   check_float(x, "linear", "input");
   check_same(x, w, "linear");
   ST_CHECK_SHAPE(w.dim() == 2 && x.dim() >= 1 && x.size(-1) == w.size(1), "linear: input ",
-                 x.describe(), " does not match weight ", w.describe(),
-                 " (expected input [..., ", w.dim() == 2 ? w.size(1) : -1, "])");
+                 x.describe(), " does not match weight ", w.describe(), " (expected input [..., ",
+                 w.dim() == 2 ? w.size(1) : -1, "])");
   int64_t in = w.size(1), out_features = w.size(0), rows = x.numel() / in;
   Shape out_shape = x.shape();
   out_shape.back() = out_features;
@@ -79,8 +79,8 @@ Tensor linear(const Tensor& x, const Tensor& w) {
 
 Tensor matmul(const Tensor& a, const Tensor& b, bool trans_b) {
   check_same(a, b, "matmul");
-  ST_CHECK_SHAPE(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0), "matmul: ",
-                 a.describe(), " @ ", b.describe(), ": expected [batch, m, k] @ [batch, k, n]");
+  ST_CHECK_SHAPE(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0), "matmul: ", a.describe(),
+                 " @ ", b.describe(), ": expected [batch, m, k] @ [batch, k, n]");
   int64_t batch = a.size(0), m = a.size(1), k = a.size(2);
   int64_t kb = trans_b ? b.size(2) : b.size(1), n = trans_b ? b.size(1) : b.size(2);
   ST_CHECK_SHAPE(k == kb, "matmul: inner dimensions differ: ", a.describe(), " @ ", b.describe(),

@@ -57,7 +57,11 @@ Tensor cross_entropy_sum(const Tensor& logits, const Tensor& targets, int64_t* c
   return out;
 }
 
-double sum(const Tensor& x) { return backend_of(x).sum(x); }
-double sum_squares(const Tensor& x) { return backend_of(x).sum_squares(x); }
+double sum(const Tensor& x) {
+  return backend_of(x).sum(x);
+}
+double sum_squares(const Tensor& x) {
+  return backend_of(x).sum_squares(x);
+}
 
 }  // namespace shardtrain::ops

@@ -10,9 +10,13 @@ namespace shardtrain::ops::detail {
 
 using autograd::SavedTensor;
 
-inline Backend& backend_of(const Tensor& t) { return backend_for(t.device()); }
+inline Backend& backend_of(const Tensor& t) {
+  return backend_for(t.device());
+}
 
-inline Tensor empty_like(const Tensor& t) { return empty(t.shape(), t.dtype(), t.device()); }
+inline Tensor empty_like(const Tensor& t) {
+  return empty(t.shape(), t.dtype(), t.device());
+}
 
 inline void check_float(const Tensor& t, const char* op, const char* what) {
   ST_CHECK_SHAPE(t.defined(), op, ": ", what, " is undefined");
@@ -28,7 +32,9 @@ inline void check_same(const Tensor& a, const Tensor& b, const char* op) {
 }
 
 // An f32 accumulator for a weight gradient, returned in the weight's dtype.
-inline Tensor in_dtype(Tensor g, DType dtype) { return g.dtype() == dtype ? g : g.to(dtype); }
+inline Tensor in_dtype(Tensor g, DType dtype) {
+  return g.dtype() == dtype ? g : g.to(dtype);
+}
 
 // C = op(A) @ op(B) over `batch` matrices with element strides between them (see GemmArgs).
 inline void gemm(const Tensor& a, const Tensor& b, Tensor& c, bool ta, bool tb, int64_t m,

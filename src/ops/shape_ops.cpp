@@ -51,7 +51,8 @@ Tensor swap_dims_12(const Tensor& x) {
   ST_CHECK_SHAPE(x.dim() == 4, "swap_dims_12 needs a 4-d tensor, got ", x.describe());
   Tensor out = empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.dtype(), x.device());
   backend_of(x).permute_0213(x, out);
-  if (autograd::needs_graph({&x})) autograd::attach(std::make_shared<SwapDimsBackward>(), {&x}, {&out});
+  if (autograd::needs_graph({&x}))
+    autograd::attach(std::make_shared<SwapDimsBackward>(), {&x}, {&out});
   return out;
 }
 

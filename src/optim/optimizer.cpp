@@ -32,8 +32,12 @@ void AdamW::step(float lr) {
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor g = autograd::grad(*params_[i].param);
     if (!g.defined()) continue;
-    Backend::AdamWArgs args{lr, options_.beta1, options_.beta2, options_.eps,
-                            decay_[i] ? options_.weight_decay : 0.0f, steps_};
+    Backend::AdamWArgs args{lr,
+                            options_.beta1,
+                            options_.beta2,
+                            options_.eps,
+                            decay_[i] ? options_.weight_decay : 0.0f,
+                            steps_};
     backend_for(params_[i].param->device())
         .adamw(*params_[i].param, g, exp_avg_[i], exp_avg_sq_[i], args);
   }
@@ -69,8 +73,10 @@ void SGD::step(float lr) {
       be.add(g, p, d, 1.0f, weight_decay_);
     }
     if (momentum_ > 0) {  // buf = momentum * buf + d (PyTorch: plain copy on the first step)
-      if (steps_ == 1) buffers_[i].copy_from(d);
-      else be.add(buffers_[i], d, buffers_[i], momentum_, 1.0f);
+      if (steps_ == 1)
+        buffers_[i].copy_from(d);
+      else
+        be.add(buffers_[i], d, buffers_[i], momentum_, 1.0f);
       d = buffers_[i];
     }
     be.add(p, d, p, 1.0f, -lr);
@@ -111,8 +117,7 @@ void scale_grads(const std::vector<NamedParam>& params, float factor) {
   }
 }
 
-double clip_grad_norm(const std::vector<NamedParam>& params, double max_norm,
-                      double sum_squares) {
+double clip_grad_norm(const std::vector<NamedParam>& params, double max_norm, double sum_squares) {
   double norm = std::sqrt(sum_squares >= 0 ? sum_squares : grad_sum_squares(params));
   if (max_norm > 0 && norm > max_norm && std::isfinite(norm))
     scale_grads(params, static_cast<float>(max_norm / (norm + 1e-6)));

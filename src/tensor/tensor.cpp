@@ -10,8 +10,7 @@ DeviceCastFn g_device_cast = nullptr;
 
 std::shared_ptr<TensorImpl> make_impl(const Shape& shape, DType dtype, Device device,
                                       MemoryCategory category) {
-  for (int64_t d : shape)
-    ST_CHECK_SHAPE(d >= 0, "negative extent in shape ", shape_str(shape));
+  for (int64_t d : shape) ST_CHECK_SHAPE(d >= 0, "negative extent in shape ", shape_str(shape));
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = std::make_shared<Storage>();
   impl->storage->data =
@@ -29,7 +28,9 @@ int64_t Tensor::size(int64_t d) const {
   return impl_->shape[static_cast<size_t>(d)];
 }
 
-int64_t Tensor::numel() const { return shardtrain::numel(impl_->shape); }
+int64_t Tensor::numel() const {
+  return shardtrain::numel(impl_->shape);
+}
 
 std::string Tensor::describe() const {
   if (!defined()) return "undefined tensor";
@@ -74,8 +75,8 @@ Tensor Tensor::view(Shape shape) const {
 }
 
 Tensor Tensor::slice_rows(int64_t start, int64_t length) const {
-  ST_CHECK_SHAPE(dim() >= 1 && start >= 0 && length >= 0 && start + length <= size(0),
-                 "rows [", start, ", ", start + length, ") out of range for ", describe());
+  ST_CHECK_SHAPE(dim() >= 1 && start >= 0 && length >= 0 && start + length <= size(0), "rows [",
+                 start, ", ", start + length, ") out of range for ", describe());
   auto impl = std::make_shared<TensorImpl>(*impl_);
   int64_t row = numel() / std::max<int64_t>(size(0), 1);
   impl->offset += start * row;
@@ -90,7 +91,9 @@ Tensor Tensor::detach() const {
   return Tensor(impl);
 }
 
-Tensor Tensor::to(Device device) const { return to(device, category()); }
+Tensor Tensor::to(Device device) const {
+  return to(device, category());
+}
 
 Tensor Tensor::to(Device device, MemoryCategory category) const {
   Tensor out(make_impl(shape(), dtype(), device, category));
@@ -104,7 +107,9 @@ Tensor Tensor::to(DType dtype) const {
   return out;
 }
 
-Tensor Tensor::clone() const { return to(device(), CategoryScope::current()); }
+Tensor Tensor::clone() const {
+  return to(device(), CategoryScope::current());
+}
 
 void Tensor::copy_from(const Tensor& src) {
   ST_CHECK_SHAPE(src.numel() == numel(), "copy of ", src.describe(), " into ", describe(),
@@ -225,7 +230,9 @@ void convert_elements(const void* src, DType st, void* dst, DType dt, int64_t n)
   }
 }
 
-void register_device_cast(DeviceCastFn fn) { g_device_cast = fn; }
+void register_device_cast(DeviceCastFn fn) {
+  g_device_cast = fn;
+}
 
 // ---- factories -------------------------------------------------------------------------------
 

@@ -30,10 +30,7 @@ namespace fs = std::filesystem;
 
 // ---- batches --------------------------------------------------------------------------------
 
-namespace {
-
-
-}  // namespace
+namespace {}  // namespace
 
 struct StepBatches::State {
   TokenDataset data;

@@ -51,7 +51,8 @@ TensorError compare(const std::string& name, const std::vector<float>& got,
     double diff = std::fabs(static_cast<double>(got[i]) - want[i]);
     if (!std::isfinite(static_cast<double>(got[i]))) diff = INFINITY;
     e.max_abs = std::max(e.max_abs, diff);
-    e.max_rel = std::max(e.max_rel, diff / (std::fabs(static_cast<double>(want[i])) + e.tolerance_atol + 1e-30));
+    e.max_rel = std::max(
+        e.max_rel, diff / (std::fabs(static_cast<double>(want[i])) + e.tolerance_atol + 1e-30));
     double allowed = e.tolerance_atol + rtol * std::fabs(static_cast<double>(want[i]));
     if (extra_atol) allowed += (*extra_atol)[i];
     if (!(diff <= allowed)) e.ok = false;
@@ -108,13 +109,16 @@ CheckReport run_check(Config config, const CheckOptions& options) {
   const std::string& compute = config.precision.effective_param_dtype();
   bool half = compute != "fp32";
   double rtol = options.rtol >= 0 ? options.rtol
-                                  : (compute == "bf16" ? 5e-2 : compute == "fp16" ? 1e-2 : 1e-4);
+                                  : (compute == "bf16"   ? 5e-2
+                                     : compute == "fp16" ? 1e-2
+                                                         : 1e-4);
 
   Batch full;
   full.input_ids = batch.load("input_ids", Device::cpu(), DType::I64);
   full.targets = batch.load("targets", Device::cpu(), DType::I64);
-  ST_CHECK_AS(FormatError, full.input_ids.shape() == full.targets.shape() && full.input_ids.dim() == 2,
-              "'", options.batch_file, "': input_ids ", full.input_ids.describe(), " and targets ",
+  ST_CHECK_AS(FormatError,
+              full.input_ids.shape() == full.targets.shape() && full.input_ids.dim() == 2, "'",
+              options.batch_file, "': input_ids ", full.input_ids.describe(), " and targets ",
               full.targets.describe(), " must both be [batch, seq]");
   full.num_target_tokens = count_target_tokens(full.targets);
   int64_t b = full.batch_size();
@@ -148,10 +152,13 @@ CheckReport run_check(Config config, const CheckOptions& options) {
   CheckReport report;
   auto want = [&](const std::string& name) { return expected.load(name).to_float_vector(); };
   // Every parameter's full value (or gradient), gathered unit by unit when sharded.
-  auto for_each_full = [&](bool gradients, const std::function<void(const std::string&, const Tensor&)>& fn) {
+  auto for_each_full = [&](bool gradients,
+                           const std::function<void(const std::string&, const Tensor&)>& fn) {
     if (fsdp::ShardedModel* sharded = rt.sharded()) {
-      if (gradients) sharded->for_each_full_gradient(fn);
-      else sharded->for_each_full_parameter(fn);
+      if (gradients)
+        sharded->for_each_full_gradient(fn);
+      else
+        sharded->for_each_full_parameter(fn);
       return;
     }
     for (auto& [name, slot] : rt.model().named_parameters()) {
@@ -170,8 +177,8 @@ CheckReport run_check(Config config, const CheckOptions& options) {
   if (expected.contains("logits")) {
     autograd::NoGrad ng;
     Tensor logits = rt.model().forward(full.input_ids.to(rt.device()));
-    report.tensors.push_back(compare("logits", logits.to_float_vector(), want("logits"), rtol,
-                                     options.atol, half));
+    report.tensors.push_back(
+        compare("logits", logits.to_float_vector(), want("logits"), rtol, options.atol, half));
   }
   std::vector<Batch> micro_batches = split_batch(mine, per_rank / micro);
   rt.optimizer().zero_grad();
@@ -179,8 +186,8 @@ CheckReport run_check(Config config, const CheckOptions& options) {
   ST_CHECK(!grads.found_inf, "the gradients overflowed at loss scale ", rt.scaler().scale(),
            "; lower precision.init_scale");
   if (expected.contains("loss"))
-    report.tensors.push_back(compare("loss", {static_cast<float>(grads.loss)}, want("loss"), rtol,
-                                     options.atol, half));
+    report.tensors.push_back(
+        compare("loss", {static_cast<float>(grads.loss)}, want("loss"), rtol, options.atol, half));
   for_each_full(true, [&](const std::string& name, const Tensor& g) {
     std::string key = "grad." + name;
     if (!expected.contains(key)) return;
@@ -201,13 +208,14 @@ CheckReport run_check(Config config, const CheckOptions& options) {
       std::vector<float> g = want("grad." + name);
       double sq = 0;
       for (float v : g) sq += static_cast<double>(v) * v;
-      double grad_atol = (options.atol >= 0 ? options.atol : rtol * std::sqrt(sq / static_cast<double>(g.size())));
+      double grad_atol =
+          (options.atol >= 0 ? options.atol : rtol * std::sqrt(sq / static_cast<double>(g.size())));
       slack.resize(g.size());
       for (size_t i = 0; i < g.size(); ++i)
         slack[i] = lr * std::min(2.0, grad_atol / (std::fabs(static_cast<double>(g[i])) + eps));
     }
-    report.tensors.push_back(compare(key, p.to_float_vector(), want(key), half ? 1e-4 : rtol,
-                                     atol, false, slack.empty() ? nullptr : &slack));
+    report.tensors.push_back(compare(key, p.to_float_vector(), want(key), half ? 1e-4 : rtol, atol,
+                                     false, slack.empty() ? nullptr : &slack));
   });
   report.world_size = world;
   report.leader = rank == 0;

@@ -8,16 +8,18 @@ namespace shardtrain::train {
 
 Progress::Progress(std::string mode, int64_t total_steps, std::string label)
     : total_(total_steps), label_(std::move(label)), start_(std::chrono::steady_clock::now()) {
-  if (mode == "auto") bar_ = isatty(STDERR_FILENO) != 0;
-  else bar_ = mode == "bar";
+  if (mode == "auto")
+    bar_ = isatty(STDERR_FILENO) != 0;
+  else
+    bar_ = mode == "bar";
   quiet_ = mode == "none";
 }
 
 void Progress::update(int64_t step, const std::string& text) {
   if (quiet_) return;
-  double elapsed =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  double eta = step > 0 ? elapsed / static_cast<double>(step) * static_cast<double>(total_ - step) : 0;
+  double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  double eta =
+      step > 0 ? elapsed / static_cast<double>(step) * static_cast<double>(total_ - step) : 0;
   char eta_text[32];
   std::snprintf(eta_text, sizeof eta_text, "%02d:%02d", static_cast<int>(eta) / 60,
                 static_cast<int>(eta) % 60);

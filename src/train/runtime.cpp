@@ -46,7 +46,8 @@ nn::LlamaConfig llama_config_from(const ModelConfig& m) {
   return c;
 }
 
-Runtime::Runtime(const Config& config) : config_(config), device_(resolve_device(config.train.device)) {
+Runtime::Runtime(const Config& config)
+    : config_(config), device_(resolve_device(config.train.device)) {
   // Several ranks on a node use one GPU each: "auto" and "cuda" mean the local rank's device.
   const dist::LaunchInfo launch = dist::detect_launch();
   if (device_.is_cuda() && launch.local_size > 1 &&
@@ -80,7 +81,8 @@ Runtime::Runtime(const Config& config) : config_(config), device_(resolve_device
     lo.dropout = static_cast<float>(config_.lora.dropout);
     lo.target_modules = config_.lora.target_modules;
     lo.quantize_base = nn::parse_base_quantization(config_.lora.quantize_base);
-    lo.frozen_dtype = config_.precision.effective_param_dtype() == "bf16" ? DType::BF16 : DType::F32;
+    lo.frozen_dtype =
+        config_.precision.effective_param_dtype() == "bf16" ? DType::BF16 : DType::F32;
     lo.seed = static_cast<uint64_t>(config_.train.seed);
     nn::apply_lora(*model_, lo);
   }
@@ -91,7 +93,9 @@ Runtime::Runtime(const Config& config) : config_(config), device_(resolve_device
   act.strategy = config_.activation.strategy;
   int64_t num_layers = mc.num_layers;
   ActivationConfig ac = config_.activation;
-  act.applies_to_layer = [ac, num_layers](int layer) { return ac.applies_to_layer(layer, num_layers); };
+  act.applies_to_layer = [ac, num_layers](int layer) {
+    return ac.applies_to_layer(layer, num_layers);
+  };
   act.reentrant = config_.activation.checkpoint_impl == "reentrant";
   act.offload_min_bytes = config_.activation.offload_min_bytes;
   activation::apply_activation_strategy(*model_, act);
@@ -137,15 +141,19 @@ Runtime::Runtime(const Config& config) : config_(config), device_(resolve_device
       optimizer_ = std::make_unique<optim::AdamW>(params, opts);
     }
   } else {
-    ST_CHECK_AS(ConfigError, o.offload == "none", "optim.offload: 'cpu' runs AdamW on the CPU, "
-                "but optim.name is '", o.name, "'; set optim.name=adamw or optim.offload=none");
+    ST_CHECK_AS(ConfigError, o.offload == "none",
+                "optim.offload: 'cpu' runs AdamW on the CPU, "
+                "but optim.name is '",
+                o.name, "'; set optim.name=adamw or optim.offload=none");
     optimizer_ = std::make_unique<optim::SGD>(params, static_cast<float>(o.momentum),
                                               static_cast<float>(o.weight_decay));
   }
 }
 
 // The capacity is a property of this run, not of the process (tests build many runtimes).
-Runtime::~Runtime() { allocator_for(device_).set_capacity(previous_capacity_); }
+Runtime::~Runtime() {
+  allocator_for(device_).set_capacity(previous_capacity_);
+}
 
 std::vector<optim::NamedParam> Runtime::trainable() const {
   if (sharded_) return sharded_->optimizer_params();
@@ -174,7 +182,8 @@ Runtime::Gradients Runtime::forward_backward(const std::vector<Batch>& micro_bat
     // Token-weighted: every micro-batch is divided by the tokens of the whole global batch, so
     // any split into micro-batches gives the gradient of the whole batch. The loss scale (fp16)
     // multiplies in here and is divided out of the gradients below, before clipping.
-    float factor = static_cast<float>(static_cast<double>(scaler_->scale()) / static_cast<double>(tokens));
+    float factor =
+        static_cast<float>(static_cast<double>(scaler_->scale()) / static_cast<double>(tokens));
     autograd::backward(ops::scale(loss_sum, factor));
   }
   Gradients g;

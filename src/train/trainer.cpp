@@ -1,13 +1,13 @@
 #include "shardtrain/train/trainer.h"
 
 #include <chrono>
-#include <cstdio>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
 #ifdef SHARDTRAIN_HAVE_CUDA
@@ -29,7 +29,6 @@
 namespace shardtrain::train {
 
 namespace {
-
 
 nlohmann::json memory_json(const MemoryStats& s) {
   nlohmann::json j;
@@ -60,7 +59,8 @@ Config resolve_recipe(const Config& requested) {
 #endif
   ST_CHECK_AS(ConfigError, device_bytes > 0,
               "recipe: auto needs a device capacity to plan against: set train.device_memory "
-              "(e.g. 24GiB); the ", device.str(), " device has no fixed size");
+              "(e.g. 24GiB); the ",
+              device.str(), " device has no fixed size");
   std::string why;
   Config chosen = apply_recipe(requested, device_bytes, dist::job_world_size(), &why);
   if (dist::job_rank() == 0) std::fprintf(stderr, "%s\n", why.c_str());
@@ -87,7 +87,8 @@ TrainSummary run_training(const Config& requested) {
   }
 
   TokenDataset data = load_token_source(config.data.path);
-  ST_CHECK_AS(ConfigError, data.vocab_size() <= config.model.vocab_size || !config.model.from_hf.empty(),
+  ST_CHECK_AS(ConfigError,
+              data.vocab_size() <= config.model.vocab_size || !config.model.from_hf.empty(),
               "data.path '", config.data.path, "' has vocabulary size ", data.vocab_size(),
               " but model.vocab_size is ", config.model.vocab_size);
   summary.unigram_entropy_nats = unigram_entropy_bits(data.tokens()) * std::log(2.0);
@@ -99,7 +100,8 @@ TrainSummary run_training(const Config& requested) {
   Sampler train_sampler(data, Split::Train, sc);
 
   int64_t global_batch = t.global_batch > 0 ? t.global_batch : t.micro_batch * world;
-  if (t.global_batch_tokens > 0) global_batch = std::max<int64_t>(1, t.global_batch_tokens / t.seq_len);
+  if (t.global_batch_tokens > 0)
+    global_batch = std::max<int64_t>(1, t.global_batch_tokens / t.seq_len);
   ST_CHECK_AS(ConfigError, global_batch % (t.micro_batch * world) == 0, "train.global_batch ",
               global_batch, " is not a multiple of train.micro_batch ", t.micro_batch, " x ", world,
               " rank(s)");
@@ -117,7 +119,8 @@ TrainSummary run_training(const Config& requested) {
     SamplerConfig ec = sc;
     ec.shuffle = false;
     Sampler eval_sampler(data, Split::Eval, ec);
-    for (int64_t i = 0; i < t.eval_batches; ++i) eval_set.push_back(eval_sampler.next_batch(t.micro_batch));
+    for (int64_t i = 0; i < t.eval_batches; ++i)
+      eval_set.push_back(eval_sampler.next_batch(t.micro_batch));
   }
 
   summary.metrics_path = t.out_dir + "/metrics.jsonl";
@@ -130,10 +133,10 @@ TrainSummary run_training(const Config& requested) {
   const std::string ranks =
       world > 1 ? std::to_string(world) + " ranks (" + config.dist.sharding + "), " : "";
   progress.message("shardtrain: " + std::to_string(num_parameters) + " parameters on " + ranks +
-                   rt.device().str() + ", " + std::to_string(global_batch) +
-                   " x " + std::to_string(t.seq_len) + " tokens per step (" +
-                   std::to_string(accumulation) + " micro-batches), data " + data.source() +
-                   " (" + std::to_string(data.size()) + " tokens)");
+                   rt.device().str() + ", " + std::to_string(global_batch) + " x " +
+                   std::to_string(t.seq_len) + " tokens per step (" + std::to_string(accumulation) +
+                   " micro-batches), data " + data.source() + " (" + std::to_string(data.size()) +
+                   " tokens)");
 
   Checkpointing checkpoints(config, rt,
                             [&progress](const std::string& line) { progress.message(line); });
@@ -163,7 +166,8 @@ TrainSummary run_training(const Config& requested) {
                              all.begin() + (rank + 1) * accumulation);
     auto start = std::chrono::steady_clock::now();
     StepResult r = rt.train_step(micro, schedule.at(step));
-    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     double tokens = static_cast<double>(batch.input_ids.numel());
     total_tokens += tokens;
     total_seconds += seconds;
@@ -171,12 +175,17 @@ TrainSummary run_training(const Config& requested) {
     summary.final_loss = r.loss;
     ST_CHECK(std::isfinite(r.loss) || r.skipped, "the loss became ", r.loss, " at step ", step,
              ": lower optim.lr, enable optim.grad_clip, or use fp32/bf16 instead of fp16");
-    nlohmann::json j = {{"event", "step"},           {"step", step + 1},
-                        {"loss", r.loss},            {"lr", r.lr},
-                        {"grad_norm", r.grad_norm},  {"tokens", r.tokens},
+    nlohmann::json j = {{"event", "step"},
+                        {"step", step + 1},
+                        {"loss", r.loss},
+                        {"lr", r.lr},
+                        {"grad_norm", r.grad_norm},
+                        {"tokens", r.tokens},
                         {"tokens_per_s", tokens / seconds},
-                        {"step_ms", seconds * 1e3},  {"loss_scale", r.loss_scale},
-                        {"skipped", r.skipped},      {"forward_reruns", r.forward_reruns},
+                        {"step_ms", seconds * 1e3},
+                        {"loss_scale", r.loss_scale},
+                        {"skipped", r.skipped},
+                        {"forward_reruns", r.forward_reruns},
                         {"bytes_offloaded", r.bytes_offloaded},
                         {"bytes_restored", r.bytes_restored},
                         {"recompute_s", r.recompute_seconds},
@@ -211,9 +220,9 @@ TrainSummary run_training(const Config& requested) {
                 "lora.enabled with dist sharding is not supported: QLoRA runs on one rank");
     std::string dir =
         config.lora.adapter_out.empty() ? t.out_dir + "/adapter" : config.lora.adapter_out;
-    io::save_peft_adapter(rt.model(), dir,
-                          config.lora.base_model.empty() ? config.model.from_hf
-                                                         : config.lora.base_model);
+    io::save_peft_adapter(
+        rt.model(), dir,
+        config.lora.base_model.empty() ? config.model.from_hf : config.lora.base_model);
     progress.message("saved the LoRA adapter (PEFT layout) to " + dir);
   }
   if (t.export_model && (!config.lora.enabled || config.lora.merge_on_export)) {

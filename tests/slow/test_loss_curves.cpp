@@ -16,14 +16,17 @@ namespace {
 
 std::vector<double> run(const std::vector<std::string>& overrides, int64_t steps) {
   static int counter = 0;
-  std::string out = (std::filesystem::temp_directory_path() /
-                     ("shardtrain-curve-" + std::to_string(::getpid()) + "-" +
-                      std::to_string(counter++)))
-                        .string();
-  std::vector<std::string> sets = {"train.steps=" + std::to_string(steps), "train.eval_every=0",
+  std::string out =
+      (std::filesystem::temp_directory_path() /
+       ("shardtrain-curve-" + std::to_string(::getpid()) + "-" + std::to_string(counter++)))
+          .string();
+  std::vector<std::string> sets = {"train.steps=" + std::to_string(steps),
+                                   "train.eval_every=0",
                                    "train.export=false",
-                                   "train.progress=none", "train.device=cpu",
-                                   "checkpoint.every_steps=0", "train.out_dir=" + out};
+                                   "train.progress=none",
+                                   "train.device=cpu",
+                                   "checkpoint.every_steps=0",
+                                   "train.out_dir=" + out};
   sets.insert(sets.end(), overrides.begin(), overrides.end());
   train::Config config =
       train::load_config(std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/tiny.yaml", sets);
@@ -46,7 +49,8 @@ TEST(LossCurves, EveryActivationStrategyGivesTheSameCurveBitwise) {
   std::vector<double> none = run({"activation.strategy=none"}, steps);
   ASSERT_EQ(none.size(), static_cast<size_t>(steps));
   EXPECT_LT(none.back(), none.front() - 1.0) << "the run did not learn";
-  for (const char* s : {"per_layer", "sqrt_segment", "selective", "offload", "offload_checkpoint"}) {
+  for (const char* s :
+       {"per_layer", "sqrt_segment", "selective", "offload", "offload_checkpoint"}) {
     std::vector<double> curve = run({std::string("activation.strategy=") + s}, steps);
     ASSERT_EQ(curve.size(), none.size()) << s;
     for (size_t i = 0; i < curve.size(); ++i)

@@ -67,12 +67,14 @@ inline void gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f
     for (int trial = 0; trial < 4; ++trial) {
       float u;
       gen.uniform(&u, 1);
-      size_t i = std::min(base.size() - 1, static_cast<size_t>(u * static_cast<float>(base.size())));
+      size_t i =
+          std::min(base.size() - 1, static_cast<size_t>(u * static_cast<float>(base.size())));
       std::vector<float> plus(base), minus(base);
       plus[i] += static_cast<float>(eps);
       minus[i] -= static_cast<float>(eps);
       double numeric = (loss_at(plus) - loss_at(minus)) / (2 * eps);
-      double tol = atol + rtol * std::max(std::fabs(numeric), std::fabs(static_cast<double>(gv[i])));
+      double tol =
+          atol + rtol * std::max(std::fabs(numeric), std::fabs(static_cast<double>(gv[i])));
       EXPECT_NEAR(gv[i], numeric, tol) << "input " << idx << " element " << i;
     }
   }

@@ -14,7 +14,9 @@ using namespace shardtrain;
 
 namespace {
 
-int64_t in_use(Device d, MemoryCategory c) { return allocator_for(d).stats().in_use_of(c); }
+int64_t in_use(Device d, MemoryCategory c) {
+  return allocator_for(d).stats().in_use_of(c);
+}
 
 struct TwoLayer {
   Tensor w1, w2;
@@ -108,8 +110,8 @@ TEST(Autograd, PackHookToHostFreesDeviceActivationsAndKeepsGradientsBitwise) {
     std::vector<float> g2 = autograd::grad(model.w2).to_float_vector();
     g1.insert(g1.end(), g2.begin(), g2.end());
     int64_t host_after_backward = in_use(Device::host(), MemoryCategory::Offloaded) - host0;
-    return std::tuple{g1, act_after_forward, host_after_forward, host_after_backward, pack_calls,
-                      unpack_calls};
+    return std::tuple{g1,         act_after_forward, host_after_forward, host_after_backward,
+                      pack_calls, unpack_calls};
   };
   auto [plain, plain_act, plain_host, plain_host_bw, p0, u0] = run(false);
   auto [hooked, hooked_act, hooked_host, hooked_host_bw, p1, u1] = run(true);
@@ -119,7 +121,7 @@ TEST(Autograd, PackHookToHostFreesDeviceActivationsAndKeepsGradientsBitwise) {
   EXPECT_EQ(plain_host, 0);
   // x, h twice (mul saves both of its operands and this hook copies each), h*h.
   EXPECT_EQ(hooked_host, 128 + 256 + 256 + 256);
-  EXPECT_EQ(hooked_host_bw, 0);             // released as nodes ran
+  EXPECT_EQ(hooked_host_bw, 0);  // released as nodes ran
   EXPECT_EQ(p0, 0);
   EXPECT_EQ(p1, 6);  // linear: x, w1; mul: h, h; linear: h*h, w2
   EXPECT_EQ(u1, 6);
@@ -129,12 +131,12 @@ TEST(Autograd, PackHookToHostFreesDeviceActivationsAndKeepsGradientsBitwise) {
 
 TEST(Autograd, DisabledHooksScopeHidesOuterHooks) {
   int packs = 0;
-  autograd::SavedTensorHooksScope outer(autograd::SavedTensorHooks{
-      [&](const Tensor& t) -> std::any {
-        ++packs;
-        return t;
-      },
-      [](std::any& p) { return std::any_cast<Tensor>(p); }});
+  autograd::SavedTensorHooksScope outer(
+      autograd::SavedTensorHooks{[&](const Tensor& t) -> std::any {
+                                   ++packs;
+                                   return t;
+                                 },
+                                 [](std::any& p) { return std::any_cast<Tensor>(p); }});
   TwoLayer model(5);
   {
     auto hidden = autograd::SavedTensorHooksScope::disabled();

@@ -21,11 +21,11 @@ std::string out_dir(const std::string& tag) {
 }
 
 train::Config tiny(const std::string& out, const std::string& capacity) {
-  return train::load_config(std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/tiny.yaml",
-                            {"recipe=auto", "train.device_memory=" + capacity, "train.steps=2",
-                             "train.eval_every=0", "train.export=false", "train.progress=none",
-                             "train.device=cpu", "checkpoint.every_steps=0",
-                             "train.out_dir=" + out});
+  return train::load_config(
+      std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/tiny.yaml",
+      {"recipe=auto", "train.device_memory=" + capacity, "train.steps=2", "train.eval_every=0",
+       "train.export=false", "train.progress=none", "train.device=cpu", "checkpoint.every_steps=0",
+       "train.out_dir=" + out});
 }
 }  // namespace
 
@@ -61,7 +61,7 @@ TEST(RecipeAuto, NothingFitsGivesThePlanTable) {
   } catch (const ConfigError& e) {
     std::string m = e.what();
     EXPECT_NE(m.find("recipe: auto"), std::string::npos) << m;
-    EXPECT_NE(m.find("per_layer"), std::string::npos) << m;        // the table's rows
+    EXPECT_NE(m.find("per_layer"), std::string::npos) << m;  // the table's rows
     EXPECT_NE(m.find("optimizer offload"), std::string::npos) << m;
   }
   std::filesystem::remove_all(out);

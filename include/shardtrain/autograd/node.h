@@ -42,8 +42,8 @@ class Node : public std::enable_shared_from_this<Node> {
   virtual void release_saved() {}
 
   uint64_t sequence_nr() const { return sequence_nr_; }
-  std::vector<Edge> next_edges;      // one per forward input
-  std::vector<OutputMeta> outputs;   // one per forward output
+  std::vector<Edge> next_edges;     // one per forward input
+  std::vector<OutputMeta> outputs;  // one per forward output
   // Hooks on the gradient of output `first`, run before apply (tensor hooks of non-leaves).
   std::vector<std::pair<int, GradHook>> pre_hooks;
 

@@ -21,7 +21,7 @@ struct GemmArgs {
   bool trans_b = false;  // use B^T
   int64_t m = 0, n = 0, k = 0;
   float alpha = 1.0f;
-  float beta = 0.0f;     // C = alpha*op(A)@op(B) + beta*C
+  float beta = 0.0f;  // C = alpha*op(A)@op(B) + beta*C
   int64_t batch = 1;
   // Element strides between consecutive matrices of the batch (0 = broadcast the same matrix).
   int64_t stride_a = 0, stride_b = 0, stride_c = 0;
@@ -109,8 +109,8 @@ class Backend {
   virtual void cross_entropy_forward(const Tensor& logits, const Tensor& targets,
                                      Tensor& losses) = 0;
   // dlogits[i, :] = grad_scale * (softmax(logits[i]) - onehot(t_i)), 0 rows for ignored targets.
-  virtual void cross_entropy_backward(const Tensor& logits, const Tensor& targets,
-                                      float grad_scale, Tensor& dlogits) = 0;
+  virtual void cross_entropy_backward(const Tensor& logits, const Tensor& targets, float grad_scale,
+                                      Tensor& dlogits) = 0;
 
   // ---- quantized weights ----
   // NF4 with double-quantized block scales (layout and formula in backend/nf4_codebook.h: blocks

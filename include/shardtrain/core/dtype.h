@@ -11,7 +11,8 @@ enum class DType : uint8_t { F32, BF16, F16, I32, I64, U8 };
 
 size_t dtype_size(DType t);
 std::string_view dtype_name(DType t);  // "f32", "bf16", ...
-DType dtype_from_name(std::string_view name);  // accepts "f32"/"fp32"/"float32", ...; throws ConfigError
+DType dtype_from_name(
+    std::string_view name);  // accepts "f32"/"fp32"/"float32", ...; throws ConfigError
 bool is_floating(DType t);
 
 // IEEE half and bfloat16 bit patterns; float<->half conversions round to nearest even and keep
@@ -33,7 +34,9 @@ inline uint16_t float_to_bf16(float f) {
   uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>((u + rounding) >> 16);
 }
-inline float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
+inline float bf16_to_float(uint16_t h) {
+  return bits_float(static_cast<uint32_t>(h) << 16);
+}
 
 uint16_t float_to_f16(float f);
 float f16_to_float(uint16_t h);

@@ -51,8 +51,8 @@ class DistributedError : public Error {
 
 // Throws ErrorType with a formatted message when cond is false. The message is built only on
 // failure.
-#define ST_CHECK_AS(ErrorType, cond, ...)                       \
-  do {                                                          \
+#define ST_CHECK_AS(ErrorType, cond, ...)                                    \
+  do {                                                                       \
     if (!(cond)) throw ErrorType(::shardtrain::detail::concat(__VA_ARGS__)); \
   } while (0)
 #define ST_CHECK(cond, ...) ST_CHECK_AS(::shardtrain::Error, cond, __VA_ARGS__)

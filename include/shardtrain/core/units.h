@@ -5,7 +5,7 @@
 
 namespace shardtrain {
 
-std::string format_bytes(int64_t bytes);             // "1.50 GiB"
-int64_t parse_bytes(const std::string& text);         // "80GiB", "512MB", "1024"; throws ConfigError
+std::string format_bytes(int64_t bytes);       // "1.50 GiB"
+int64_t parse_bytes(const std::string& text);  // "80GiB", "512MB", "1024"; throws ConfigError
 
 }  // namespace shardtrain

@@ -41,9 +41,8 @@ using TensorFn = std::function<Tensor(const Tensor&)>;
 using LayerWrapper = std::function<Tensor(int layer, const TensorFn& inner, const Tensor& x)>;
 // Wraps the attention core (scores, softmax, weighted sum) of a layer: selective recompute.
 using AttentionCoreFn = std::function<Tensor(const Tensor& q, const Tensor& k, const Tensor& v)>;
-using AttentionCoreWrapper =
-    std::function<Tensor(int layer, const AttentionCoreFn& inner, const Tensor& q,
-                         const Tensor& k, const Tensor& v)>;
+using AttentionCoreWrapper = std::function<Tensor(
+    int layer, const AttentionCoreFn& inner, const Tensor& q, const Tensor& k, const Tensor& v)>;
 // Wraps the whole forward (the root unit: embeddings, final norm, head).
 using ModelWrapper = std::function<Tensor(const TensorFn& inner, const Tensor& ids)>;
 
@@ -96,7 +95,9 @@ class LlamaModel : public Module {
   void init_weights(uint64_t seed);
 
   void add_layer_wrapper(LayerWrapper w) { layer_wrappers_.push_back(std::move(w)); }
-  void add_attention_core_wrapper(AttentionCoreWrapper w) { core_wrappers_.push_back(std::move(w)); }
+  void add_attention_core_wrapper(AttentionCoreWrapper w) {
+    core_wrappers_.push_back(std::move(w));
+  }
   void add_model_wrapper(ModelWrapper w) { model_wrappers_.push_back(std::move(w)); }
   void set_attention_impl(ops::AttentionImpl impl);
 

@@ -34,10 +34,10 @@ Device resolve_device(const std::string& name);
 nn::LlamaConfig llama_config_from(const ModelConfig& model);
 
 struct StepResult {
-  double loss = 0;        // mean cross-entropy per counted token of the global batch
-  double grad_norm = 0;   // before clipping
-  int64_t tokens = 0;     // counted target tokens
-  bool skipped = false;   // inf/nan gradients (loss scaling): no update was made
+  double loss = 0;       // mean cross-entropy per counted token of the global batch
+  double grad_norm = 0;  // before clipping
+  int64_t tokens = 0;    // counted target tokens
+  bool skipped = false;  // inf/nan gradients (loss scaling): no update was made
   float lr = 0;
   float loss_scale = 1;
   // Activation strategy counters of this step.
