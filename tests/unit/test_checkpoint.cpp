@@ -4,10 +4,12 @@
 // process: forking a process that already ran OpenMP code is not safe).
 #include <fcntl.h>
 #include <gtest/gtest.h>
+
 #include <hdf5.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include "temp_dir.h"
 
 #include <chrono>
 #include <cmath>
@@ -37,21 +39,7 @@ namespace {
 
 constexpr const char* kChildEnv = "SHARDTRAIN_TEST_CHILD_CONFIG";
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int counter = 0;
-    path = fs::temp_directory_path() /
-           ("shardtrain-ckpt-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string operator/(const std::string& name) const { return (path / name).string(); }
-};
+using shardtrain::testing::TempDir;
 
 // A tiny Llama on the built-in corpus: a step takes milliseconds.
 train::Config tiny_config(const std::string& out_dir, std::vector<std::string> overrides = {}) {
@@ -421,9 +409,9 @@ TEST(CheckpointResume, AutoRefusesDamagedCheckpointsAndFallsBackToAnIntactOne) {
   // auto: refuses 10, 8, 6 and 4 (logging each) and continues from step 2 exactly.
   train::Config cfg =
       tiny_config(tmp / "run", {"train.steps=3", "train.resume=auto", "train.progress=lines"});
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   train::TrainSummary resumed = train::run_training(cfg);
-  std::string log = testing::internal::GetCapturedStderr();
+  std::string log = ::testing::internal::GetCapturedStderr();
   for (int step : {10, 8, 6, 4})
     EXPECT_NE(log.find("refusing checkpoint " + main_file(step)), std::string::npos) << log;
   EXPECT_NE(log.find("resumed from " + main_file(2)), std::string::npos) << log;
@@ -558,9 +546,9 @@ TEST(CheckpointCrash, ASaveKilledPartWayLeavesThePreviousCheckpointIntactAndChos
     config.checkpoint.every_steps = 0;
     config.train.export_model = false;
     config.train.progress = "lines";
-    testing::internal::CaptureStderr();
+    ::testing::internal::CaptureStderr();
     train::TrainSummary resumed = train::run_training(config);
-    std::string log = testing::internal::GetCapturedStderr();
+    std::string log = ::testing::internal::GetCapturedStderr();
     EXPECT_NE(log.find("resumed from " + entries.front().path), std::string::npos) << log;
     EXPECT_TRUE(std::isfinite(resumed.final_loss));
     return;

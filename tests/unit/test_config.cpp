@@ -2,6 +2,8 @@
 // round trips, activation.layers parsing and the shipped configs/.
 #include <gtest/gtest.h>
 
+#include "temp_dir.h"
+
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -37,25 +39,7 @@ std::string parse_error(const std::string& yaml, const std::vector<std::string>&
   return error_of([&] { Config::parse(yaml, sets, "run.yaml"); });
 }
 
-// A file in a fresh temporary directory, removed with it.
-class TempDir {
- public:
-  TempDir() {
-    path_ = std::filesystem::temp_directory_path() /
-            ("st_config_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
-             "_" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    std::filesystem::create_directories(path_);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  std::string write(const std::string& name, const std::string& text) const {
-    std::string p = (path_ / name).string();
-    std::ofstream(p) << text;
-    return p;
-  }
-
- private:
-  std::filesystem::path path_;
-};
+using shardtrain::testing::TempDir;
 
 }  // namespace
 

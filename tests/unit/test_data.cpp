@@ -1,7 +1,9 @@
 // Data pipeline: byte tokenizer, HDF5 token datasets (and their validation), the deterministic
 // sampler, micro-batch splitting, and the built-in corpus.
 #include <gtest/gtest.h>
+
 #include <unistd.h>
+#include "temp_dir.h"
 
 #include <algorithm>
 #include <cctype>
@@ -28,17 +30,9 @@ namespace fs = std::filesystem;
 
 class DataTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("st_data_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  std::string path(const std::string& name) const { return tmp_.str(name); }
 
-  fs::path dir_;
+  shardtrain::testing::TempDir tmp_{"data"};
 };
 
 template <typename E, typename Fn>
@@ -91,7 +85,7 @@ TEST_F(DataTest, TokenDatasetRoundTripUint16) {
   EXPECT_EQ(type.describe(), "uint16");
   EXPECT_EQ(f.open_dataset("tokens").read_int64_attribute("vocab_size"), 256);
   // Nothing but the final file is left in the directory.
-  EXPECT_EQ(std::distance(fs::directory_iterator(dir_), fs::directory_iterator()), 1);
+  EXPECT_EQ(std::distance(fs::directory_iterator(tmp_.path), fs::directory_iterator()), 1);
 }
 
 TEST_F(DataTest, TokenDatasetRoundTripUint32ThroughManyAppends) {
@@ -122,7 +116,7 @@ TEST_F(DataTest, WriterRejectsOutOfVocabularyTokensAndLeavesNoFile) {
         write_token_dataset(p, {1, 2, 300}, 256, "byte");
       },
       {p, "token 300", "position 2", "vocab_size 256"});
-  EXPECT_EQ(std::distance(fs::directory_iterator(dir_), fs::directory_iterator()), 0);
+  EXPECT_EQ(std::distance(fs::directory_iterator(tmp_.path), fs::directory_iterator()), 0);
 }
 
 TEST_F(DataTest, MissingTokensDataset) {

@@ -3,7 +3,9 @@
 // equivalence at init, gradients, freezing), PEFT files (names, config keys, load errors), merged
 // export and a short training run.
 #include <gtest/gtest.h>
+
 #include <unistd.h>
+#include "temp_dir.h"
 
 #include <algorithm>
 #include <cmath>
@@ -35,21 +37,7 @@ using testing::gradcheck;
 constexpr double kNf4RelativeRmsError = 0.09192;    // exact block absmax
 constexpr double kNf4RelativeRmsErrorDq = 0.09194;  // double-quantized block absmax
 
-class TempDir {
- public:
-  TempDir() {
-    path_ = fs::temp_directory_path() /
-            ("st_qlora_" + std::to_string(::getpid()) + "_" +
-             ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string str(const std::string& name = "") const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using shardtrain::testing::TempDir;
 
 template <typename E, typename Fn>
 void expect_error(Fn fn, std::initializer_list<std::string> parts) {

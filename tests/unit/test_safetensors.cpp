@@ -1,7 +1,9 @@
 // safetensors: byte-exact round trips of every dtype, the golden checkpoint, sharded checkpoints,
 // and a precise error for every kind of malformed file.
 #include <gtest/gtest.h>
+
 #include <unistd.h>
+#include "temp_dir.h"
 
 #include <cstring>
 #include <filesystem>
@@ -18,16 +20,7 @@ namespace fs = std::filesystem;
 
 class SafetensorsTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("st_safetensors_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  std::string path(const std::string& name) const { return tmp_.str(name); }
 
   // A file with the given JSON header (unpadded) and data bytes.
   std::string write_raw(const std::string& name, const std::string& header, size_t data_bytes,
@@ -42,7 +35,7 @@ class SafetensorsTest : public ::testing::Test {
     return p;
   }
 
-  fs::path dir_;
+  shardtrain::testing::TempDir tmp_{"safetensors"};
 };
 
 std::vector<char> bytes_of(const Tensor& t) {
@@ -115,7 +108,7 @@ TEST_F(SafetensorsTest, RoundTripsEveryDtypeByteForByte) {
   }
   // No temporary file is left behind by the atomic write.
   int files = 0;
-  for (const auto& e : fs::directory_iterator(dir_)) files += e.is_regular_file() ? 1 : 0;
+  for (const auto& e : fs::directory_iterator(tmp_.path)) files += e.is_regular_file() ? 1 : 0;
   EXPECT_EQ(files, 1);
 }
 
