@@ -52,12 +52,7 @@ StepBatches::StepBatches(const Config& config)
   sc.eval_fraction = config.data.eval_fraction;
   sc.seed = static_cast<uint64_t>(config.data.seed);
   state_ = std::make_unique<State>(std::move(data), sc);
-  global_batch_ = t.global_batch > 0 ? t.global_batch : t.micro_batch * world_;
-  if (t.global_batch_tokens > 0)
-    global_batch_ = std::max<int64_t>(1, t.global_batch_tokens / t.seq_len);
-  ST_CHECK_AS(ConfigError, global_batch_ % (t.micro_batch * world_) == 0, "train.global_batch ",
-              global_batch_, " is not a multiple of train.micro_batch ", t.micro_batch, " x ",
-              world_, " rank(s)");
+  global_batch_ = t.sequences_per_step(world_);
   accumulation_ = global_batch_ / (t.micro_batch * world_);
 }
 

@@ -99,12 +99,8 @@ TrainSummary run_training(const Config& requested) {
   sc.seed = static_cast<uint64_t>(config.data.seed);
   Sampler train_sampler(data, Split::Train, sc);
 
-  int64_t global_batch = t.global_batch > 0 ? t.global_batch : t.micro_batch * world;
-  if (t.global_batch_tokens > 0)
-    global_batch = std::max<int64_t>(1, t.global_batch_tokens / t.seq_len);
-  ST_CHECK_AS(ConfigError, global_batch % (t.micro_batch * world) == 0, "train.global_batch ",
-              global_batch, " is not a multiple of train.micro_batch ", t.micro_batch, " x ", world,
-              " rank(s)");
+  // Sequences per optimizer step over all ranks (checked to split evenly over them).
+  int64_t global_batch = t.sequences_per_step(world);
   int64_t accumulation = global_batch / (t.micro_batch * world);  // micro-batches per rank
 
   Runtime rt(config);

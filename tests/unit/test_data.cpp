@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <unistd.h>
+#include "expect_error.h"
 #include "temp_dir.h"
 
 #include <algorithm>
@@ -35,18 +36,7 @@ class DataTest : public ::testing::Test {
   shardtrain::testing::TempDir tmp_{"data"};
 };
 
-template <typename E, typename Fn>
-void expect_error(Fn fn, std::initializer_list<std::string> parts) {
-  try {
-    fn();
-    FAIL() << "no exception thrown";
-  } catch (const E& e) {
-    const std::string message = e.what();
-    for (const auto& part : parts)
-      EXPECT_NE(message.find(part), std::string::npos)
-          << "message \"" << message << "\" lacks \"" << part << "\"";
-  }
-}
+using shardtrain::testing::expect_error;
 
 // Tokens 0, 1, 2, ...: every window reveals where in the stream it starts.
 TokenDataset counting_dataset(int64_t n) {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <unistd.h>
+#include "expect_error.h"
 #include "temp_dir.h"
 
 #include <algorithm>
@@ -39,17 +40,7 @@ constexpr double kNf4RelativeRmsErrorDq = 0.09194;  // double-quantized block ab
 
 using shardtrain::testing::TempDir;
 
-template <typename E, typename Fn>
-void expect_error(Fn fn, std::initializer_list<std::string> parts) {
-  try {
-    fn();
-    FAIL() << "no exception thrown";
-  } catch (const E& e) {
-    const std::string message = e.what();
-    for (const std::string& part : parts)
-      EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' not in: " << message;
-  }
-}
+using shardtrain::testing::expect_error;
 
 bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;

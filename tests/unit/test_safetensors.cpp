@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <unistd.h>
+#include "expect_error.h"
 #include "temp_dir.h"
 
 #include <cstring>
@@ -43,19 +44,7 @@ std::vector<char> bytes_of(const Tensor& t) {
   return std::vector<char>(p, p + t.nbytes());
 }
 
-// Expects `fn` to throw E whose message contains every one of `parts`.
-template <typename E, typename Fn>
-void expect_error(Fn fn, std::initializer_list<std::string> parts) {
-  try {
-    fn();
-    FAIL() << "no exception thrown";
-  } catch (const E& e) {
-    const std::string message = e.what();
-    for (const auto& part : parts)
-      EXPECT_NE(message.find(part), std::string::npos)
-          << "message \"" << message << "\" lacks \"" << part << "\"";
-  }
-}
+using shardtrain::testing::expect_error;
 
 NamedTensors every_dtype() {
   std::vector<float> f = {1.5f, -2.25f, 3.0e-3f, 65504.0f, -0.0f, 1.0e-8f};
