@@ -13,6 +13,7 @@
 #include "shardtrain/dist/env.h"
 #include "shardtrain/io/checkpoint.h"
 #include "shardtrain/train/trainer.h"
+#include "tiny_run.h"
 
 using namespace shardtrain;
 namespace fs = std::filesystem;
@@ -120,53 +121,12 @@ TEST(CheckpointAcrossRanks, EveryRanksRangesFormWholeTensors) {
 // ---- whole runs -------------------------------------------------------------------------------
 
 train::Config tiny_config(const std::string& out_dir, std::vector<std::string> overrides) {
-  const char* yaml = R"(
-model:
-  vocab_size: 256
-  hidden_size: 32
-  intermediate_size: 64
-  num_layers: 2
-  num_heads: 4
-  num_kv_heads: 2
-  max_seq_len: 16
-train:
-  steps: 40
-  seq_len: 16
-  micro_batch: 1
-  global_batch: 8
-  eval_every: 0
-  progress: none
-  device: cpu
-  seed: 7
-optim:
-  lr: 3.0e-3
-  warmup_steps: 5
-dist:
-  timeout_s: 120
-checkpoint:
-  every_steps: 0
-)";
   overrides.push_back("train.out_dir=" + out_dir);
-  return train::Config::parse(yaml, overrides, "mpi checkpoint test");
+  return train::Config::parse(shardtrain::testing::kTinyRunYaml, overrides, "mpi checkpoint test");
 }
 
-std::map<int64_t, double> step_losses(const std::string& metrics_path) {
-  std::map<int64_t, double> out;
-  std::ifstream in(metrics_path);
-  std::string line;
-  while (std::getline(in, line)) {
-    auto j = nlohmann::json::parse(line);
-    if (j["event"] == "step") out[j["step"].get<int64_t>()] = j["loss"].get<double>();
-  }
-  return out;
-}
-
-std::string file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using shardtrain::testing::read_file_bytes;
+using shardtrain::testing::read_step_losses;
 
 class ResumeOnTheSameRanks : public ::testing::TestWithParam<std::string> {};
 
@@ -188,14 +148,14 @@ TEST_P(ResumeOnTheSameRanks, TwentyPlusTwentyStepsGiveTheFortyStepRunBitwise) {
   train::TrainSummary resumed =
       train::run_training(tiny_config(dir / "resumed", with({"train.resume=" + at20})));
   if (env.rank() != 0) return;  // rank 0 writes the metrics and the export
-  std::map<int64_t, double> ref_losses = step_losses(ref.metrics_path);
+  std::map<int64_t, double> ref_losses = read_step_losses(ref.metrics_path);
   ASSERT_EQ(ref_losses.size(), 40u);
-  EXPECT_EQ(step_losses(saving.metrics_path), ref_losses);
-  std::map<int64_t, double> losses = step_losses(resumed.metrics_path);
+  EXPECT_EQ(read_step_losses(saving.metrics_path), ref_losses);
+  std::map<int64_t, double> losses = read_step_losses(resumed.metrics_path);
   ASSERT_EQ(losses.size(), 20u);
   for (const auto& [step, loss] : losses) EXPECT_EQ(loss, ref_losses.at(step)) << "step " << step;
-  EXPECT_TRUE(file_bytes(resumed.export_dir + "/model.safetensors") ==
-              file_bytes(ref.export_dir + "/model.safetensors"))
+  EXPECT_TRUE(read_file_bytes(resumed.export_dir + "/model.safetensors") ==
+              read_file_bytes(ref.export_dir + "/model.safetensors"))
       << "the exported weights differ from the uninterrupted run's";
   io::CheckpointReader reader(at20);
   EXPECT_EQ(reader.state().world_size, W);

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 #include "temp_dir.h"
+#include "tiny_run.h"
 
 #include <chrono>
 #include <cmath>
@@ -41,56 +42,19 @@ constexpr const char* kChildEnv = "SHARDTRAIN_TEST_CHILD_CONFIG";
 
 using shardtrain::testing::TempDir;
 
-// A tiny Llama on the built-in corpus: a step takes milliseconds.
+// The shared tiny run with 4 sequences per step (one micro-batch) and a cosine schedule.
 train::Config tiny_config(const std::string& out_dir, std::vector<std::string> overrides = {}) {
-  const char* yaml = R"(
-model:
-  vocab_size: 256
-  hidden_size: 32
-  intermediate_size: 64
-  num_layers: 2
-  num_heads: 4
-  num_kv_heads: 2
-  max_seq_len: 16
-train:
-  steps: 40
-  seq_len: 16
-  micro_batch: 4
-  eval_every: 0
-  progress: none
-  device: cpu
-  seed: 7
-optim:
-  lr: 3.0e-3
-  warmup_steps: 5
-  schedule: cosine
-checkpoint:
-  every_steps: 0
-)";
-  overrides.push_back("train.out_dir=" + out_dir);
-  return train::Config::parse(yaml, overrides, "test_checkpoint");
+  overrides.insert(overrides.begin(), {"train.micro_batch=4", "train.global_batch=4",
+                                       "optim.schedule=cosine", "train.out_dir=" + out_dir});
+  return train::Config::parse(shardtrain::testing::kTinyRunYaml, overrides, "test_checkpoint");
 }
 
 std::map<int64_t, double> step_losses(const std::string& metrics_path) {
-  std::map<int64_t, double> out;
-  std::ifstream in(metrics_path);
-  std::string line;
-  while (std::getline(in, line)) {
-    auto j = nlohmann::json::parse(line);
-    if (j["event"] == "step") {
-      int64_t step = j["step"].get<int64_t>();
-      EXPECT_EQ(out.count(step), 0u) << "step " << step << " logged twice in " << metrics_path;
-      out[step] = j["loss"].get<double>();
-    }
-  }
-  return out;
+  return shardtrain::testing::read_step_losses(metrics_path);
 }
 
 std::string file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
+  return shardtrain::testing::read_file_bytes(path);
 }
 
 std::string run_command(const std::string& command, int* exit_code = nullptr) {

@@ -21,53 +21,27 @@
 #include <thread>
 #include <vector>
 
+#include "temp_dir.h"
+#include "tiny_run.h"
+
 namespace fs = std::filesystem;
 
 namespace {
 
-const char* kConfig = R"(
-model:
-  vocab_size: 256
-  hidden_size: 32
-  intermediate_size: 64
-  num_layers: 2
-  num_heads: 4
-  num_kv_heads: 2
-  max_seq_len: 16
-train:
-  steps: 40
-  seq_len: 16
-  micro_batch: 1
-  global_batch: 8
-  eval_every: 0
-  progress: lines
-  log_every: 10
-  device: cpu
-  seed: 7
-optim:
-  lr: 3.0e-3
-  warmup_steps: 5
-dist:
-  timeout_s: 120
-checkpoint:
-  every_steps: 10
-  keep_last: 0
-)";
+using shardtrain::testing::read_file_bytes;
+using shardtrain::testing::read_step_losses;
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() / ("shardtrain-reshard-" + std::to_string(::getpid()));
-    fs::remove_all(path);
-    fs::create_directories(path);
-    std::ofstream(path / "config.yaml") << kConfig;
+// A temporary directory holding the shared tiny run's config.yaml.
+struct TempDir : shardtrain::testing::TempDir {
+  TempDir() : shardtrain::testing::TempDir("reshard") {
+    write("config.yaml", shardtrain::testing::kTinyRunYaml);
   }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string operator/(const std::string& name) const { return (path / name).string(); }
 };
+
+// What these jobs change in the shared run: progress lines (the signal test waits for one) and a
+// checkpoint every 10 steps, all kept.
+const std::vector<std::string> kRunSets = {"train.progress=lines", "train.log_every=10",
+                                           "checkpoint.every_steps=10", "checkpoint.keep_last=0"};
 
 // `shardtrain train` on `np` ranks under mpirun (np 0: a plain process), killed after 240 s
 // unless `signals` (timeout(1) would not pass SIGUSR1 on to mpirun).
@@ -79,6 +53,7 @@ std::vector<std::string> train_command(const TempDir& tmp, int np, const std::st
     argv.insert(argv.end(), {SHARDTRAIN_MPIEXEC, "--oversubscribe", "-np", std::to_string(np)});
   argv.insert(argv.end(), {SHARDTRAIN_BINARY, "train", "--config", tmp / "config.yaml", "--set",
                            "train.out_dir=" + out_dir});
+  for (const std::string& s : kRunSets) argv.insert(argv.end(), {"--set", s});
   for (const std::string& s : sets) argv.insert(argv.end(), {"--set", s});
   return argv;
 }
@@ -108,13 +83,6 @@ int wait_for(pid_t pid) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-std::string file_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
 struct JobRun {
   int exit_code = -1;
   std::string output;
@@ -126,14 +94,8 @@ JobRun train(const TempDir& tmp, int np, const std::string& name,
   const std::string out_dir = tmp / name;
   JobRun r;
   r.exit_code = wait_for(start(train_command(tmp, np, out_dir, sets), tmp / (name + ".log")));
-  r.output = file_text(tmp / (name + ".log"));
-  std::ifstream in(out_dir + "/metrics.jsonl");
-  std::string line;
-  static const std::regex step(R"("event":"step".*"loss":([-+0-9.eE]+).*"step":(\d+))");
-  while (std::getline(in, line)) {
-    std::smatch m;
-    if (std::regex_search(line, m, step)) r.losses[std::stoll(m[2].str())] = std::stod(m[1].str());
-  }
+  r.output = read_file_bytes(tmp / (name + ".log"));
+  r.losses = read_step_losses(out_dir + "/metrics.jsonl");
   return r;
 }
 
@@ -197,7 +159,7 @@ TEST(CheckpointReshard, FourRanksResumeOnTwoAndOneAndUnderEveryOtherSharding) {
   if (code != 0) GTEST_SKIP() << "hdf5-tools not installed";
   const std::string listing_path = tmp / "h5ls.txt";
   ASSERT_EQ(std::system(("h5ls -r " + ckpt(tmp, "a", 20) + " > " + listing_path).c_str()), 0);
-  std::string listing = file_text(listing_path);
+  std::string listing = read_file_bytes(listing_path);
   for (const char* line : {"/model/model.embed_tokens.weight Dataset {256, 32}",
                            "/optim/exp_avg_sq/model.layers.1.mlp.down_proj.weight Dataset {32, 64}",
                            "/model/model.norm.weight Dataset {32}"})
@@ -213,7 +175,7 @@ TEST(CheckpointSignals, Sigusr1ToMpirunStopsEveryRankWithACheckpoint) {
             log);
   // Rank 0 prints this after every rank has installed its handlers and built its model.
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (file_text(log).find("parameters on") == std::string::npos &&
+  while (read_file_bytes(log).find("parameters on") == std::string::npos &&
          std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   std::this_thread::sleep_for(std::chrono::milliseconds(200));  // a few steps in
@@ -228,7 +190,7 @@ TEST(CheckpointSignals, Sigusr1ToMpirunStopsEveryRankWithACheckpoint) {
   });
   const int code = wait_for(job);
   watchdog.join();
-  const std::string output = file_text(log);
+  const std::string output = read_file_bytes(log);
   ASSERT_EQ(code, 0) << output;
   std::smatch m;
   ASSERT_TRUE(
