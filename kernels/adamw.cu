@@ -1,6 +1,8 @@
 // AdamW on fp32 parameters and moments with a gradient of any float dtype; one launch per
 // tensor, four elements per thread per step when every operand allows 16-byte (f32) accesses.
-// Per-element arithmetic follows the CPU backend operation for operation.
+// Per-element arithmetic follows the CPU backend operation for operation, each product, sum and
+// quotient rounded on its own (the _rn intrinsics keep nvcc from contracting them into fused
+// multiply-adds), so both backends produce the same bits.
 #include "common.cuh"
 
 namespace shardtrain::kernels {
@@ -9,12 +11,14 @@ namespace {
 
 __device__ __forceinline__ void adamw_element(float& p, float g, float& m, float& v,
                                               const AdamWConstants& c) {
-  const float mi = c.beta1 * m + c.one_minus_beta1 * g;
-  const float vi = c.beta2 * v + c.one_minus_beta2 * g * g;
+  // m = beta1 m + (1-beta1) g ;  v = beta2 v + ((1-beta2) g) g
+  const float mi = __fadd_rn(__fmul_rn(c.beta1, m), __fmul_rn(c.one_minus_beta1, g));
+  const float vi = __fadd_rn(__fmul_rn(c.beta2, v), __fmul_rn(__fmul_rn(c.one_minus_beta2, g), g));
   m = mi;
   v = vi;
-  const float denom = sqrtf(vi) / c.bias2_sqrt + c.eps;
-  p = p * c.decay - c.step_size * (mi / denom);
+  // p = p decay - step_size (m / (sqrt(v) / sqrt(bc2) + eps))
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), c.bias2_sqrt), c.eps);
+  p = __fsub_rn(__fmul_rn(p, c.decay), __fmul_rn(c.step_size, __fdiv_rn(mi, denom)));
 }
 
 template <int N, typename TG>

@@ -38,7 +38,9 @@ __device__ void row_lse(const T* row, int64_t vocab, float* red, float& mx, floa
   }
   for (int64_t j = nvec * N + threadIdx.x; j < vocab; j += blockDim.x) run.add(to_float(row[j]));
   mx = block_max(run.max, red);
-  const float scaled = run.max == -INFINITY ? 0.0f : run.sum * expf(run.max - mx);
+  // A thread that saw only -inf contributes 0 (and must not form exp(-inf - -inf)); one that saw
+  // only nans keeps max = -inf but sum = nan, which has to reach the total as on the CPU.
+  const float scaled = run.sum == 0.0f ? 0.0f : run.sum * expf(run.max - mx);
   total = block_sum(scaled, red);
 }
 

@@ -128,9 +128,13 @@ void launch_cast(const void* src, void* dst, int64_t n, cudaStream_t stream) {
 
 // ---- binary and unary maps ------------------------------------------------------------------
 
+// Both products rounded before the sum, as on the CPU: a fused multiply-add would differ from
+// the CPU backend in the last bit.
 struct AddOp {
   float alpha, beta;
-  __device__ float operator()(float a, float b) const { return alpha * a + beta * b; }
+  __device__ float operator()(float a, float b) const {
+    return __fadd_rn(__fmul_rn(alpha, a), __fmul_rn(beta, b));
+  }
 };
 struct MulOp {
   __device__ float operator()(float a, float b) const { return a * b; }

@@ -1,23 +1,42 @@
 // Rotary position embedding, Hugging Face rotate-half convention. One thread per rotated pair
-// (i, i + D/2); the angle is formed in fp32 exactly as the CPU backend forms it
-// (inv_freq = 1 / theta^(2i/D), angle = position * inv_freq) so both agree to rounding.
+// (i, i + D/2). The inverse frequencies 1 / theta^(2i/D) are computed on the host with the CPU
+// backend's expression (the host libm's powf), so both backends rotate by the same fp32 angle
+// position * inv_freq; a device powf differs from the host's by an ulp or two, which at position
+// 300 already moves the angle by 1e-5 radians.
+#include <cmath>
+
 #include "common.cuh"
 
 namespace shardtrain::kernels {
 
 namespace {
 
+// Up to D = 1024 the frequencies travel as a kernel parameter (2 KiB); larger head dims compute
+// them on the device (equal to the CPU's to an ulp or two).
+constexpr int64_t kMaxTableHalf = 512;
+struct InvFreqTable {
+  float v[kMaxTableHalf];
+};
+
 template <typename T>
 __global__ void rope_kernel(const T* x, T* out, int64_t rows, int64_t S, int64_t H, int64_t D,
-                            float theta, int64_t position_offset, float sign) {
+                            float theta, int64_t position_offset, float sign,
+                            const InvFreqTable table) {
+  __shared__ float inv_freq_s[kMaxTableHalf];
   const int64_t half = D / 2;
+  const bool from_table = half <= kMaxTableHalf;
+  if (from_table)
+    for (int64_t i = threadIdx.x; i < half; i += blockDim.x) inv_freq_s[i] = table.v[i];
+  __syncthreads();
   const int64_t total = rows * half;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = idx / half, i = idx - r * half;
     const int64_t s = (r / H) % S;
     const float pos = static_cast<float>(position_offset + s);
-    const float inv_freq = 1.0f / powf(theta, static_cast<float>(2 * i) / static_cast<float>(D));
+    const float inv_freq =
+        from_table ? inv_freq_s[i]
+                   : 1.0f / powf(theta, static_cast<float>(2 * i) / static_cast<float>(D));
     float sn, cs;
     sincosf(pos * inv_freq, &sn, &cs);
     sn *= sign;
@@ -35,10 +54,15 @@ void rope(const void* x, void* out, DType type, int64_t B, int64_t S, int64_t H,
           float theta, int64_t position_offset, bool inverse, cudaStream_t stream) {
   const int64_t rows = B * S * H;
   if (rows <= 0 || D < 2) return;
+  InvFreqTable table{};
+  const int64_t half = D / 2;
+  if (half <= kMaxTableHalf)
+    for (int64_t i = 0; i < half; ++i)
+      table.v[i] = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(D));
   ST_DISPATCH_FLOAT(type, T, {
-    rope_kernel<T><<<grid_for(rows * (D / 2)), kThreads, 0, stream>>>(
+    rope_kernel<T><<<grid_for(rows * half), kThreads, 0, stream>>>(
         static_cast<const T*>(x), static_cast<T*>(out), rows, S, H, D, theta, position_offset,
-        inverse ? -1.0f : 1.0f);
+        inverse ? -1.0f : 1.0f, table);
     ST_CHECK_LAUNCH();
   });
 }

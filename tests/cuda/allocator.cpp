@@ -7,6 +7,9 @@
 #include "shardtrain/memory/allocator.h"
 #ifdef SHARDTRAIN_HAVE_CUDA
 #include <cuda_runtime.h>
+
+#include <atomic>
+#include <thread>
 #endif
 
 namespace shardtrain {
@@ -89,29 +92,57 @@ TEST(CudaAllocator, BlocksAreReusedOnlyOnTheirStream) {
   alloc.empty_cache();
 }
 
+// Holds back every later piece of work on a stream until release() (or destruction), so that a
+// test decides when the stream's work finishes instead of racing a kernel's run time. While it is
+// closed the test must not call anything that may synchronise the context (cudaMalloc, the first
+// launch of a kernel under lazy module loading): that would wait for the gate and never return.
+class StreamGate {
+ public:
+  explicit StreamGate(cudaStream_t stream) : stream_(stream) {
+    EXPECT_EQ(cudaLaunchHostFunc(stream_, &StreamGate::wait, &open_), cudaSuccess);
+  }
+  ~StreamGate() {
+    release();
+    (void)cudaStreamSynchronize(stream_);  // the callback no longer reads open_
+  }
+  StreamGate(const StreamGate&) = delete;
+  StreamGate& operator=(const StreamGate&) = delete;
+  void release() { open_.store(true); }
+
+ private:
+  static void CUDART_CB wait(void* open) {
+    while (!static_cast<std::atomic<bool>*>(open)->load()) std::this_thread::yield();
+  }
+  cudaStream_t stream_;
+  std::atomic<bool> open_{false};
+};
+
 TEST(CudaAllocator, RecordStreamDefersReuse) {
   REQUIRE_CUDA();
   allocator_for(cuda0()).empty_cache();
   cuda::Stream side(0);
-  Tensor busy;
+  // Two 4 MiB segments (one whole large block each) from the driver before the gate closes: one
+  // for the tensor used on the side stream, one cached for the request made while it is busy.
+  Tensor t = empty({kMiB}, DType::F32, cuda0());
+  void* const ptr = t.data_ptr();
+  empty({kMiB}, DType::F32, cuda0());
+  backend_for(cuda0()).fill(t, 0.0f);  // loads the fill kernel now, not under the gate
   {
-    // About a millisecond of work queued on the side stream.
-    cuda::StreamGuard guard(side.view());
-    busy = empty({int64_t{1} << 28}, DType::F32, cuda0());
-    backend_for(cuda0()).fill(busy, 1.0f);
-  }
-  void* ptr = nullptr;
-  {
-    Tensor t = empty({kMiB}, DType::F32, cuda0());  // 4 MiB: one whole large segment
-    ptr = t.data_ptr();
+    StreamGate gate(static_cast<cudaStream_t>(side.handle()));
+    {
+      cuda::StreamGuard guard(side.view());
+      backend_for(cuda0()).fill(t, 1.0f);  // queued behind the gate
+    }
     cuda::record_stream(t.data_ptr(), side.view());
+    t = Tensor();
+    // The side stream's use has not finished, so the block is not handed out again yet.
+    Tensor while_busy = empty({kMiB}, DType::F32, cuda0());
+    EXPECT_NE(while_busy.data_ptr(), ptr);
+    gate.release();
+    side.synchronize();
+    Tensor after = empty({kMiB}, DType::F32, cuda0());
+    EXPECT_EQ(after.data_ptr(), ptr) << "reused once the side stream's work has finished";
   }
-  // The side stream has not finished, so the block is not handed out again yet.
-  Tensor while_busy = empty({kMiB}, DType::F32, cuda0());
-  EXPECT_NE(while_busy.data_ptr(), ptr);
-  side.synchronize();
-  Tensor after = empty({kMiB}, DType::F32, cuda0());
-  EXPECT_EQ(after.data_ptr(), ptr);
   EXPECT_THROW(cuda::record_stream(reinterpret_cast<void*>(16), side.view()), Error);
 }
 

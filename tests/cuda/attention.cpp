@@ -60,9 +60,12 @@ void check_attention(const Dims& d, DType t) {
   Tensor dq = empty(q.shape(), t, cuda0()), dk = empty(k.shape(), t, cuda0()),
          dv = empty(v.shape(), t, cuda0());
   gpu().attention_backward(gq, gk, gv, g_out, g_lse, g_dout, scale, dq, dk, dv);
-  testing::expect_close_scaled(dq, dq_want, grad_tolerance(t), what + " dq");
-  testing::expect_close_scaled(dk, dk_want, grad_tolerance(t), what + " dk");
-  testing::expect_close_scaled(dv, dv_want, grad_tolerance(t), what + " dv");
+  // Gradients are judged at unit scale at least (the inputs are N(0, 1)): with S = 1, dq and dk
+  // are exactly zero in exact arithmetic and both backends return only rounding residues of
+  // dP - delta, about 1e-6 each.
+  testing::expect_close_scaled(dq, dq_want, grad_tolerance(t), what + " dq", 1.0f);
+  testing::expect_close_scaled(dk, dk_want, grad_tolerance(t), what + " dk", 1.0f);
+  testing::expect_close_scaled(dv, dv_want, grad_tolerance(t), what + " dv", 1.0f);
 
   // No atomics: a second backward gives the same bits.
   Tensor dq2 = empty(q.shape(), t, cuda0()), dk2 = empty(k.shape(), t, cuda0()),

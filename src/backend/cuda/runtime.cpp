@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 
 #include <array>
+#include <atomic>
 #include <cstdio>
 #include <utility>
 
@@ -24,6 +25,17 @@ cudaEvent_t as_event(void* handle) {
 
 // Per thread and device: the stream kernels are issued on (nullptr = legacy default stream).
 thread_local std::array<void*, kMaxDevices> tls_streams{};
+
+// Runs `release` (a cudaStreamDestroy or cudaEventDestroy) with the handle's device current and
+// restores the previous device. Never throws: it runs in destructors and move assignments.
+template <typename Release>
+void release_on_device(int device, Release release) {
+  int previous = -1;
+  const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device &&
+                        cudaSetDevice(device) == cudaSuccess;
+  release();
+  if (switched) (void)cudaSetDevice(previous);
+}
 
 int checked_device(int device) {
   if (device < 0) device = current_device();
@@ -66,14 +78,15 @@ void set_device(int device) {
 }
 
 int multiprocessor_count(int device) {
-  static std::array<int, kMaxDevices> cached{};
+  // Read on every kernel launch, from any thread.
+  static std::array<std::atomic<int>, kMaxDevices> cached{};
   device = checked_device(device);
-  if (cached[device] == 0) {
-    int count = 0;
+  int count = cached[device].load(std::memory_order_relaxed);
+  if (count == 0) {
     ST_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-    cached[device] = count;
+    cached[device].store(count, std::memory_order_relaxed);
   }
-  return cached[device];
+  return count;
 }
 
 int64_t total_memory(int device) {
@@ -105,11 +118,15 @@ DeviceGuard::~DeviceGuard() {
 
 // ---- streams --------------------------------------------------------------------------------
 
+// A null handle names the legacy default stream of the *current* device, so the view's device is
+// made current first.
 void StreamView::synchronize() const {
+  DeviceGuard guard(device_);
   ST_CUDA_CHECK(cudaStreamSynchronize(as_stream(handle_)));
 }
 
 bool StreamView::query() const {
+  DeviceGuard guard(device_);
   const cudaError_t status = cudaStreamQuery(as_stream(handle_));
   if (status == cudaErrorNotReady) {
     (void)cudaGetLastError();
@@ -127,7 +144,8 @@ Stream::Stream(int device, int priority) : device_(device) {
 }
 
 Stream::~Stream() {
-  if (handle_ != nullptr) (void)cudaStreamDestroy(as_stream(handle_));
+  if (handle_ != nullptr)
+    release_on_device(device_, [&] { (void)cudaStreamDestroy(as_stream(handle_)); });
 }
 
 Stream::Stream(Stream&& other) noexcept
@@ -135,7 +153,8 @@ Stream::Stream(Stream&& other) noexcept
 
 Stream& Stream::operator=(Stream&& other) noexcept {
   if (this != &other) {
-    if (handle_ != nullptr) (void)cudaStreamDestroy(as_stream(handle_));
+    if (handle_ != nullptr)
+      release_on_device(device_, [&] { (void)cudaStreamDestroy(as_stream(handle_)); });
     handle_ = std::exchange(other.handle_, nullptr);
     device_ = other.device_;
   }
@@ -165,7 +184,8 @@ StreamGuard::~StreamGuard() {
 Event::Event(bool timing) : timing_(timing) {}
 
 Event::~Event() {
-  if (handle_ != nullptr) (void)cudaEventDestroy(as_event(handle_));
+  if (handle_ != nullptr)
+    release_on_device(device_, [&] { (void)cudaEventDestroy(as_event(handle_)); });
 }
 
 Event::Event(Event&& other) noexcept
@@ -175,7 +195,8 @@ Event::Event(Event&& other) noexcept
 
 Event& Event::operator=(Event&& other) noexcept {
   if (this != &other) {
-    if (handle_ != nullptr) (void)cudaEventDestroy(as_event(handle_));
+    if (handle_ != nullptr)
+      release_on_device(device_, [&] { (void)cudaEventDestroy(as_event(handle_)); });
     handle_ = std::exchange(other.handle_, nullptr);
     device_ = other.device_;
     timing_ = other.timing_;
