@@ -37,6 +37,16 @@ void count_restore(int64_t bytes, double seconds) {
   g_counters.bytes_restored += bytes;
   g_counters.transfer_seconds += seconds;
 }
+
+void count_transfer_wait(double seconds) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_counters.transfer_seconds += seconds;
+}
+
+void count_copy(double seconds) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_counters.copy_seconds += seconds;
+}
 }  // namespace detail
 
 }  // namespace shardtrain::activation

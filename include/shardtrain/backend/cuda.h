@@ -146,4 +146,11 @@ class Event {
 // freed, it is reused only after the work queued on `stream` up to that point has finished.
 void record_stream(const void* ptr, StreamView stream);
 
+// Queues a copy of `bytes` from `src` to `dst` on `stream` and returns without waiting for it.
+// Either side may be device memory or host memory (the runtime tells them apart). The caller
+// keeps both buffers alive, and `src` unchanged, until the copy has finished (an Event recorded
+// on `stream` after it). The host does not wait only when its side is page-locked, as the host
+// pool is in a CUDA build; with pageable memory the runtime may finish the copy before returning.
+void copy_async(void* dst, const void* src, size_t bytes, StreamView stream);
+
 }  // namespace shardtrain::cuda
