@@ -11,22 +11,8 @@ using detail::concat;
 
 namespace {
 
-// The innermost message of HDF5's error stack ("unable to open file", ...), then clears it.
-std::string library_message() {
-  std::string message;
-  H5Ewalk2(
-      H5E_DEFAULT, H5E_WALK_DOWNWARD,
-      [](unsigned n, const H5E_error2_t* err, void* out) -> herr_t {
-        if (n == 0 && err->desc != nullptr) *static_cast<std::string*>(out) = err->desc;
-        return 0;
-      },
-      &message);
-  H5Eclear2(H5E_DEFAULT);
-  return message.empty() ? std::string("HDF5 reported an error") : message;
-}
-
 [[noreturn]] void fail(const std::string& what) {
-  throw FormatError(concat(what, " (", library_message(), ")"));
+  throw FormatError(concat(what, " (", take_error_message(), ")"));
 }
 
 hid_t checked(hid_t id, const std::string& what) {
@@ -48,6 +34,19 @@ TypeInfo describe_type(hid_t type) {
 }
 
 }  // namespace
+
+std::string take_error_message() {
+  std::string message;
+  H5Ewalk2(
+      H5E_DEFAULT, H5E_WALK_UPWARD,
+      [](unsigned n, const H5E_error2_t* err, void* out) -> herr_t {
+        if (n == 0 && err->desc != nullptr) *static_cast<std::string*>(out) = err->desc;
+        return 0;
+      },
+      &message);
+  H5Eclear2(H5E_DEFAULT);
+  return message.empty() ? std::string("HDF5 reported an error") : message;
+}
 
 void silence_library_errors() {
   H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
@@ -296,7 +295,7 @@ File File::create(const std::string& path) {
   silence_library_errors();
   hid_t id = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
   if (id < 0)
-    throw ConfigError(concat("cannot create HDF5 file '", path, "' (", library_message(), ")"));
+    throw ConfigError(concat("cannot create HDF5 file '", path, "' (", take_error_message(), ")"));
   return File(Handle(id, H5Fclose), path);
 }
 
@@ -314,7 +313,7 @@ File File::open(const std::string& path, bool writable) {
   }
   hid_t id = H5Fopen(path.c_str(), writable ? H5F_ACC_RDWR : H5F_ACC_RDONLY, H5P_DEFAULT);
   if (id < 0)
-    throw FormatError(concat("cannot open HDF5 file '", path, "' (", library_message(), ")"));
+    throw FormatError(concat("cannot open HDF5 file '", path, "' (", take_error_message(), ")"));
   return File(Handle(id, H5Fclose), path);
 }
 

@@ -33,24 +33,9 @@ constexpr const char* kTmpSuffix = ".tmp";
 
 // ---- HDF5 plumbing ----------------------------------------------------------------------------
 
-// The message of the innermost failing function on HDF5's error stack (the most specific one,
-// e.g. "truncated file: eof = ..."), then clears the stack.
-std::string hdf5_message() {
-  std::string message;
-  H5Ewalk2(
-      H5E_DEFAULT, H5E_WALK_UPWARD,
-      [](unsigned n, const H5E_error2_t* err, void* out) -> herr_t {
-        if (n == 0 && err->desc != nullptr) *static_cast<std::string*>(out) = err->desc;
-        return 0;
-      },
-      &message);
-  H5Eclear2(H5E_DEFAULT);
-  return message.empty() ? std::string("HDF5 reported an error") : message;
-}
-
 template <typename E = Error>
 [[noreturn]] void fail(const std::string& what) {
-  throw E(concat(what, " (", hdf5_message(), ")"));
+  throw E(concat(what, " (", h5::take_error_message(), ")"));
 }
 
 template <typename E = Error>

@@ -25,6 +25,7 @@
 #include "shardtrain/train/plan.h"
 #include "shardtrain/train/progress.h"
 #include "shardtrain/train/runtime.h"
+#include "shardtrain/train/schedule.h"
 
 namespace shardtrain::train {
 
@@ -36,18 +37,6 @@ nlohmann::json memory_json(const MemoryStats& s) {
   for (int i = 0; i < kNumMemoryCategories; ++i)
     j[std::string(category_name(static_cast<MemoryCategory>(i)))] = s.peak[static_cast<size_t>(i)];
   return j;
-}
-
-optim::LrSchedule schedule_from(const Config& c) {
-  optim::LrSchedule s;
-  s.kind = c.optim.schedule == "cosine"   ? optim::LrSchedule::Kind::Cosine
-           : c.optim.schedule == "linear" ? optim::LrSchedule::Kind::Linear
-                                          : optim::LrSchedule::Kind::Constant;
-  s.peak = static_cast<float>(c.optim.lr);
-  s.min_lr = static_cast<float>(c.optim.effective_min_lr());
-  s.warmup_steps = c.optim.warmup_steps;
-  s.total_steps = c.train.steps;
-  return s;
 }
 
 Config resolve_recipe(const Config& requested) {
@@ -107,7 +96,7 @@ TrainSummary run_training(const Config& requested) {
   const int rank = rt.dist().rank();
   ST_CHECK(rt.dist().world_size() == world, "the launcher reported ", world,
            " ranks but MPI started ", rt.dist().world_size());
-  optim::LrSchedule schedule = schedule_from(config);
+  optim::LrSchedule schedule = lr_schedule(config);
 
   // A fixed held-out set: the first eval_batches windows of the eval split, in stream order.
   std::vector<Batch> eval_set;

@@ -19,6 +19,10 @@ namespace shardtrain::h5 {
 // Turns off HDF5's automatic error printing (idempotent, called by every wrapper).
 void silence_library_errors();
 
+// The message of the innermost failing function on HDF5's error stack (the most specific one,
+// e.g. "truncated file: eof = ..."), then clears the stack. For exception messages.
+std::string take_error_message();
+
 // One HDF5 identifier and the function that closes it.
 class Handle {
  public:
