@@ -86,28 +86,37 @@ Tensor make_gradient(const Shape& shape, DType dtype, Device device) {
   CategoryScope scope(MemoryCategory::Gradients);
   return zeros(shape, dtype, device);
 }
+
+// Writes elements [begin, begin + dst.numel()) of parameter `name`, as `init` gives them, into
+// the fp32 tensor `dst` (through a host buffer when `dst` is not CPU-addressable).
+void fill_from_init(const ParamRangeInit& init, const std::string& name, int64_t begin,
+                    Tensor& dst) {
+  if (dst.device().cpu_addressable()) {
+    init(name, begin, dst.numel(), dst.data<float>());
+    return;
+  }
+  CategoryScope scope(MemoryCategory::Workspace);
+  Tensor staged = empty({dst.numel()}, DType::F32, Device::host());
+  init(name, begin, dst.numel(), staged.data<float>());
+  dst.copy_from(staged);
+}
 }  // namespace
 
 // ---- construction -----------------------------------------------------------------------------
 
-ShardedModel::ShardedModel(nn::LlamaModel& model, dist::DistEnv& env, FsdpOptions options)
-    : model_(model),
-      env_(env),
-      options_(options),
-      device_(model.device()),
-      alive_(std::make_shared<bool>(true)) {
-  ST_CHECK_AS(ConfigError, is_floating(options_.param_dtype) && is_floating(options_.reduce_dtype),
-              "sharded training needs floating param and reduce dtypes, got ",
-              dtype_name(options_.param_dtype), " and ", dtype_name(options_.reduce_dtype));
-  switch (options_.strategy) {
+ParamRangeInit seeded_init(const nn::LlamaModel& model, uint64_t seed) {
+  return [&model, seed](const std::string& name, int64_t begin, int64_t length, float* out) {
+    model.init_parameter_range(seed, name, begin, length, out);
+  };
+}
+
+ShardedModel::Groups ShardedModel::groups_for(dist::DistEnv& env, ShardingStrategy strategy) {
+  switch (strategy) {
     case ShardingStrategy::FullShard:
     case ShardingStrategy::GradOpShard:
-      shard_group_ = &env.world();
-      break;
+      return {&env.world(), nullptr};
     case ShardingStrategy::NoShard:
-      shard_group_ = &env.self();
-      if (env.world_size() > 1) replicate_group_ = &env.world();
-      break;
+      return {&env.self(), env.world_size() > 1 ? &env.world() : nullptr};
     case ShardingStrategy::HybridShard: {
       std::vector<int64_t> sizes{env.local_size(), -static_cast<int64_t>(env.local_size())};
       env.world().all_reduce_host(sizes, dist::ReduceOp::Max);
@@ -116,11 +125,32 @@ ShardedModel::ShardedModel(nn::LlamaModel& model, dist::DistEnv& env, FsdpOption
                   "number of ranks on every node, but nodes have between ",
                   -sizes[1], " and ", sizes[0],
                   " ranks; launch the same number per node or set dist.ranks_per_node");
-      shard_group_ = &env.intra_node();
-      if (env.num_nodes() > 1) replicate_group_ = &env.inter_node();
-      break;
+      return {&env.intra_node(), env.num_nodes() > 1 ? &env.inter_node() : nullptr};
     }
   }
+  throw ConfigError("unknown sharding strategy");
+}
+
+ShardedModel::ShardedModel(nn::LlamaModel& model, dist::DistEnv& env, FsdpOptions options,
+                           const ParamRangeInit& init)
+    : ShardedModel(model, groups_for(env, options.strategy), options, init) {}
+
+ShardedModel::ShardedModel(nn::LlamaModel& model, dist::ProcessGroup& shard_group,
+                           dist::ProcessGroup* replicate_group, FsdpOptions options,
+                           const ParamRangeInit& init)
+    : ShardedModel(model, Groups{&shard_group, replicate_group}, options, init) {}
+
+ShardedModel::ShardedModel(nn::LlamaModel& model, Groups groups, FsdpOptions options,
+                           const ParamRangeInit& init)
+    : model_(model),
+      options_(options),
+      device_(model.device()),
+      shard_group_(groups.shard),
+      replicate_group_(groups.replicate),
+      alive_(std::make_shared<bool>(true)) {
+  ST_CHECK_AS(ConfigError, is_floating(options_.param_dtype) && is_floating(options_.reduce_dtype),
+              "sharded training needs floating param and reduce dtypes, got ",
+              dtype_name(options_.param_dtype), " and ", dtype_name(options_.reduce_dtype));
   const int S = shard_group_->size(), s = shard_group_->rank();
   // Check every parameter before changing any, so that a refused model is left intact.
   for (auto& [pname, slot] : model.named_parameters())
@@ -131,6 +161,9 @@ ShardedModel::ShardedModel(nn::LlamaModel& model, dist::DistEnv& env, FsdpOption
                 pname, "' is ", slot->defined() ? slot->describe() : std::string("empty"),
                 slot->defined() && autograd::requires_grad(*slot) ? "" : " without a gradient",
                 " (frozen or quantized models, e.g. QLoRA, train without sharding)");
+  // Deferred parameters without an initializer get their values from load_full_parameters. The
+  // flag is the same on every rank (they build the same model), so its checks fail together.
+  awaiting_values_ = !init && model.has_deferred_parameters();
 
   auto add_unit = [&](std::string name, bool is_root,
                       std::vector<std::pair<std::string, Tensor*>> params) {
@@ -152,9 +185,15 @@ ShardedModel::ShardedModel(nn::LlamaModel& model, dist::DistEnv& env, FsdpOption
     }
     unit->piece_layout = L.pieces_of_shard(s);
     for (const auto& p : unit->piece_layout) {
-      Tensor full = unit->slots[static_cast<size_t>(p.param)]->detach();
+      const Tensor& slot = *unit->slots[static_cast<size_t>(p.param)];
       Tensor dst = unit->shard.slice_rows(p.shard_offset, p.length);
-      dst.copy_from(full.view({full.numel()}).slice_rows(p.param_begin, p.length));
+      if (!nn::is_deferred(slot)) {
+        Tensor full = slot.detach();
+        dst.copy_from(full.view({full.numel()}).slice_rows(p.param_begin, p.length));
+      } else if (init) {
+        // Only this rank's elements are ever created: the full parameter never exists here.
+        fill_from_init(init, L.entries[static_cast<size_t>(p.param)].name, p.param_begin, dst);
+      }
       Tensor piece = unit->shard.slice_rows(p.shard_offset, p.length);
       autograd::set_requires_grad(piece);
       unit->pieces.push_back(piece);
@@ -294,6 +333,7 @@ void ShardedModel::uninstall(Unit& u) {
 }
 
 void ShardedModel::begin_forward() {
+  check_has_values();
   if (in_backward_) {
     // The model's forward never runs inside a backward (only layers are recomputed): this is a
     // backward that did not finish, ended by an exception. Its reductions are abandoned.
@@ -556,7 +596,20 @@ double ShardedModel::grad_sum_squares() {
 }
 
 bool ShardedModel::any_rank(bool flag) {
-  return env_.world().all_reduce_host(static_cast<int64_t>(flag ? 1 : 0), dist::ReduceOp::Max) > 0;
+  // The shard group and the replicate group together span every rank: after the first
+  // reduction each rank holds its shard group's answer, after the second everyone's.
+  int64_t any =
+      shard_group_->all_reduce_host(static_cast<int64_t>(flag ? 1 : 0), dist::ReduceOp::Max);
+  if (replicate_group_ != nullptr)
+    any = replicate_group_->all_reduce_host(any, dist::ReduceOp::Max);
+  return any > 0;
+}
+
+void ShardedModel::check_has_values() const {
+  ST_CHECK(!awaiting_values_,
+           "the sharded model was built from deferred parameters (no storage) without an "
+           "initializer, and no weights have been loaded since: pass fsdp::seeded_init(model, "
+           "seed) to the ShardedModel, or call load_full_parameters before using the weights");
 }
 
 // ---- full state -------------------------------------------------------------------------------
@@ -580,6 +633,7 @@ Tensor ShardedModel::full_flat(Unit& u, bool gradients) {
 }
 
 void ShardedModel::for_each_full_parameter(const FullTensorFn& fn) {
+  check_has_values();
   wait_for_gradients();
   for (size_t n = 0; n < units_.size(); ++n) {
     Unit& u = *units_[(n + units_.size() - 1) % units_.size()];  // root first
@@ -601,26 +655,22 @@ void ShardedModel::for_each_full_gradient(const FullTensorFn& fn) {
 
 void ShardedModel::load_full_parameters(const std::function<Tensor(const std::string&)>& get) {
   for (auto& u : units_) {
-    std::vector<bool> needed(u->layout.entries.size(), false);
-    for (const auto& p : u->piece_layout) needed[static_cast<size_t>(p.param)] = true;
-    std::vector<Tensor> full(u->layout.entries.size());
-    for (size_t i = 0; i < u->layout.entries.size(); ++i) {
-      if (!needed[i]) continue;
-      const auto& e = u->layout.entries[i];
-      full[i] = get(e.name);
-      ST_CHECK_SHAPE(full[i].defined() && full[i].numel() == e.numel, "loading '", e.name,
-                     "': expected ", e.numel, " elements ", shape_str(e.shape), ", got ",
-                     full[i].defined() ? full[i].describe() : std::string("nothing"));
-      ST_CHECK_SHAPE(is_floating(full[i].dtype()), "loading '", e.name,
-                     "': expected a floating tensor, got ", full[i].describe());
-    }
+    // Each piece is the part of one parameter in this rank's shard: one full parameter is asked
+    // for (and may be held by `get`) at a time.
     for (const auto& p : u->piece_layout) {
-      const Tensor& src = full[static_cast<size_t>(p.param)];
+      const auto& e = u->layout.entries[static_cast<size_t>(p.param)];
+      Tensor full = get(e.name);
+      ST_CHECK_SHAPE(full.defined() && full.numel() == e.numel, "loading '", e.name, "': expected ",
+                     e.numel, " elements ", shape_str(e.shape), ", got ",
+                     full.defined() ? full.describe() : std::string("nothing"));
+      ST_CHECK_SHAPE(is_floating(full.dtype()), "loading '", e.name,
+                     "': expected a floating tensor, got ", full.describe());
       Tensor dst = u->shard.slice_rows(p.shard_offset, p.length);
-      dst.copy_from(src.view({src.numel()}).slice_rows(p.param_begin, p.length));
+      dst.copy_from(full.view({full.numel()}).slice_rows(p.param_begin, p.length));
     }
     if (!u->zero_copy) free_gathered(*u);  // a stale gathered copy must not survive a load
   }
+  awaiting_values_ = false;
 }
 
 const std::string& ShardedModel::unit_name(int unit) const {

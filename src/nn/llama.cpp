@@ -8,13 +8,13 @@ namespace shardtrain::nn {
 
 // ---- Attention ------------------------------------------------------------------------------
 
-Attention::Attention(const LlamaConfig& c, int layer_index, Device device)
+Attention::Attention(const LlamaConfig& c, int layer_index, Device device, ParameterStorage storage)
     : config_(c), layer_(layer_index) {
   int64_t h = c.hidden_size, kv = c.num_kv_heads * c.head_dim();
-  q_proj = std::make_unique<Linear>(h, h, device);
-  k_proj = std::make_unique<Linear>(h, kv, device);
-  v_proj = std::make_unique<Linear>(h, kv, device);
-  o_proj = std::make_unique<Linear>(h, h, device);
+  q_proj = std::make_unique<Linear>(h, h, device, storage);
+  k_proj = std::make_unique<Linear>(h, kv, device, storage);
+  v_proj = std::make_unique<Linear>(h, kv, device, storage);
+  o_proj = std::make_unique<Linear>(h, h, device, storage);
   register_child("q_proj", q_proj.get());
   register_child("k_proj", k_proj.get());
   register_child("v_proj", v_proj.get());
@@ -70,10 +70,10 @@ Tensor Attention::forward(const Tensor& x) {
 
 // ---- MLP ------------------------------------------------------------------------------------
 
-MLP::MLP(const LlamaConfig& c, Device device) {
-  gate_proj = std::make_unique<Linear>(c.hidden_size, c.intermediate_size, device);
-  up_proj = std::make_unique<Linear>(c.hidden_size, c.intermediate_size, device);
-  down_proj = std::make_unique<Linear>(c.intermediate_size, c.hidden_size, device);
+MLP::MLP(const LlamaConfig& c, Device device, ParameterStorage storage) {
+  gate_proj = std::make_unique<Linear>(c.hidden_size, c.intermediate_size, device, storage);
+  up_proj = std::make_unique<Linear>(c.hidden_size, c.intermediate_size, device, storage);
+  down_proj = std::make_unique<Linear>(c.intermediate_size, c.hidden_size, device, storage);
   register_child("gate_proj", gate_proj.get());
   register_child("up_proj", up_proj.get());
   register_child("down_proj", down_proj.get());
@@ -102,11 +102,12 @@ Tensor MLP::forward(const Tensor& x) {
 
 // ---- DecoderLayer ---------------------------------------------------------------------------
 
-DecoderLayer::DecoderLayer(const LlamaConfig& c, int layer_index, Device device)
-    : input_layernorm(c.hidden_size, c.rms_norm_eps, device),
-      self_attn(c, layer_index, device),
-      post_attention_layernorm(c.hidden_size, c.rms_norm_eps, device),
-      mlp(c, device) {
+DecoderLayer::DecoderLayer(const LlamaConfig& c, int layer_index, Device device,
+                           ParameterStorage storage)
+    : input_layernorm(c.hidden_size, c.rms_norm_eps, device, storage),
+      self_attn(c, layer_index, device, storage),
+      post_attention_layernorm(c.hidden_size, c.rms_norm_eps, device, storage),
+      mlp(c, device, storage) {
   register_child("self_attn", &self_attn);
   register_child("mlp", &mlp);
   register_child("input_layernorm", &input_layernorm);
@@ -120,22 +121,32 @@ Tensor DecoderLayer::forward(const Tensor& x) {
 
 // ---- LlamaModel -----------------------------------------------------------------------------
 
-LlamaModel::LlamaModel(const LlamaConfig& c, Device device)
-    : embed_tokens(c.vocab_size, c.hidden_size, device),
-      norm(c.hidden_size, c.rms_norm_eps, device),
+LlamaModel::LlamaModel(const LlamaConfig& c, Device device, ParameterStorage storage)
+    : embed_tokens(c.vocab_size, c.hidden_size, device, storage),
+      norm(c.hidden_size, c.rms_norm_eps, device, storage),
       config_(c),
       device_(device) {
   c.validate();
   register_child("model.embed_tokens", &embed_tokens);
   for (int i = 0; i < c.num_layers; ++i) {
-    layers.push_back(std::make_unique<DecoderLayer>(c, i, device));
+    layers.push_back(std::make_unique<DecoderLayer>(c, i, device, storage));
     layers.back()->self_attn.core_wrappers = &core_wrappers_;
     register_child("model.layers." + std::to_string(i), layers.back().get());
   }
   register_child("model.norm", &norm);
   if (!c.tie_embeddings) {
-    lm_head = std::make_unique<Linear>(c.hidden_size, c.vocab_size, device);
+    lm_head = std::make_unique<Linear>(c.hidden_size, c.vocab_size, device, storage);
     register_child("lm_head", lm_head.get());
+  }
+  // The generator stream is consumed in registration order, norms taking none of it.
+  uint64_t stream = 0;
+  for (auto& [name, slot] : named_parameters()) {
+    InitRecipe r;
+    r.numel = slot->numel();
+    r.ones = name.find("norm") != std::string::npos;
+    r.stream_offset = stream;
+    if (!r.ones) stream += static_cast<uint64_t>(r.numel);
+    init_recipes_[name] = r;
   }
 }
 
@@ -143,14 +154,40 @@ void LlamaModel::set_attention_impl(ops::AttentionImpl impl) {
   for (auto& l : layers) l->self_attn.impl = impl;
 }
 
+void LlamaModel::init_parameter_range(uint64_t seed, const std::string& name, int64_t begin,
+                                      int64_t length, float* out) const {
+  auto it = init_recipes_.find(name);
+  ST_CHECK_AS(ConfigError, it != init_recipes_.end(), "cannot initialise parameter '", name,
+              "': the model was not built with it (adapters such as LoRA rename projections; "
+              "initialise the weights before applying them)");
+  const InitRecipe& r = it->second;
+  ST_CHECK_SHAPE(begin >= 0 && length >= 0 && begin + length <= r.numel,
+                 "cannot initialise elements [", begin, ", ", begin + length, ") of parameter '",
+                 name, "', which has ", r.numel, " elements");
+  if (r.ones) {
+    std::fill(out, out + length, 1.0f);
+    return;
+  }
+  // Element i of a normal stream depends only on (seed, offset + i): a range needs no others.
+  Generator gen;
+  gen.set_state(seed, r.stream_offset + static_cast<uint64_t>(begin));
+  gen.normal(out, length);
+  const float stddev = config_.init_std;
+  for (int64_t i = 0; i < length; ++i) out[i] *= stddev;
+}
+
 void LlamaModel::init_weights(uint64_t seed) {
-  Generator gen(seed);
+  materialize();
   autograd::NoGrad no_grad;
   for (auto& [name, slot] : named_parameters()) {
-    bool is_norm = name.find("norm") != std::string::npos;
-    Tensor values = is_norm
-                        ? ones(slot->shape(), DType::F32, Device::host())
-                        : randn(slot->shape(), gen, config_.init_std, DType::F32, Device::host());
+    const int64_t n = slot->numel();
+    if (slot->device().cpu_addressable() && slot->dtype() == DType::F32) {
+      init_parameter_range(seed, name, 0, n, slot->data<float>());
+      continue;
+    }
+    CategoryScope scope(MemoryCategory::Workspace);
+    Tensor values = empty(slot->shape(), DType::F32, Device::host());
+    init_parameter_range(seed, name, 0, n, values.data<float>());
     slot->copy_from(values);
   }
 }
@@ -194,6 +231,9 @@ Tensor LlamaModel::forward_unwrapped(const Tensor& ids) {
 }
 
 Tensor LlamaModel::forward(const Tensor& ids) {
+  ST_CHECK(!has_deferred_parameters(),
+           "the model's parameters are deferred (built without storage): initialise them with "
+           "init_weights, or shard the model with fsdp::ShardedModel, before running it");
   TensorFn fn = [this](const Tensor& in) { return forward_unwrapped(in); };
   for (auto it = model_wrappers_.rbegin(); it != model_wrappers_.rend(); ++it) {
     TensorFn inner = fn;

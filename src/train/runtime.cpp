@@ -64,12 +64,22 @@ Runtime::Runtime(const Config& config)
   previous_capacity_ = allocator_for(device_).stats().capacity;
   allocator_for(device_).set_capacity(capacity);
 
+  // Sharded strategies never build the full model: the parameters are deferred (shapes, no
+  // storage) and each rank creates only its shards, from the seed or from the checkpoint's
+  // files. no_shard keeps full replicas; QLoRA quantizes full base weights and is refused by the
+  // sharding below with its own message.
+  const bool deferred =
+      dist_->world_size() > 1 && !config_.lora.enabled &&
+      fsdp::parse_sharding_strategy(config_.dist.sharding) != fsdp::ShardingStrategy::NoShard;
   nn::LlamaConfig mc = llama_config_from(config_.model);
-  model_ = std::make_unique<nn::LlamaModel>(mc, device_);
-  if (!config_.model.from_hf.empty())
-    io::load_hf_weights(*model_, config_.model.from_hf);
-  else
-    model_->init_weights(static_cast<uint64_t>(config_.train.seed));
+  model_ = std::make_unique<nn::LlamaModel>(
+      mc, device_, deferred ? nn::ParameterStorage::Deferred : nn::ParameterStorage::Allocated);
+  if (!deferred) {  // a deferred model gets its values when it is sharded, below
+    if (!config_.model.from_hf.empty())
+      io::load_hf_weights(*model_, config_.model.from_hf);
+    else
+      model_->init_weights(static_cast<uint64_t>(config_.train.seed));
+  }
   model_->set_attention_impl(ops::parse_attention_impl(config_.activation.attention));
 
   if (config_.lora.enabled) {
@@ -108,7 +118,13 @@ Runtime::Runtime(const Config& config)
     sharding.reduce_dtype = dtype_from_name(config_.precision.reduce_dtype);
     sharding.prefetch = config_.dist.prefetch;
     sharding.sync_every_microbatch = config_.dist.sync_every_microbatch;
-    sharded_ = std::make_unique<fsdp::ShardedModel>(*model_, *dist_, sharding);
+    const bool from_seed = deferred && config_.model.from_hf.empty();
+    sharded_ = std::make_unique<fsdp::ShardedModel>(
+        *model_, *dist_, sharding,
+        from_seed ? fsdp::seeded_init(*model_, static_cast<uint64_t>(config_.train.seed))
+                  : fsdp::ParamRangeInit());
+    if (deferred && !config_.model.from_hf.empty())
+      io::load_hf_weights(*sharded_, config_.model.from_hf);
   }
   // Mixed precision goes last so that its compute copies are made innermost (a recompute casts
   // again rather than keeping 16-bit copies alive).
@@ -237,17 +253,28 @@ double Runtime::eval_loss(const std::vector<Batch>& batches) {
     nn::LlamaModel& m;
     ~BackToTraining() { m.train(true); }
   } restore{*model_};
+  // Rank r takes batches r, r + W, r + 2W, ... A forward of a sharded model is collective (it
+  // gathers parameters), so every rank runs the same number of them: a rank whose share is one
+  // short runs some batch again and does not count it.
+  dist::ProcessGroup& world = dist_->world();
+  const int64_t ranks = world.size(), rank = world.rank();
+  const int64_t count = static_cast<int64_t>(batches.size());
+  const int64_t rounds = (count + ranks - 1) / ranks;
   double total = 0;
   int64_t tokens = 0;
-  for (const Batch& b : batches) {
+  for (int64_t round = 0; round < rounds; ++round) {
+    const int64_t index = round * ranks + rank;
+    const bool counted = index < count;
+    const Batch& b = batches[static_cast<size_t>(counted ? index : rank % count)];
     Tensor ids = b.input_ids.to(device_, MemoryCategory::Activations);
     Tensor targets = b.targets.to(device_, MemoryCategory::Activations);
-    total += model_->loss_sum(ids, targets).item();
+    const double loss_sum = model_->loss_sum(ids, targets).item();
+    if (!counted) continue;
+    total += loss_sum;
     tokens += b.num_target_tokens;
   }
-  // Over every rank's batches (ranks that evaluate the same batches give the same mean).
-  total = dist_->world().all_reduce_host(total, dist::ReduceOp::Sum);
-  tokens = dist_->world().all_reduce_host(tokens, dist::ReduceOp::Sum);
+  total = world.all_reduce_host(total, dist::ReduceOp::Sum);
+  tokens = world.all_reduce_host(tokens, dist::ReduceOp::Sum);
   return tokens > 0 ? total / static_cast<double>(tokens) : 0.0;
 }
 

@@ -30,6 +30,9 @@ struct Case {
   std::string activation = "none";  // activation strategy installed outside the sharding
   bool reentrant = false;
   int layers = 2;
+  // Built deferred, each rank creating only its shards from the seed; false: built in full,
+  // initialised, then sharded by copying.
+  bool deferred = true;
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
@@ -87,8 +90,10 @@ TEST_P(FsdpMatchesSingleProcess, LossGradientsAndOneStep) {
   const int64_t tokens = test::total_tokens(all);
   const Reference ref = single_process(cfg, all);
 
-  nn::LlamaModel model(cfg, Device::cpu());
-  model.init_weights(kInitSeed);
+  nn::LlamaModel model(
+      cfg, Device::cpu(),
+      c.deferred ? nn::ParameterStorage::Deferred : nn::ParameterStorage::Allocated);
+  if (!c.deferred) model.init_weights(kInitSeed);
   if (c.activation != "none") {
     // Installed first, so that the strategy's wrapper runs outside the sharding's: a recompute
     // runs the unit's forward again during backward.
@@ -101,7 +106,8 @@ TEST_P(FsdpMatchesSingleProcess, LossGradientsAndOneStep) {
   options.strategy = c.strategy;
   options.prefetch = c.prefetch;
   options.sync_every_microbatch = c.sync_every_microbatch;
-  ShardedModel sharded(model, env, options);
+  ShardedModel sharded(model, env, options,
+                       c.deferred ? seeded_init(model, kInitSeed) : ParamRangeInit());
   if (c.strategy == ShardingStrategy::HybridShard) {
     EXPECT_EQ(sharded.shard_group().size(), c.ranks_per_node);
     if (n > c.ranks_per_node) {
@@ -180,7 +186,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"grad_op_shard_checkpoint_reentrant", ShardingStrategy::GradOpShard,
                            true, true, 0, false, "per_layer", true},
                       Case{"full_shard_sqrt_segment_no_prefetch", ShardingStrategy::FullShard,
-                           false, true, 0, false, "sqrt_segment", false, 4}),
+                           false, true, 0, false, "sqrt_segment", false, 4},
+                      Case{"full_shard_copied_from_full_model", ShardingStrategy::FullShard, true,
+                           true, 0, false, "none", false, 2, false},
+                      Case{"hybrid_shard_copied_from_full_model", ShardingStrategy::HybridShard,
+                           true, true, 2, false, "none", false, 2, false}),
     [](const auto& info) { return info.param.name; });
 
 // ---- memory -----------------------------------------------------------------------------------
@@ -205,13 +215,13 @@ TEST(FsdpMemory, FullShardKeepsOneNthOfTheModelStatePerRank) {
 
   const int64_t before = model_state_bytes();
   const int64_t params_before = cpu.stats().in_use_of(MemoryCategory::Parameters);
-  nn::LlamaModel model(cfg, Device::cpu());
-  model.init_weights(kInitSeed);
+  cpu.reset_peak();
+  nn::LlamaModel model(cfg, Device::cpu(), nn::ParameterStorage::Deferred);
   // One process (N = 1) holds parameter, gradient and two AdamW moments for every parameter.
   int64_t single_process = 0;
   for (auto& [name, slot] : model.named_parameters()) single_process += 4 * rounded(slot->nbytes());
 
-  ShardedModel sharded(model, env, {});
+  ShardedModel sharded(model, env, {}, seeded_init(model, kInitSeed));
   int64_t shards = 0, pieces = 0, padding_and_rounding = 0, largest_layer = 0;
   for (int u = 0; u < sharded.num_units(); ++u) {
     const FlatParamLayout& l = sharded.unit_layout(u);
@@ -222,6 +232,8 @@ TEST(FsdpMemory, FullShardKeepsOneNthOfTheModelStatePerRank) {
   }
   for (const ParamPiece& p : sharded.param_pieces()) pieces += rounded(p.length * 4);
   EXPECT_EQ(model_state_bytes() - before, shards) << "only the shards remain after sharding";
+  EXPECT_EQ(cpu.stats().peak_of(MemoryCategory::Parameters) - params_before, shards)
+      << "building the sharded model never held more than this rank's shards";
 
   optim::AdamW opt(sharded.optimizer_params(), {});
   cpu.reset_peak();
@@ -239,6 +251,46 @@ TEST(FsdpMemory, FullShardKeepsOneNthOfTheModelStatePerRank) {
   const int64_t peak = cpu.stats().peak_of(MemoryCategory::Parameters) - params_before;
   EXPECT_LE(peak, shards + root + 2 * largest_layer);
   EXPECT_GT(peak, shards + root) << "the gathered parameters are counted as Parameters";
+}
+
+// ---- deferred construction ------------------------------------------------------------------
+
+// Shards created from the seed on each rank hold exactly the full initialisation: gathered
+// back, every parameter equals init_weights' bit for bit, for every split of the world.
+TEST(FsdpDeferredInit, GatheredShardsEqualTheFullInitBitForBit) {
+  for (bool tied : {false, true}) {
+    for (ShardingStrategy strategy : {ShardingStrategy::FullShard, ShardingStrategy::HybridShard}) {
+      dist::DistOptions dist_options;
+      dist_options.ranks_per_node = strategy == ShardingStrategy::HybridShard ? 2 : 0;
+      dist::DistEnv env(dist_options);
+      nn::LlamaConfig cfg = test::tiny_config(3);
+      cfg.tie_embeddings = tied;
+      // 18 * 123 elements in the untied root unit: padded over 4 ranks.
+      cfg.hidden_size = 18;
+      cfg.num_heads = 3;
+      cfg.num_kv_heads = 1;
+      cfg.vocab_size = 61;
+      nn::LlamaModel full(cfg, Device::cpu());
+      full.init_weights(kInitSeed);
+      NamedValues want = test::params_of(full);
+
+      nn::LlamaModel model(cfg, Device::cpu(), nn::ParameterStorage::Deferred);
+      FsdpOptions options;
+      options.strategy = strategy;
+      ShardedModel sharded(model, env, options, seeded_init(model, kInitSeed));
+      size_t seen = 0;
+      sharded.for_each_full_parameter([&](const std::string& name, const Tensor& got) {
+        std::vector<float> g = got.to_float_vector();
+        const std::vector<float>& w = want.at(name);
+        ASSERT_EQ(g.size(), w.size()) << name;
+        for (size_t i = 0; i < g.size(); ++i)
+          ASSERT_EQ(float_bits(g[i]), float_bits(w[i]))
+              << name << "[" << i << "] " << sharding_strategy_name(strategy);
+        ++seen;
+      });
+      EXPECT_EQ(seen, want.size());
+    }
+  }
 }
 
 // ---- mixed precision --------------------------------------------------------------------------
@@ -287,9 +339,12 @@ TEST(FsdpState, LoadFullParametersRoundTrips) {
   source.init_weights(77);
   NamedValues expected = test::params_of(source);
 
-  nn::LlamaModel model(cfg, Device::cpu());
-  model.init_weights(kInitSeed);
+  nn::LlamaModel model(cfg, Device::cpu(), nn::ParameterStorage::Deferred);
   ShardedModel sharded(model, env, {});
+  // Nothing to compute with until the weights are loaded: every rank refuses, before any
+  // collective, so none is left waiting.
+  std::vector<MicroBatch> one = test::make_micro_batches(1, 1, 4, cfg.vocab_size, 1);
+  EXPECT_THROW(model.loss_sum(one[0].ids, one[0].targets), Error);
   std::map<std::string, Tensor*> slots;
   for (auto& [name, slot] : source.named_parameters()) slots[name] = slot;
   sharded.load_full_parameters(

@@ -5,6 +5,15 @@
 // padded to a multiple of the shard group size S. Each rank keeps only its 1/S shard of the
 // flat parameter, in fp32 (the master weights), and the model's parameter slots are emptied.
 //
+// Building without a full copy (PyTorch's meta device + param_init_fn): a model built with
+// nn::ParameterStorage::Deferred has parameter shapes but no storage, and the shards are then
+// created directly, only this rank's elements ever existing: from a ParamRangeInit (seeded_init
+// gives exactly the values LlamaModel::init_weights would, element for element), or left zero
+// for load_full_parameters to fill one full parameter at a time (io::load_hf_weights for
+// sharded models reads only this rank's elements from the mapped files). Peak parameter memory
+// at start-up is then the shards alone. A model with allocated parameters is copied from
+// instead, and its full parameters released (every rank must then hold the same weights).
+//
 // Forward of a unit: all-gather the flat parameter in the compute dtype (param_dtype), put views
 // of it into the parameter slots, run the unit, restore the slots. The views come from one
 // autograd node per unit, so the gradients of all of them arrive together; its backward
@@ -62,6 +71,15 @@ struct FsdpOptions {
   bool sync_every_microbatch = true;
 };
 
+// Fills out[0, length) (host memory) with elements [begin, begin + length) of the flattened
+// parameter `name`: how the shards of deferred parameters get their values.
+using ParamRangeInit =
+    std::function<void(const std::string& name, int64_t begin, int64_t length, float* out)>;
+
+// The values model.init_weights(seed) gives (nn::LlamaModel::init_parameter_range). `model` must
+// outlive the returned function.
+ParamRangeInit seeded_init(const nn::LlamaModel& model, uint64_t seed);
+
 // The part of a full parameter that one optimizer entry covers.
 struct ParamPiece {
   std::string name;    // the parameter's Hugging Face name (also the optimizer entry's name)
@@ -72,12 +90,22 @@ struct ParamPiece {
 
 class ShardedModel {
  public:
-  // Shards `model` over `env`'s groups: every rank must hold the same full weights when this is
-  // called (the same init seed, or the same loaded file). The full parameters are released.
-  // Throws ConfigError for parameters that are not trainable fp32 tensors, or for hybrid
-  // sharding over nodes of different sizes. `model` and `env` must outlive this object, and this
-  // object must outlive every forward and backward of `model`.
-  ShardedModel(nn::LlamaModel& model, dist::DistEnv& env, FsdpOptions options);
+  // Shards `model` over `env`'s groups (chosen by options.strategy). Deferred parameters get
+  // their shard elements from `init`; without one they stay zero until load_full_parameters, and
+  // a forward or for_each_full_parameter before that throws. Allocated parameters are copied
+  // (every rank must then hold the same weights: the same init seed, or the same loaded file)
+  // and released. Throws ConfigError for parameters that are not trainable fp32 tensors, or for
+  // hybrid sharding over nodes of different sizes. `model` and the groups must outlive this
+  // object, and this object must outlive every forward and backward of `model`.
+  ShardedModel(nn::LlamaModel& model, dist::DistEnv& env, FsdpOptions options,
+               const ParamRangeInit& init = {});
+  // The same over explicit groups (PyTorch FSDP's process_group): `shard_group` splits every
+  // flat parameter; `replicate_group`, when not null, holds replicas of this rank's shards whose
+  // gradients are all-reduced (hybrid_shard's inter-node group, no_shard's world). The groups
+  // decide who holds what; options.strategy then only decides when gathered parameters are freed.
+  ShardedModel(nn::LlamaModel& model, dist::ProcessGroup& shard_group,
+               dist::ProcessGroup* replicate_group, FsdpOptions options,
+               const ParamRangeInit& init = {});
   ~ShardedModel();
   ShardedModel(const ShardedModel&) = delete;
   ShardedModel& operator=(const ShardedModel&) = delete;
@@ -101,7 +129,8 @@ class ShardedModel {
   // Global sum of squared gradient elements over the whole model (every rank gets the same
   // value). Pass it to optim::clip_grad_norm.
   double grad_sum_squares();
-  // True on every rank when `flag` is true on any rank (found-inf of loss scaling).
+  // True on every rank when `flag` is true on any rank of the shard and replicate groups
+  // (found-inf of loss scaling).
   bool any_rank(bool flag);
 
   // ---- full state (export, checkpoints, tests) --------------------------------------------
@@ -112,11 +141,14 @@ class ShardedModel {
   // The same for the (accumulated, reduced) gradients; zeros where a piece has no gradient.
   void for_each_full_gradient(const FullTensorFn& fn);
   // Copies this rank's parts of full weights into the shards: `get(name)` returns the full
-  // parameter (any float dtype, any device). No communication. Throws ShapeError when a returned
-  // tensor's element count does not match.
+  // parameter (any float dtype, any device; a zero-copy view of a mapped file is best). It is
+  // called once for each parameter that has elements in this rank's shards, one at a time, and
+  // the returned tensor is released before the next call. No communication. Throws ShapeError
+  // when a returned tensor's element count does not match.
   void load_full_parameters(const std::function<Tensor(const std::string& name)>& get);
 
   // ---- introspection -----------------------------------------------------------------------
+  nn::LlamaModel& model() { return model_; }
   const FsdpOptions& options() const { return options_; }
   int num_units() const { return static_cast<int>(units_.size()); }
   // Unit i < num_layers is decoder layer i; the last unit is the root.
@@ -140,6 +172,14 @@ class ShardedModel {
 
  private:
   friend struct UnitParamsNode;
+  struct Groups {
+    dist::ProcessGroup* shard = nullptr;
+    dist::ProcessGroup* replicate = nullptr;
+  };
+  static Groups groups_for(dist::DistEnv& env, ShardingStrategy strategy);
+  ShardedModel(nn::LlamaModel& model, Groups groups, FsdpOptions options,
+               const ParamRangeInit& init);
+  void check_has_values() const;
   Tensor run_unit(Unit& unit, const nn::TensorFn& inner, const Tensor& x, Unit* next);
   void begin_forward();
   void start_gather(Unit& unit);
@@ -159,7 +199,6 @@ class ShardedModel {
   Tensor full_flat(Unit& unit, bool gradients);
 
   nn::LlamaModel& model_;
-  dist::DistEnv& env_;
   FsdpOptions options_;
   Device device_;
   dist::ProcessGroup* shard_group_ = nullptr;
@@ -171,7 +210,8 @@ class ShardedModel {
   bool in_backward_ = false;
   int microbatch_ = 0, microbatches_ = 1;
   CommStats comm_stats_;
-  std::shared_ptr<bool> alive_;  // the model's wrappers check it
+  bool awaiting_values_ = false;  // deferred parameters, no initializer, nothing loaded yet
+  std::shared_ptr<bool> alive_;   // the model's wrappers check it
 };
 
 }  // namespace shardtrain::fsdp

@@ -1,4 +1,5 @@
-// The building blocks of a Llama: Linear, Embedding, RMSNorm.
+// The building blocks of a Llama: Linear, Embedding, RMSNorm. Each creates its weight filled
+// (zeros, ones for RMSNorm) or deferred (no storage; see module.h).
 #pragma once
 #include "shardtrain/nn/module.h"
 
@@ -8,7 +9,8 @@ namespace shardtrain::nn {
 // (LoRA, quantized bases) can stand in for it.
 class Linear : public Module {
  public:
-  Linear(int64_t in_features, int64_t out_features, Device device);
+  Linear(int64_t in_features, int64_t out_features, Device device,
+         ParameterStorage storage = ParameterStorage::Allocated);
   virtual Tensor forward(const Tensor& x);
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
@@ -23,14 +25,16 @@ class Linear : public Module {
 
 class Embedding : public Module {
  public:
-  Embedding(int64_t vocab, int64_t hidden, Device device);
+  Embedding(int64_t vocab, int64_t hidden, Device device,
+            ParameterStorage storage = ParameterStorage::Allocated);
   Tensor forward(const Tensor& ids);
   Tensor weight;
 };
 
 class RMSNorm : public Module {
  public:
-  RMSNorm(int64_t hidden, float eps, Device device);
+  RMSNorm(int64_t hidden, float eps, Device device,
+          ParameterStorage storage = ParameterStorage::Allocated);
   Tensor forward(const Tensor& x);
   Tensor weight;
   float eps;

@@ -1,6 +1,7 @@
 // The Llama decoder (Hugging Face LlamaForCausalLM semantics and parameter names).
 #pragma once
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -48,7 +49,8 @@ using ModelWrapper = std::function<Tensor(const TensorFn& inner, const Tensor& i
 
 class Attention : public Module {
  public:
-  Attention(const LlamaConfig& config, int layer_index, Device device);
+  Attention(const LlamaConfig& config, int layer_index, Device device,
+            ParameterStorage storage = ParameterStorage::Allocated);
   Tensor forward(const Tensor& x);  // x [B, S, H]
   void replace_projection(const std::string& name, std::unique_ptr<Linear> linear);
   Linear& projection(const std::string& name);
@@ -64,7 +66,8 @@ class Attention : public Module {
 
 class MLP : public Module {
  public:
-  MLP(const LlamaConfig& config, Device device);
+  MLP(const LlamaConfig& config, Device device,
+      ParameterStorage storage = ParameterStorage::Allocated);
   Tensor forward(const Tensor& x);
   void replace_projection(const std::string& name, std::unique_ptr<Linear> linear);
   Linear& projection(const std::string& name);
@@ -73,7 +76,8 @@ class MLP : public Module {
 
 class DecoderLayer : public Module {
  public:
-  DecoderLayer(const LlamaConfig& config, int layer_index, Device device);
+  DecoderLayer(const LlamaConfig& config, int layer_index, Device device,
+               ParameterStorage storage = ParameterStorage::Allocated);
   Tensor forward(const Tensor& x);
   RMSNorm input_layernorm;
   Attention self_attn;
@@ -83,16 +87,29 @@ class DecoderLayer : public Module {
 
 class LlamaModel : public Module {
  public:
-  LlamaModel(const LlamaConfig& config, Device device);
+  // With ParameterStorage::Deferred the parameters have shapes but no storage: give them values
+  // with init_weights() (which allocates them), or shard the model with fsdp::ShardedModel, which
+  // creates only this rank's part of each.
+  LlamaModel(const LlamaConfig& config, Device device,
+             ParameterStorage storage = ParameterStorage::Allocated);
 
-  // ids I64 [B, S] -> logits [B*S, V] in the dtype of the parameters used.
+  // ids I64 [B, S] -> logits [B*S, V] in the dtype of the parameters used. Throws Error while
+  // parameters are deferred.
   Tensor forward(const Tensor& ids);
   // Summed cross-entropy over counted targets (-100 ignored); `counted` gets their number.
   Tensor loss_sum(const Tensor& ids, const Tensor& targets, int64_t* counted = nullptr);
 
   // Normal(0, init_std) for projections and embeddings, ones for norms; deterministic per seed
-  // and independent of the device.
+  // and independent of the device. Allocates deferred parameters first. Covers the parameters
+  // the model was built with: initialise before adapters (nn::apply_lora) rename projections.
   void init_weights(uint64_t seed);
+  // Writes elements [begin, begin + length) of parameter `name` (flattened row-major) as
+  // init_weights(seed) sets them into `out` (host memory): any range of any parameter, computed
+  // on its own, is bit-identical to the same elements of the full initialisation. init_weights
+  // is built on it, and so is sharded initialisation, so the two cannot drift apart. Throws
+  // ConfigError for a name the model was not built with, ShapeError for a range outside it.
+  void init_parameter_range(uint64_t seed, const std::string& name, int64_t begin, int64_t length,
+                            float* out) const;
 
   void add_layer_wrapper(LayerWrapper w) { layer_wrappers_.push_back(std::move(w)); }
   void add_attention_core_wrapper(AttentionCoreWrapper w) {
@@ -118,6 +135,14 @@ class LlamaModel : public Module {
   Tensor run_layer(int i, const Tensor& x);
   LlamaConfig config_;
   Device device_;
+  // How init_weights draws each parameter: ones (norms) or init_std * normal numbers taken from
+  // one generator stream, parameters in named_parameters() order, each `numel` numbers long.
+  struct InitRecipe {
+    int64_t numel = 0;
+    bool ones = false;
+    uint64_t stream_offset = 0;  // the generator offset of the parameter's first element
+  };
+  std::map<std::string, InitRecipe> init_recipes_;
   std::vector<LayerWrapper> layer_wrappers_;
   std::vector<AttentionCoreWrapper> core_wrappers_;
   std::vector<ModelWrapper> model_wrappers_;

@@ -2,6 +2,11 @@
 //
 // Parameters are Tensor members registered by pointer, so code above (mixed precision, FSDP)
 // can swap a parameter's tensor for a compute copy around a forward and put it back after.
+//
+// A module may be built with *deferred* parameters (PyTorch's meta device): each slot holds a
+// tensor with the parameter's shape, dtype, device and requires-grad flag but no storage, so
+// that a model far larger than one device can be described and then sharded (fsdp::ShardedModel
+// creates only this rank's part) without ever existing in full.
 #pragma once
 #include <string>
 #include <utility>
@@ -10,6 +15,14 @@
 #include "shardtrain/tensor/tensor.h"
 
 namespace shardtrain::nn {
+
+// Whether a module's parameters get storage when it is built.
+enum class ParameterStorage { Allocated, Deferred };
+
+// True for a tensor with elements but no storage: a deferred parameter not yet materialised.
+bool is_deferred(const Tensor& t);
+// A deferred parameter: fp32 `shape` on `device`, requiring a gradient, no bytes allocated.
+Tensor deferred_parameter(const Shape& shape, Device device);
 
 class Module {
  public:
@@ -23,6 +36,11 @@ class Module {
   std::vector<std::pair<std::string, Tensor*>> named_parameters(const std::string& prefix = "");
   std::vector<Tensor*> parameters();
   int64_t num_parameters();
+  // Whether any parameter (here or in a child) is deferred.
+  bool has_deferred_parameters() const;
+  // Gives every deferred parameter zero-filled storage on its device, counted as Parameters
+  // (the values are the caller's to set, e.g. by loading weights).
+  void materialize();
 
   void train(bool on = true);
   bool is_training() const { return training_; }

@@ -50,7 +50,9 @@ struct StepResult {
 class Runtime {
  public:
   // Builds the model (from model.from_hf when set, else initialised from train.seed), applies
-  // the activation strategy and precision policy, and creates the optimizer.
+  // the activation strategy and precision policy, and creates the optimizer. Under a sharding
+  // strategy other than no_shard (more than one rank) the full model is never built: each rank
+  // creates only its shards, from the seed or from the checkpoint's files.
   explicit Runtime(const Config& config);
   ~Runtime();
 
@@ -61,7 +63,9 @@ class Runtime {
     bool found_inf = false;  // a gradient overflowed (loss scaling): the step must be skipped
   };
   Gradients forward_backward(const std::vector<Batch>& micro_batches);
-  // Mean cross-entropy per counted token, no graph.
+  // Mean cross-entropy per counted token over `batches` (the same list on every rank), no graph.
+  // Collective: each rank evaluates its share (every world-size-th batch) and the sums are
+  // all-reduced, so W ranks evaluate a set W times faster than one.
   double eval_loss(const std::vector<Batch>& batches);
 
   nn::LlamaModel& model() { return *model_; }
