@@ -15,18 +15,26 @@
 #                      libpthread, libdl, librt, ld-linux) and what the CUDA install and driver
 #                      provide (libcuda, libcudart, libcublas*, libnccl)
 #   bundle/configs/    configs/
-#   bundle/data/       tests/data/
-#   bundle/env.sh      source it: sets LD_LIBRARY_PATH (and expands compressed files once)
+#   bundle/data/       tests/data/ (the golden case and test data; `shardtrain bench` and the
+#                      llama configs use the corpus built into the binary)
+#   bundle/bench/      tests/bench/*.py: the PyTorch SDPA reference and the attention comparison
+#   bundle/gpu-verify.sh   launch/gpu-verify.sh: every GPU check and measurement, by phase
+#   bundle/env.sh      source it: sets LD_LIBRARY_PATH (and expands compressed files once); finds
+#                      the CUDA libraries in the CUDA toolkit or in PyTorch's nvidia-* wheels
 #   bundle/run-tests.sh  runs every test executable and prints a summary; exit 1 on failure
+#   bundle/link-build-paths.sh  makes the build machine's paths the tests were compiled with
+#                      (test data, configs, the CLI binary) point into the bundle where missing
 #
 # On the GPU machine:
 #   source bundle/env.sh
 #   bundle/run-tests.sh                  # or: bundle/run-tests.sh cuda_   (name filter)
 #   bundle/bin/shardtrain-kernel-bench --json bench.json
+#   launch/gpu-verify.sh tests|kernels|train|all     # or bundle/gpu-verify.sh; docs/benchmarks.md
 #
-# The bundle must stay under 60 MiB (what a device session may carry). When the plain copy is
+# The bundle is kept under 60 MiB so that it ships quickly to a fresh node. When the plain copy is
 # larger, files over 1 MiB are stored xz-compressed (NAME.xz) and env.sh expands them in place
-# the first time it is sourced.
+# the first time it is sourced: a bundle used here is then larger (it says so), and is rebuilt
+# with this script before it is carried anywhere with a size limit.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -77,11 +85,15 @@ skip_library() {
   esac
   return 1
 }
-declare -A copied=()
+declare -A copied=() provided=()
 for e in "${executables[@]}" "${tests[@]}"; do
   while read -r name path; do
     [[ -n "$path" && -f "$path" ]] || continue
-    skip_library "$name" && continue
+    if skip_library "$name"; then
+      # What the GPU machine's CUDA install must provide (env.sh looks for these).
+      case "$name" in libcudart.so* | libcublas*.so* | libnccl*.so*) provided[$name]=1 ;; esac
+      continue
+    fi
     [[ -n "${copied[$name]:-}" ]] && continue
     copied[$name]=1
     cp -L "$path" "$out/lib/$name"
@@ -91,6 +103,9 @@ done
 
 cp -r "$root/configs" "$out/configs"
 cp -r "$root/tests/data" "$out/data"
+mkdir -p "$out/bench"
+cp "$root"/tests/bench/*.py "$out/bench/"
+cp "$root/launch/gpu-verify.sh" "$out/gpu-verify.sh"
 
 # Where the tests look for their data and the CLI binary (compiled-in absolute paths).
 source_dir="$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$build/CMakeCache.txt")"
@@ -111,8 +126,10 @@ cat >"$out/env.sh" <<'ENV'
 # Source this file: puts the bundled libraries on LD_LIBRARY_PATH and, on first use, expands
 # files that were stored compressed.
 bundle_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+bundle_expanded=0
 for packed in "$bundle_dir"/bin/*.xz "$bundle_dir"/tests/*.xz "$bundle_dir"/lib/*.xz; do
   [ -e "$packed" ] || continue
+  bundle_expanded=1
   if command -v xz >/dev/null 2>&1; then
     xz -d -f "$packed"
   else
@@ -120,9 +137,67 @@ for packed in "$bundle_dir"/bin/*.xz "$bundle_dir"/tests/*.xz "$bundle_dir"/lib/
   fi
   case "$packed" in */lib/*) ;; *) chmod +x "${packed%.xz}" ;; esac
 done
+if [ "$bundle_expanded" = 1 ]; then
+  echo "bundle/env.sh: expanded the compressed files in place ($(du -sh "$bundle_dir" | cut -f1));" \
+    "run launch/bundle.sh again before copying the bundle where a size limit applies" >&2
+fi
+unset bundle_expanded
 export LD_LIBRARY_PATH="$bundle_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PATH="$bundle_dir/bin:$PATH"
 ENV
+# The CUDA libraries are not bundled (hundreds of MiB). The binaries look for them where the
+# build machine had them; elsewhere env.sh adds the CUDA toolkit's directories, then PyTorch's
+# nvidia-* wheel directories, for each one the loader cannot find.
+cat >>"$out/env.sh" <<ENV
+bundle_cuda_libs="${!provided[*]}"
+ENV
+cat >>"$out/env.sh" <<'ENV'
+bundle_lib_found() {
+  local d
+  for d in ${LD_LIBRARY_PATH//:/ }; do [ -e "$d/$1" ] && return 0; done
+  ldconfig -p 2>/dev/null | grep -q "[[:space:]]$1 " && return 0
+  return 1
+}
+bundle_python_lib_dirs() {
+  command -v python3 >/dev/null 2>&1 || return 0
+  python3 -c 'import glob, os, site, sysconfig
+roots = [sysconfig.get_paths()["purelib"]] + list(getattr(site, "getsitepackages", list)())
+for d in sorted({d for r in roots for d in glob.glob(os.path.join(r, "nvidia", "*", "lib"))}):
+    print(d)' 2>/dev/null
+}
+for lib in $bundle_cuda_libs; do
+  bundle_lib_found "$lib" && continue
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib \
+    $(bundle_python_lib_dirs); do
+    if [ -e "$d/$lib" ]; then
+      export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$d"
+      break
+    fi
+  done
+  bundle_lib_found "$lib" ||
+    echo "bundle/env.sh: $lib not found in the CUDA toolkit or PyTorch's nvidia-* wheels;" \
+      "the bundled programs need it" >&2
+done
+unset -f bundle_lib_found bundle_python_lib_dirs
+unset lib d bundle_cuda_libs
+ENV
+
+# ---- link-build-paths.sh -------------------------------------------------------------------
+cat >"$out/link-build-paths.sh" <<LINKS
+#!/usr/bin/env bash
+# The tests were compiled with absolute paths to their data, the configs and the CLI binary on
+# the build machine; where those do not exist here, links into the bundle take their place.
+bundle_dir="\$(cd "\$(dirname "\${BASH_SOURCE[0]}")" && pwd)"
+link_if_missing() {
+  [ -e "\$1" ] && return 0
+  mkdir -p "\$(dirname "\$1")" 2>/dev/null && ln -sfn "\$2" "\$1" 2>/dev/null ||
+    echo "link-build-paths: cannot create \$1 (tests that read it will fail)" >&2
+}
+link_if_missing "$source_dir/tests/data" "\$bundle_dir/data"
+link_if_missing "$source_dir/configs" "\$bundle_dir/configs"
+link_if_missing "$build/bin/shardtrain" "\$bundle_dir/bin/shardtrain"
+LINKS
+chmod +x "$out/link-build-paths.sh"
 
 # ---- run-tests.sh ----------------------------------------------------------------------------
 cat >"$out/run-tests.sh" <<RUN
@@ -132,15 +207,7 @@ cat >"$out/run-tests.sh" <<RUN
 set -uo pipefail
 bundle_dir="\$(cd "\$(dirname "\${BASH_SOURCE[0]}")" && pwd)"
 source "\$bundle_dir/env.sh"
-# The tests were compiled with absolute paths to their data and to the CLI binary on the build
-# machine; point those paths at the bundle when they do not exist here.
-link_if_missing() {
-  [ -e "\$1" ] && return 0
-  mkdir -p "\$(dirname "\$1")" 2>/dev/null && ln -s "\$2" "\$1" 2>/dev/null ||
-    echo "run-tests: cannot create \$1 (tests that read it will fail)" >&2
-}
-link_if_missing "$source_dir/tests/data" "\$bundle_dir/data"
-link_if_missing "$build/bin/shardtrain" "\$bundle_dir/bin/shardtrain"
+"\$bundle_dir/link-build-paths.sh"
 export OMP_NUM_THREADS="\${OMP_NUM_THREADS:-4}" OPENBLAS_NUM_THREADS=1
 filter="\${1:-}"
 passed=0; failed=0; failed_names=()

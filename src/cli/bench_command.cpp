@@ -1,4 +1,5 @@
 // `shardtrain bench`: the offload-vs-recompute lab.
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <sstream>
@@ -20,6 +21,22 @@ std::vector<std::string> split_list(const std::string& text) {
   return out;
 }
 
+double parse_peak(const std::string& text) {
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != text.size() || !(value > 0) || !std::isfinite(value))
+    throw UsageError(
+        "--peak-tflops: expected a positive number of TFLOP/s (989.4 for an H100 "
+        "in bf16), got '" +
+        text + "'");
+  return value;
+}
+
 }  // namespace
 
 Command bench_command() {
@@ -30,7 +47,9 @@ Command bench_command() {
       "Trains the model of --config for --warmup + --steps steps under every combination of\n"
       "activation strategy and precision (a fresh model with the same seed and the same batches\n"
       "each time) and prints peak device memory, step time, tokens/s, forward re-runs and\n"
-      "offloaded bytes, with ratios against strategy none of the same precision. Combinations\n"
+      "offloaded bytes, with ratios against strategy none of the same precision, and the model\n"
+      "FLOPs rate and MFU (6N + 12*L*H*S FLOPs per token; peak from --peak-tflops, else the\n"
+      "datasheet figure for the GPU and the row's precision, none on a CPU). Combinations\n"
       "that run out of memory or that this build does not support are reported and skipped.\n"
       "Writes bench.csv, bench.json and (with gnuplot) frontier.png/svg and memory.png/svg to\n"
       "--out. Under mpirun every rank runs the combinations; the table shows the max over ranks\n"
@@ -44,6 +63,9 @@ Command bench_command() {
                         .defaults_to("fp32,bf16,fp16"));
   c.flags.push_back(Flag("warmup", "N", "warm-up steps per combination").defaults_to("1"));
   c.flags.push_back(Flag("steps", "N", "measured steps per combination").defaults_to("3"));
+  c.flags.push_back(Flag("peak-tflops", "X",
+                         "peak TFLOP/s of one device for the MFU column (default: from the GPU's "
+                         "name and each row's precision; none on a CPU)"));
   c.flags.push_back(
       Flag("out", "DIR", "where CSV, JSON and plots go (default <train.out_dir>/bench)"));
   c.run = [](const Args& args) {
@@ -53,6 +75,7 @@ Command bench_command() {
     o.precisions = split_list(args.get("precisions"));
     o.warmup_steps = args.get_int("warmup");
     o.measured_steps = args.get_int("steps");
+    if (args.has("peak-tflops")) o.peak_tflops = parse_peak(args.get("peak-tflops"));
     const bool leader = dist::job_rank() == 0;
     if (leader) o.log = [](const std::string& line) { std::cerr << line << "\n"; };
     train::BenchReport report = train::run_bench(config, o);

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -23,6 +24,11 @@
 #include "shardtrain/memory/allocator.h"
 #include "shardtrain/optim/optimizer.h"
 #include "shardtrain/train/runtime.h"
+#include "shardtrain/train/schedule.h"
+
+#ifdef SHARDTRAIN_HAVE_CUDA
+#include "shardtrain/backend/cuda.h"
+#endif
 
 namespace shardtrain::train {
 
@@ -65,6 +71,48 @@ std::vector<Batch> StepBatches::next() {
                             all.begin() + (rank_ + 1) * accumulation_);
 }
 
+// ---- model FLOPs and utilisation ------------------------------------------------------------
+
+int64_t flops_parameter_count(const nn::LlamaConfig& model) {
+  // An untied input embedding is a lookup: no multiply-adds.
+  const int64_t input_embedding = model.tie_embeddings ? 0 : model.vocab_size * model.hidden_size;
+  return model.num_parameters() - input_embedding;
+}
+
+double model_flops_per_token(const nn::LlamaConfig& model, int64_t seq_len) {
+  const double attention_width = static_cast<double>(model.num_heads * model.head_dim());
+  return 6.0 * static_cast<double>(flops_parameter_count(model)) +
+         12.0 * static_cast<double>(model.num_layers) * attention_width *
+             static_cast<double>(seq_len);
+}
+
+double peak_tflops_for_gpu(const std::string& gpu_name, const std::string& precision) {
+  std::string name = gpu_name;
+  for (char& ch : name) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  auto has = [&](const char* part) { return name.find(part) != std::string::npos; };
+  struct Peak {
+    double half, fp32;  // dense bf16/fp16 tensor-core, plain fp32
+  };
+  Peak peak{0, 0};
+  if (has("h100 pcie"))
+    peak = {756.5, 51.0};
+  else if (has("h100 nvl") || has("h200 nvl"))
+    peak = {835.5, 60.0};
+  else if (has("h100") || has("h200") || has("gh200"))
+    peak = {989.4, 67.0};
+  else if (has("a100"))
+    peak = {312.0, 19.5};
+  if (precision == "bf16" || precision == "fp16") return peak.half;
+  if (precision == "fp32") return peak.fp32;
+  return 0;
+}
+
+double model_flops_utilization(double tokens_per_s, double flops_per_token, double peak_tflops,
+                               int devices) {
+  if (peak_tflops <= 0 || devices <= 0) return -1;
+  return tokens_per_s * flops_per_token / (peak_tflops * 1e12 * devices);
+}
+
 // ---- running the combinations ---------------------------------------------------------------
 
 std::string_view bench_status_name(BenchStatus s) {
@@ -97,17 +145,6 @@ void check_names(const std::vector<std::string>& given, const std::vector<std::s
   }
 }
 
-optim::LrSchedule schedule_from(const Config& c) {
-  optim::LrSchedule s;
-  s.kind = c.optim.schedule == "cosine"   ? optim::LrSchedule::Kind::Cosine
-           : c.optim.schedule == "linear" ? optim::LrSchedule::Kind::Linear
-                                          : optim::LrSchedule::Kind::Constant;
-  s.peak = static_cast<float>(c.optim.lr);
-  s.min_lr = static_cast<float>(c.optim.effective_min_lr());
-  s.warmup_steps = c.optim.warmup_steps;
-  s.total_steps = c.train.steps;
-  return s;
-}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -151,7 +188,7 @@ BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t meas
     // Declared before the runtime, so the capacity is restored after the runtime is gone.
     CapacityGuard device_capacity(allocator_for(training_device(config)));
     Runtime rt(config);
-    optim::LrSchedule schedule = schedule_from(config);
+    optim::LrSchedule schedule = lr_schedule(config);
     int64_t step = 0;
     for (int64_t i = 0; i < warmup_steps; ++i, ++step)
       rt.train_step(batches.next(), schedule.at(step));
@@ -333,6 +370,17 @@ std::string host_name() {
   return buf;
 }
 
+// The arithmetic figures of a row that ran on `devices` devices of `peak_tflops` each.
+void fill_rate(BenchRow& r, double flops_per_token, double peak_tflops, int devices) {
+  r.model_flops_per_token = flops_per_token;
+  r.peak_tflops = peak_tflops;
+  r.achieved_tflops = 0;
+  r.mfu = -1;
+  if (!r.ok()) return;
+  r.achieved_tflops = r.tokens_per_s * flops_per_token / 1e12;
+  r.mfu = model_flops_utilization(r.tokens_per_s, flops_per_token, peak_tflops, devices);
+}
+
 }  // namespace
 
 BenchReport run_bench(const Config& config, const BenchOptions& options) {
@@ -354,6 +402,30 @@ BenchReport run_bench(const Config& config, const BenchOptions& options) {
   report.device = resolve_device(config.train.device).str();
   report.date = utc_now();
   report.host = host_name();
+#ifdef SHARDTRAIN_HAVE_CUDA
+  if (const Device d = training_device(config); d.is_cuda())
+    report.device_name = cuda::device_description(d.index);
+#endif
+  {
+    const nn::LlamaConfig model = llama_config_from(config.model);
+    report.flops_parameters = flops_parameter_count(model);
+    report.model_flops_per_token = model_flops_per_token(model, config.train.seq_len);
+  }
+  auto peak_for = [&](const std::string& precision) {
+    return options.peak_tflops > 0 ? options.peak_tflops
+                                   : peak_tflops_for_gpu(report.device_name, precision);
+  };
+  if (options.peak_tflops > 0) {
+    report.peak_source = "--peak-tflops";
+  } else if (!report.device_name.empty()) {
+    bool known = false;
+    for (const std::string& p : options.precisions) known = known || peak_for(p) > 0;
+    if (known)
+      report.peak_source = "datasheet figure for " + report.device_name;
+    else if (options.log)
+      options.log("bench: no datasheet peak for '" + report.device_name +
+                  "'; give --peak-tflops for the MFU column");
+  }
   {
     const ModelConfig& m = config.model;
     std::ostringstream s;
@@ -373,15 +445,20 @@ BenchReport run_bench(const Config& config, const BenchOptions& options) {
       c.precision.param_dtype = "";  // the compute dtype: each row means what its name says
       BenchRow local = measure_config(c, options.warmup_steps, options.measured_steps);
       local.rank = rank;
+      const double peak = peak_for(precision);
+      fill_rate(local, report.model_flops_per_token, peak, 1);
       if (env) {
         std::vector<double> all(static_cast<size_t>(world) * kPacked, 0.0);
         std::array<double, kPacked> mine = pack(local);
         std::copy(mine.begin(), mine.end(), all.begin() + static_cast<ptrdiff_t>(rank) * kPacked);
         env->world().all_reduce_host(all, dist::ReduceOp::Sum);
         std::vector<BenchRow> ranks;
-        for (int r = 0; r < world; ++r)
+        for (int r = 0; r < world; ++r) {
           ranks.push_back(unpack(all.data() + static_cast<size_t>(r) * kPacked, local, r));
+          fill_rate(ranks.back(), report.model_flops_per_token, peak, 1);
+        }
         report.rows.push_back(combine(ranks, local));
+        fill_rate(report.rows.back(), report.model_flops_per_token, peak, world);
         report.rank_rows.insert(report.rank_rows.end(), ranks.begin(), ranks.end());
       } else {
         report.rows.push_back(local);
@@ -389,11 +466,15 @@ BenchReport run_bench(const Config& config, const BenchOptions& options) {
       if (options.log) {
         const BenchRow& r = report.rows.back();
         char line[256];
-        if (r.ok())
-          std::snprintf(line, sizeof line, "bench: %s/%s: peak %.2f MiB, %.1f ms/step",
+        if (r.ok()) {
+          char mfu[32] = "";
+          if (r.mfu >= 0) std::snprintf(mfu, sizeof mfu, ", MFU %.1f%%", 100.0 * r.mfu);
+          std::snprintf(line, sizeof line,
+                        "bench: %s/%s: peak %.2f MiB, %.1f ms/step, %.0f tokens/s, %.3g TFLOP/s%s",
                         strategy.c_str(), precision.c_str(),
-                        static_cast<double>(r.peak_bytes) / (1 << 20), r.step_ms_median);
-        else
+                        static_cast<double>(r.peak_bytes) / (1 << 20), r.step_ms_median,
+                        r.tokens_per_s, r.achieved_tflops, mfu);
+        } else
           std::snprintf(line, sizeof line, "bench: %s/%s: %s", strategy.c_str(), precision.c_str(),
                         std::string(bench_status_name(r.status)).c_str());
         options.log(line);
@@ -446,6 +527,8 @@ nlohmann::json row_json(const BenchRow& r) {
   j["message"] = r.message;
   if (r.rank >= 0) j["rank"] = r.rank;
   if (r.status == BenchStatus::OutOfMemory) j["oom_requested_bytes"] = r.oom_requested_bytes;
+  j["model_flops_per_token"] = r.model_flops_per_token;
+  if (r.peak_tflops > 0) j["peak_tflops"] = r.peak_tflops;
   if (!r.ok()) return j;
   j["peak_bytes"] = r.peak_bytes;
   nlohmann::json by, at;
@@ -468,6 +551,8 @@ nlohmann::json row_json(const BenchRow& r) {
                    {"transfer_ms", r.transfer_ms}};
   if (r.peak_vs_none >= 0) j["peak_vs_none"] = r.peak_vs_none;
   if (r.overhead_vs_none > -1) j["overhead_vs_none"] = r.overhead_vs_none;
+  j["achieved_tflops"] = r.achieved_tflops;
+  if (r.mfu >= 0) j["mfu"] = r.mfu;
   return j;
 }
 
@@ -475,23 +560,25 @@ std::string markdown_rows(const std::vector<BenchRow>& rows, bool with_rank) {
   std::string out = with_rank ? "| rank " : "";
   out +=
       "| strategy | precision | peak MiB | vs none | step ms | tokens/s | overhead | recomputes "
-      "| offloaded MiB |\n";
+      "| offloaded MiB | TFLOP/s | MFU |\n";
   out += with_rank ? "|---:" : "";
-  out += "|---|---|---:|---:|---:|---:|---:|---:|---:|\n";
+  out += "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const BenchRow& r : rows) {
     std::string line = with_rank ? "| " + std::to_string(r.rank) + " " : "";
     line += "| " + r.strategy + " | " + r.precision + " | ";
     if (r.status == BenchStatus::OutOfMemory) {
       line += "OOM (" + fmt("%.2f", static_cast<double>(r.oom_requested_bytes) / kMiB) +
-              " MiB requested) | - | - | - | - | - | - |";
+              " MiB requested) | - | - | - | - | - | - | - | - |";
     } else if (r.status == BenchStatus::Unsupported) {
-      line += "unsupported: " + cell(r.message) + " | - | - | - | - | - | - |";
+      line += "unsupported: " + cell(r.message) + " | - | - | - | - | - | - | - | - |";
     } else {
       line += fmt("%.2f", static_cast<double>(r.peak_bytes) / kMiB) + " | " +
               (r.peak_vs_none >= 0 ? fmt("%.2fx", r.peak_vs_none) : "-") + " | " +
               fmt("%.1f", r.step_ms_median) + " | " + fmt("%.0f", r.tokens_per_s) + " | " +
               (r.overhead_vs_none > -1 ? fmt("%+.1f%%", 100.0 * r.overhead_vs_none) : "-") + " | " +
-              fmt("%.1f", r.forward_reruns) + " | " + fmt("%.2f", r.bytes_offloaded / kMiB) + " |";
+              fmt("%.1f", r.forward_reruns) + " | " + fmt("%.2f", r.bytes_offloaded / kMiB) +
+              " | " + fmt("%.3g", r.achieved_tflops) + " | " +
+              (r.mfu >= 0 ? fmt("%.1f%%", 100.0 * r.mfu) : "-") + " |";
     }
     out += line + "\n";
   }
@@ -502,9 +589,15 @@ std::string markdown_rows(const std::vector<BenchRow>& rows, bool with_rank) {
 
 std::string BenchReport::markdown() const {
   std::string out = markdown_rows(rows, false);
-  out += "\n" + config_summary + "; device " + device + ", " + std::to_string(world_size) +
+  out += "\n" + config_summary + "; device " + device +
+         (device_name.empty() ? "" : " (" + device_name + ")") + ", " + std::to_string(world_size) +
          (world_size == 1 ? " rank" : " ranks (memory and step time: max over ranks)") + "; " +
          date + " on " + host + ".\n";
+  out += "Model FLOPs per token " + fmt("%.4g", model_flops_per_token) +
+         " (6N + 12·L·H·S, N = " + std::to_string(flops_parameters) +
+         "); MFU = tokens/s x that / (" +
+         (world_size == 1 ? std::string("peak") : "peak x " + std::to_string(world_size)) +
+         "), peak: " + (peak_source.empty() ? "unknown (give --peak-tflops)" : peak_source) + ".\n";
   if (!rank_rows.empty()) out += "\nPer rank:\n\n" + markdown_rows(rank_rows, true);
   return out;
 }
@@ -517,7 +610,7 @@ std::string BenchReport::csv() const {
       "host_offloaded_peak,host_optimizer_state_peak,final_loss";
   for (int k = 0; k < kNumMemoryCategories; ++k) out += ",at_peak_" + category_key(k);
   for (int k = 0; k < kNumMemoryCategories; ++k) out += ",peak_" + category_key(k);
-  out += "\n";
+  out += ",model_flops_per_token,achieved_tflops,peak_tflops,mfu\n";
   auto emit = [&](const BenchRow& r) {
     std::ostringstream s;
     s.precision(10);
@@ -540,6 +633,12 @@ std::string BenchReport::csv() const {
     } else {
       s << std::string(15 + 2 * kNumMemoryCategories, ',');
     }
+    s << ',' << r.model_flops_per_token << ',';
+    if (r.ok()) s << r.achieved_tflops;
+    s << ',';
+    if (r.peak_tflops > 0) s << r.peak_tflops;
+    s << ',';
+    if (r.mfu >= 0) s << r.mfu;
     out += s.str() + "\n";
   };
   for (const BenchRow& r : rows) emit(r);
@@ -552,8 +651,13 @@ std::string BenchReport::json() const {
   j["date"] = date;
   j["host"] = host;
   j["device"] = device;
+  j["device_name"] = device_name;
   j["world_size"] = world_size;
   j["config"] = config_summary;
+  j["model_flops_per_token"] = model_flops_per_token;
+  j["flops_parameters"] = flops_parameters;
+  j["flops_convention"] = "6N + 12*L*H*S (PaLM appendix B, llm.c)";
+  j["peak_source"] = peak_source;
   j["rows"] = nlohmann::json::array();
   for (const BenchRow& r : rows) j["rows"].push_back(row_json(r));
   j["rank_rows"] = nlohmann::json::array();

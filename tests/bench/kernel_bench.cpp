@@ -6,6 +6,11 @@
 // reported with the achieved bandwidth (bytes the kernel must move at least, over the time) or
 // arithmetic rate (useful FLOPs: causal attention counts half the S x S products, and its
 // backward 2.5 times the forward, as flash-attention papers do).
+//
+// Attention runs on several shapes (plain multi-head, grouped-query, and the shapes of
+// configs/llama-1b.yaml and configs/llama-125m.yaml at sequence 2048); each attention result in
+// the JSON carries its shape as numbers under "params", which tests/bench/sdpa_reference.py reads
+// to time PyTorch's scaled_dot_product_attention on exactly the same shapes.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -37,8 +42,9 @@ struct Options {
 struct Result {
   std::string name, shape;
   double median_ms = 0;
-  double gbps = 0;    // 0 when the kernel is reported in TFLOP/s
-  double tflops = 0;  // 0 when the kernel is reported in GB/s
+  double gbps = 0;        // 0 when the kernel is reported in TFLOP/s
+  double tflops = 0;      // 0 when the kernel is reported in GB/s
+  nlohmann::json params;  // the shape as numbers (attention only); null otherwise
 };
 
 Options parse(int argc, char** argv) {
@@ -79,7 +85,7 @@ class Bench {
 
   // Times `op`; `bytes` or `flops` (one of them non-zero) gives the rate.
   void run(const std::string& name, const std::string& shape, double bytes, double flops,
-           const std::function<void()>& op) {
+           const std::function<void()>& op, const nlohmann::json& params = nullptr) {
     if (!o_.only.empty() && name.find(o_.only) == std::string::npos) return;
     const cuda::StreamView stream = cuda::current_stream(o_.device);
     for (int i = 0; i < o_.warmup; ++i) op();
@@ -93,7 +99,7 @@ class Bench {
       ms.push_back(start.elapsed_ms(stop));
     }
     std::sort(ms.begin(), ms.end());
-    Result r{name, shape, ms[ms.size() / 2]};
+    Result r{name, shape, ms[ms.size() / 2], 0, 0, params};
     const double seconds = r.median_ms * 1e-3;
     if (bytes > 0) r.gbps = bytes / seconds * 1e-9;
     if (flops > 0) r.tflops = flops / seconds * 1e-12;
@@ -137,23 +143,46 @@ void bench_gemm(Bench& b) {
         [&] { b.backend().gemm(g, a, w, c32); });
 }
 
-void bench_attention(Bench& b) {
-  const int64_t B = 4, H = 16, S = 2048, D = 128;
+struct AttentionShape {
+  int64_t batch, heads_q, heads_kv, seq, head_dim;
+};
+
+// Causal, bf16. tests/bench/sdpa_reference.py holds the same list (used when it is given no
+// kernel-bench JSON to read the shapes from): keep the two equal.
+constexpr AttentionShape kAttentionShapes[] = {
+    {4, 16, 16, 2048, 128},  // plain multi-head attention
+    {2, 32, 8, 2048, 128},   // grouped-query, Llama-3-8B's heads
+    {1, 32, 8, 2048, 64},    // configs/llama-1b.yaml at micro-batch 1,
+    {4, 32, 8, 2048, 64},    // its own micro-batch 4
+    {8, 32, 8, 2048, 64},    // and 8
+    {8, 12, 12, 2048, 64},   // configs/llama-125m.yaml at its micro-batch 8
+};
+
+void bench_attention(Bench& b, const AttentionShape& a) {
+  const int64_t B = a.batch, Hq = a.heads_q, Hkv = a.heads_kv, S = a.seq, D = a.head_dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  Tensor q = randn_on({B, H, S, D}, DType::BF16, b.dev(), 3);
-  Tensor k = randn_on({B, H, S, D}, DType::BF16, b.dev(), 4);
-  Tensor v = randn_on({B, H, S, D}, DType::BF16, b.dev(), 5);
-  Tensor out = empty({B, H, S, D}, DType::BF16, b.dev());
-  Tensor lse = empty({B, H, S}, DType::F32, b.dev());
-  Tensor dout = randn_on({B, H, S, D}, DType::BF16, b.dev(), 6);
+  Tensor q = randn_on({B, Hq, S, D}, DType::BF16, b.dev(), 3);
+  Tensor k = randn_on({B, Hkv, S, D}, DType::BF16, b.dev(), 4);
+  Tensor v = randn_on({B, Hkv, S, D}, DType::BF16, b.dev(), 5);
+  Tensor out = empty({B, Hq, S, D}, DType::BF16, b.dev());
+  Tensor lse = empty({B, Hq, S}, DType::F32, b.dev());
+  Tensor dout = randn_on({B, Hq, S, D}, DType::BF16, b.dev(), 6);
   Tensor dq = empty(q.shape(), DType::BF16, b.dev()), dk = empty(k.shape(), DType::BF16, b.dev()),
          dv = empty(v.shape(), DType::BF16, b.dev());
-  const double fwd_flops = 4.0 * B * H * S * S * D / 2.0;
-  const std::string shape = "B=4 H=16 S=2048 D=128 causal";
-  b.run("attention_fwd_bf16", shape, 0, fwd_flops,
-        [&] { b.backend().attention_forward(q, k, v, scale, out, lse); });
-  b.run("attention_bwd_bf16", shape, 0, 2.5 * fwd_flops,
-        [&] { b.backend().attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv); });
+  // Useful FLOPs: two S x S x D products per head, half of them masked.
+  const double fwd_flops = 4.0 * static_cast<double>(B * Hq) * static_cast<double>(S * S * D) / 2.0;
+  const std::string heads = Hq == Hkv ? "H=" + std::to_string(Hq)
+                                      : "Hq=" + std::to_string(Hq) + " Hkv=" + std::to_string(Hkv);
+  const std::string shape = "B=" + std::to_string(B) + " " + heads + " S=" + std::to_string(S) +
+                            " D=" + std::to_string(D) + " causal";
+  const nlohmann::json params = {{"batch", B},    {"heads_q", Hq},  {"heads_kv", Hkv}, {"seq", S},
+                                 {"head_dim", D}, {"causal", true}, {"dtype", "bf16"}};
+  b.run(
+      "attention_fwd_bf16", shape, 0, fwd_flops,
+      [&] { b.backend().attention_forward(q, k, v, scale, out, lse); }, params);
+  b.run(
+      "attention_bwd_bf16", shape, 0, 2.5 * fwd_flops,
+      [&] { b.backend().attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv); }, params);
 }
 
 void bench_rmsnorm(Bench& b) {
@@ -235,7 +264,7 @@ int main(int argc, char** argv) {
                 o.iters, o.warmup);
     Bench b(o);
     bench_gemm(b);
-    bench_attention(b);
+    for (const AttentionShape& shape : kAttentionShapes) bench_attention(b, shape);
     bench_rmsnorm(b);
     bench_cross_entropy(b);
     bench_adamw(b);
@@ -245,12 +274,15 @@ int main(int argc, char** argv) {
       j["device"] = device;
       j["iters"] = o.iters;
       j["results"] = nlohmann::json::array();
-      for (const Result& r : b.results())
-        j["results"].push_back({{"name", r.name},
+      for (const Result& r : b.results()) {
+        nlohmann::json entry = {{"name", r.name},
                                 {"shape", r.shape},
                                 {"median_ms", r.median_ms},
                                 {"gbps", r.gbps},
-                                {"tflops", r.tflops}});
+                                {"tflops", r.tflops}};
+        if (!r.params.is_null()) entry["params"] = r.params;
+        j["results"].push_back(entry);
+      }
       std::ofstream out(o.json);
       if (!out) throw ConfigError("cannot write --json file '" + o.json + "'");
       out << j.dump(2) << "\n";

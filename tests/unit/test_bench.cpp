@@ -206,6 +206,82 @@ TEST(Bench, ShortRunGivesSaneFiguresCsvAndJson) {
   fs::remove_all(dir);
 }
 
+TEST(Bench, RowsCarryModelFlopsAndMfu) {
+  train::Config config = train::Config::parse(kTinyYaml, {}, "tiny-bench");
+  train::BenchOptions o;
+  o.strategies = {"none"};
+  o.precisions = {"fp32"};
+  o.warmup_steps = 0;
+  o.measured_steps = 1;
+  // On a CPU there is no default peak: no MFU.
+  train::BenchReport cpu = train::run_bench(config, o);
+  ASSERT_EQ(cpu.rows.size(), 1u);
+  const train::BenchRow& plain = cpu.rows[0];
+  ASSERT_TRUE(plain.ok()) << plain.message;
+  // The tiny shape counted by hand in test_bench_formulas: 6 x 31392 + 12 x 2 x 32 x 32.
+  EXPECT_DOUBLE_EQ(cpu.model_flops_per_token, 212928.0);
+  EXPECT_EQ(cpu.flops_parameters, 31392);
+  EXPECT_DOUBLE_EQ(plain.model_flops_per_token, 212928.0);
+  EXPECT_NEAR(plain.achieved_tflops, plain.tokens_per_s * 212928.0 / 1e12,
+              1e-9 * plain.achieved_tflops);
+  EXPECT_LT(plain.mfu, 0.0);
+  EXPECT_TRUE(cpu.peak_source.empty());
+  EXPECT_TRUE(cpu.device_name.empty());
+  std::string md = cpu.markdown();
+  EXPECT_NE(md.find("| offloaded MiB | TFLOP/s | MFU |"), std::string::npos) << md;
+  EXPECT_NE(md.find(" | - |\n"), std::string::npos) << "MFU cell of a CPU row: " << md;
+  EXPECT_NE(md.find("peak: unknown"), std::string::npos) << md;
+
+  // With a given peak every row gets achieved / peak.
+  o.peak_tflops = 0.5;
+  train::BenchReport given = train::run_bench(config, o);
+  const train::BenchRow& r = given.rows[0];
+  ASSERT_TRUE(r.ok()) << r.message;
+  EXPECT_DOUBLE_EQ(r.peak_tflops, 0.5);
+  EXPECT_NEAR(r.mfu, r.tokens_per_s * 212928.0 / 0.5e12, 1e-9 * r.mfu);
+  EXPECT_GT(r.mfu, 0.0);
+  EXPECT_EQ(given.peak_source, "--peak-tflops");
+
+  fs::path dir = temp_dir("mfu");
+  train::write_bench_outputs(given, dir.string());
+  auto csv = read_csv(dir / "bench.csv");
+  ASSERT_EQ(csv.size(), 1u);
+  EXPECT_DOUBLE_EQ(std::stod(csv[0]["model_flops_per_token"]), 212928.0);
+  EXPECT_DOUBLE_EQ(std::stod(csv[0]["peak_tflops"]), 0.5);
+  EXPECT_NEAR(std::stod(csv[0]["mfu"]), r.mfu, 1e-8 * r.mfu);
+  EXPECT_NEAR(std::stod(csv[0]["achieved_tflops"]), r.achieved_tflops, 1e-8 * r.achieved_tflops);
+  // The new columns come last: the earlier ones keep their positions.
+  {
+    std::ifstream in(dir / "bench.csv");
+    std::string header;
+    std::getline(in, header);
+    const std::string tail = ",model_flops_per_token,achieved_tflops,peak_tflops,mfu";
+    ASSERT_GE(header.size(), tail.size());
+    EXPECT_EQ(header.substr(header.size() - tail.size()), tail);
+    EXPECT_EQ(header.rfind("strategy,precision,status,rank,message,oom_requested_bytes,", 0), 0u);
+  }
+  nlohmann::json j = nlohmann::json::parse(read(dir / "bench.json"));
+  EXPECT_DOUBLE_EQ(j["model_flops_per_token"].get<double>(), 212928.0);
+  EXPECT_EQ(j["flops_parameters"].get<int64_t>(), 31392);
+  EXPECT_NEAR(j["rows"][0]["mfu"].get<double>(), r.mfu, 1e-12);
+  EXPECT_DOUBLE_EQ(j["rows"][0]["peak_tflops"].get<double>(), 0.5);
+  fs::remove_all(dir);
+
+  // The CLI flag: a bad value is a usage error (exit 2) before anything runs.
+  {
+    std::ofstream out(dir.parent_path() / "shardtrain_test_bench_mfu.yaml");
+    out << kTinyYaml;
+  }
+  const std::string yaml = (dir.parent_path() / "shardtrain_test_bench_mfu.yaml").string();
+  EXPECT_EQ(cli::run({"bench", "--config", yaml, "--peak-tflops", "fast", "--strategies", "none",
+                      "--precisions", "fp32"}),
+            2);
+  EXPECT_EQ(cli::run({"bench", "--config", yaml, "--peak-tflops=-3", "--strategies", "none",
+                      "--precisions", "fp32"}),
+            2);
+  fs::remove(yaml);
+}
+
 TEST(Bench, OutOfMemoryIsReportedAndTheRunGoesOn) {
   fs::path dir = temp_dir("oom");
   {

@@ -7,6 +7,11 @@
 // steps of real training. A combination that runs out of memory is reported as OOM with the
 // request that failed, one that the build or the config rejects as unsupported, and the bench
 // goes on with the next.
+//
+// Each row also gets its model FLOPs utilisation (MFU): the model FLOPs per token of the PaLM /
+// llm.c convention (model_flops_per_token below) times tokens/s, over the device's peak
+// (BenchOptions::peak_tflops, else the datasheet figure for the GPU's name and the row's
+// precision, else none on a CPU).
 #pragma once
 #include <array>
 #include <cstdint>
@@ -17,6 +22,7 @@
 
 #include "shardtrain/data/batch.h"
 #include "shardtrain/memory/category.h"
+#include "shardtrain/nn/llama.h"
 #include "shardtrain/train/config.h"
 
 namespace shardtrain::train {
@@ -27,6 +33,9 @@ struct BenchOptions {
   std::vector<std::string> precisions = {"fp32", "bf16", "fp16"};
   int64_t warmup_steps = 1;
   int64_t measured_steps = 3;
+  // Peak of one device in TFLOP/s for the MFU column, applied to every row; 0 = the datasheet
+  // figure for the GPU's name and each row's precision (peak_tflops_for_gpu), none on a CPU.
+  double peak_tflops = 0;
   // Called with one line per finished combination (progress on stderr, say); may be empty.
   std::function<void(const std::string&)> log;
 };
@@ -66,6 +75,12 @@ struct BenchRow {
   // Against strategy none of the same precision (< 0 when that row has no figures).
   double peak_vs_none = -1;      // peak / none's peak
   double overhead_vs_none = -1;  // step time / none's step time - 1
+
+  // Arithmetic rate (filled by run_bench; see model_flops_per_token).
+  double model_flops_per_token = 0;
+  double achieved_tflops = 0;  // tokens_per_s x model_flops_per_token / 1e12
+  double peak_tflops = 0;      // of the devices this row ran on, each; 0 = unknown
+  double mfu = -1;             // achieved / (peak x devices); < 0 when the peak is unknown
   bool ok() const { return status == BenchStatus::Ok; }
 };
 
@@ -74,18 +89,52 @@ struct BenchReport {
   // Under a launcher with several ranks: every rank's rows, rank-major (empty otherwise).
   std::vector<BenchRow> rank_rows;
   int world_size = 1;
-  std::string device;  // "cpu", "cuda:0"
+  std::string device;       // "cpu", "cuda:0"
+  std::string device_name;  // the GPU's description ("NVIDIA H100 80GB HBM3 (sm_90, ...)"), or ""
   std::string config_summary;
-  std::string date;  // UTC, ISO 8601
+  double model_flops_per_token = 0;
+  int64_t flops_parameters = 0;  // N of model_flops_per_token
+  std::string peak_source;       // where peak_tflops came from; "" when there is none
+  std::string date;              // UTC, ISO 8601
   std::string host;
 
   // The table printed on stdout: strategy | precision | peak MiB | vs none | step ms |
-  // tokens/s | overhead | recomputes | offloaded MiB, then each rank's figures when there are
-  // several.
+  // tokens/s | overhead | recomputes | offloaded MiB | TFLOP/s | MFU, then each rank's figures
+  // when there are several.
   std::string markdown() const;
   std::string csv() const;
   std::string json() const;  // every field, rows and rank_rows
 };
+
+// ---- model FLOPs and utilisation ------------------------------------------------------------
+//
+// Model FLOPs of one trained token (forward and backward), the convention of PaLM (Chowdhery et
+// al. 2022, appendix B) and llm.c:
+//
+//   6 N + 12 L H S
+//
+// N = flops_parameter_count: the weights that multiply activations, i.e. every parameter except
+// the input embedding table when it is separate from the LM head (a lookup does no
+// arithmetic; a tied table is the head and counts once). Each such weight costs 2 FLOPs per
+// token forward and 4 backward. L layers, H = heads x head_dim, S = seq_len: the attention
+// scores and weighted sum (2 S H FLOPs each per token and layer forward, twice that backward).
+// The causal mask is not credited (the full S x S is counted, as PaLM and llm.c do), nor is
+// any recomputation: these are model FLOPs, so a checkpointing strategy that re-runs the
+// forward has a lower MFU at the same hardware rate. Frozen (QLoRA) weights count as if trained,
+// so a QLoRA row overstates its work by up to 2 FLOPs per frozen weight and token.
+int64_t flops_parameter_count(const nn::LlamaConfig& model);
+double model_flops_per_token(const nn::LlamaConfig& model, int64_t seq_len);
+
+// Dense peak TFLOP/s of one GPU from its name (cuda::device_description) for a compute
+// precision, from the vendor datasheets: bf16/fp16 tensor-core figures without sparsity, and
+// for fp32 the plain (non-tensor-core) FP32 rate, since the CUDA backend computes fp32 products
+// with CUBLAS_COMPUTE_32F (no TF32). H100 SXM, H200 and GH200: 989.4 / 67; H100 PCIe: 756.5 /
+// 51; H100 NVL and H200 NVL: 835.5 / 60; A100: 312 / 19.5. 0 for any other GPU or precision.
+double peak_tflops_for_gpu(const std::string& gpu_name, const std::string& precision);
+
+// achieved TFLOP/s over devices x peak; -1 when peak_tflops <= 0.
+double model_flops_utilization(double tokens_per_s, double flops_per_token, double peak_tflops,
+                               int devices);
 
 // Runs every combination of options.strategies x options.precisions on `config`.
 BenchReport run_bench(const Config& config, const BenchOptions& options);

@@ -1,0 +1,376 @@
+#!/usr/bin/env bash
+# Verifies a shardtrain bundle on a GPU machine and measures it, by phase:
+#
+#   launch/gpu-verify.sh tests     GPU list, every bundled test executable (gtest JSON), summary
+#   launch/gpu-verify.sh kernels   shardtrain-kernel-bench, PyTorch SDPA on the same attention
+#                                  shapes, and the comparison table (target: >= 0.5x SDPA speed)
+#   launch/gpu-verify.sh train     `shardtrain check` on the golden case on the GPU, then
+#                                  `shardtrain bench` for llama-125m and llama-1b (seq 2048,
+#                                  bf16, strategies none and per_layer, fused attention)
+#   launch/gpu-verify.sh all       the three in turn
+#
+# Run it from the repository root (or as bundle/gpu-verify.sh from a copied bundle) after
+# launch/bundle.sh has built bundle/. It sources bundle/env.sh itself. Results go to
+# "${OUT:-./gpu-out}", at most 8 files whatever the phase:
+#
+#   summary.txt   one line per step: PASS/FAIL/TIMEOUT/SKIP, phase, step, seconds, note
+#   tests.log     every test executable's output          tests.json    their gtest JSON, merged
+#   kernels.log   kernel bench, SDPA and comparison text  kernels.json  the three as one JSON
+#   train.log     check and bench output, tables          train.csv     both bench CSVs (+config)
+#                                                         train.json    both bench JSONs + checks
+#
+# Every step runs under `timeout`, and a failing step is recorded and the phase goes on. Each
+# phase stops starting new steps after GPU_VERIFY_BUDGET_S seconds (default 480, so that a
+# phase fits a 10-minute command with room to spare; docs/benchmarks.md runs tests and kernels
+# in one such command with 240 each). Without a GPU the tests
+# phase still runs (CUDA tests skip), and kernels and train record "no CUDA device" and stop.
+# Exit status: 0 when every step passed, 1 otherwise, 2 for a usage error.
+set -uo pipefail
+
+usage() {
+  sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  exit 2
+}
+(($# == 1)) || usage
+phase_arg="$1"
+case "$phase_arg" in tests | kernels | train | all) ;; *) usage ;; esac
+
+# ---- where things are ------------------------------------------------------------------------
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+if [[ -f "$here/env.sh" ]]; then  # bundle/gpu-verify.sh inside a copied bundle
+  bundle="$here"
+  scripts="$here/bench"
+else  # launch/gpu-verify.sh in the repository
+  bundle="$(cd "$here/.." && pwd)/bundle"
+  scripts="$(cd "$here/.." && pwd)/tests/bench"
+fi
+if [[ ! -f "$bundle/env.sh" ]]; then
+  echo "gpu-verify: no bundle at $bundle (build it with launch/bundle.sh)" >&2
+  exit 2
+fi
+# shellcheck source=/dev/null
+source "$bundle/env.sh"
+[[ -x "$bundle/link-build-paths.sh" ]] && "$bundle/link-build-paths.sh"
+
+out="${OUT:-./gpu-out}"
+mkdir -p "$out" || { echo "gpu-verify: cannot create $out" >&2; exit 2; }
+out="$(cd "$out" && pwd)"
+work="$(mktemp -d "${TMPDIR:-/tmp}/gpu-verify.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+summary="$out/summary.txt"
+budget="${GPU_VERIFY_BUDGET_S:-480}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}" OPENBLAS_NUM_THREADS=1 PYTHONUNBUFFERED=1
+python="$(command -v python3 || true)"
+failures=0
+
+note() { echo "[gpu-verify $(date -u +%H:%M:%S)] $*" >&2; }
+
+# record STATUS PHASE STEP SECONDS [NOTE]: one summary line.
+record() {
+  local line
+  line="$(printf '%-7s %-8s %-50s %4ss  %s' "$1" "$2" "$3" "$4" "${5:-}")"
+  echo "$line" >>"$summary"
+  note "$line"
+  [[ "$1" == PASS ]] || failures=$((failures + 1))
+}
+
+phase_start=0
+begin_phase() {
+  phase_start=$(date +%s)
+  note "phase $1: budget ${budget}s, results in $out"
+}
+remaining() { echo $((budget - ($(date +%s) - phase_start))); }
+
+# step PHASE NAME LIMIT LOG TEE -- COMMAND...: runs COMMAND under timeout (LIMIT seconds, or
+# what is left of the phase budget), appending its output to LOG (and to stdout when TEE is 1),
+# and records the result. Returns the command's status.
+step() {
+  local phase="$1" name="$2" limit="$3" log="$4" show="$5"
+  shift 6
+  local left
+  left=$(remaining)
+  if ((left < 15)); then
+    record SKIP "$phase" "$name" 0 "phase budget of ${budget}s spent"
+    return 125
+  fi
+  ((limit > left)) && limit=$left
+  note "$phase: $name (limit ${limit}s)"
+  {
+    echo
+    echo "===== $phase: $name ($(date -u +%Y-%m-%dT%H:%M:%SZ), limit ${limit}s)"
+    echo "\$ $*"
+  } >>"$log"
+  local start rc
+  start=$(date +%s)
+  if ((show)); then
+    timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}
+  else
+    timeout -k 10 "$limit" "$@" >>"$log" 2>&1
+    rc=$?
+  fi
+  local seconds=$(($(date +%s) - start))
+  echo "===== exit status $rc after ${seconds}s" >>"$log"
+  if ((rc == 0)); then
+    record PASS "$phase" "$name" "$seconds"
+  elif ((rc == 124 || rc == 137)); then
+    record TIMEOUT "$phase" "$name" "$seconds" "killed after ${limit}s"
+  else
+    record FAIL "$phase" "$name" "$seconds" "exit status $rc (see $(basename "$log"))"
+  fi
+  return "$rc"
+}
+
+gpu_present() {
+  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '
+}
+
+require_gpu() {
+  if gpu_present; then return 0; fi
+  record FAIL "$1" "GPU check" 0 "no CUDA device (nvidia-smi missing or lists no GPU)"
+  echo "no CUDA device: nvidia-smi is missing or lists no GPU; phase $1 not run" >>"$2"
+  return 1
+}
+
+# ---- tests -------------------------------------------------------------------------------------
+phase_tests() {
+  local log="$out/tests.log"
+  begin_phase tests
+  : >"$log"
+  {
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)  host: $(hostname)"
+    if command -v nvidia-smi >/dev/null 2>&1; then
+      nvidia-smi -L 2>&1
+      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
+    else
+      echo "nvidia-smi: not found (no NVIDIA driver here); the cuda_* tests will skip"
+    fi
+  } | tee -a "$log"
+  mkdir -p "$work/gtest"
+  local t name
+  for t in "$bundle"/tests/*; do
+    [[ -f "$t" && -x "$t" ]] || continue
+    name="$(basename "$t")"
+    # 240 s: the slowest unit test takes well under a minute on a few cores; a hang must not
+    # take the whole phase.
+    step tests "$name" 240 "$log" 0 -- "$t" --gtest_output="json:$work/gtest/$name.json"
+  done
+  # Per executable: tests run, skipped and failed, from its gtest JSON. With a GPU present, a
+  # cuda_* executable whose tests all skipped did not test anything: that is a failure.
+  if [[ -n "$python" ]]; then
+    local gpu=0 skipped_on_gpu
+    gpu_present && gpu=1
+    skipped_on_gpu="$("$python" - "$work/gtest" "$out/tests.json" "$summary" "$gpu" <<'PY'
+import glob, json, os, sys
+src, dst, summary, gpu = sys.argv[1:5]
+all_skipped = []
+merged = {"executables": []}
+lines = []
+for path in sorted(glob.glob(os.path.join(src, "*.json"))):
+    name = os.path.basename(path)[:-5]
+    try:
+        with open(path) as f:
+            g = json.load(f)
+    except (OSError, ValueError) as e:
+        merged["executables"].append({"name": name, "error": f"unreadable gtest JSON: {e}"})
+        continue
+    skipped = sum(1 for s in g.get("testsuites", []) for t in s.get("testsuite", [])
+                  if t.get("result") == "SKIPPED")
+    merged["executables"].append({"name": name, "tests": g.get("tests"),
+                                  "failures": g.get("failures"), "skipped": skipped,
+                                  "time": g.get("time"), "gtest": g})
+    lines.append(f"  {name:<28} {g.get('tests', 0):4} tests, {g.get('failures', 0):3} failed, "
+                 f"{skipped:3} skipped")
+    if gpu == "1" and name.startswith("cuda_") and g.get("tests", 0) > 0 and \
+            skipped == g.get("tests"):
+        all_skipped.append(name)
+with open(dst, "w") as f:
+    json.dump(merged, f, indent=1)
+    f.write("\n")
+with open(summary, "a") as f:
+    f.write("tests per executable (from gtest JSON; an executable that crashed has none):\n")
+    f.write("\n".join(lines) + "\n")
+print(" ".join(all_skipped))
+PY
+)"
+    if [[ -n "$skipped_on_gpu" ]]; then
+      record FAIL tests "CUDA tests ran" 0 \
+        "every test skipped although a GPU is present: $skipped_on_gpu"
+    fi
+  else
+    # No Python: the gtest JSON objects, as one array.
+    {
+      echo "["
+      local first=1 j
+      for j in "$work"/gtest/*.json; do
+        [[ -s "$j" ]] || continue
+        ((first)) || echo ","
+        first=0
+        cat "$j"
+      done
+      echo "]"
+    } >"$out/tests.json"
+  fi
+}
+
+# ---- kernels -----------------------------------------------------------------------------------
+phase_kernels() {
+  local log="$out/kernels.log"
+  begin_phase kernels
+  : >"$log"
+  require_gpu kernels "$log" || return 0
+  local kb="$work/kernel-bench.json" sdpa="$work/sdpa.json" cmp="$work/compare.json"
+  # About 30 s on an H100 (20 timed runs of each kernel and attention shape); 240 s leaves room
+  # for a slow first run of untuned kernels.
+  step kernels "shardtrain-kernel-bench" 240 "$log" 1 -- \
+    "$bundle/bin/shardtrain-kernel-bench" --json "$kb"
+  if [[ -z "$python" ]]; then
+    record FAIL kernels "sdpa_reference.py" 0 "no python3 here"
+  else
+    local shapes=()
+    [[ -s "$kb" ]] && shapes=(--shapes-from "$kb")
+    # 6 shapes x 4 SDPA backends x 3 figures of 23 runs each: well under a minute.
+    step kernels "sdpa_reference.py" 180 "$log" 1 -- \
+      "$python" "$scripts/sdpa_reference.py" "${shapes[@]}" --json "$sdpa"
+    if [[ -s "$kb" && -s "$sdpa" ]]; then
+      step kernels "attention >= 0.5x SDPA (default backend)" 60 "$log" 1 -- \
+        "$python" "$scripts/compare_attention.py" "$kb" "$sdpa" --json "$cmp"
+      # The fastest SDPA backend per shape, for reference (not a pass/fail step).
+      echo >>"$log"
+      "$python" "$scripts/compare_attention.py" "$kb" "$sdpa" --backend best 2>&1 | tee -a "$log"
+    else
+      record SKIP kernels "attention comparison" 0 "kernel bench or SDPA figures missing"
+    fi
+    "$python" - "$kb" "$sdpa" "$cmp" "$out/kernels.json" <<'PY'
+import json, sys
+*parts, dst = sys.argv[1:]
+merged = {}
+for key, path in zip(("kernel_bench", "sdpa", "comparison"), parts):
+    try:
+        with open(path) as f:
+            merged[key] = json.load(f)
+    except (OSError, ValueError) as e:
+        merged[key] = {"missing": str(e)}
+with open(dst, "w") as f:
+    json.dump(merged, f, indent=1)
+    f.write("\n")
+PY
+  fi
+  [[ -f "$out/kernels.json" ]] || { [[ -s "$kb" ]] && cp "$kb" "$out/kernels.json"; }
+  return 0
+}
+
+# ---- train -------------------------------------------------------------------------------------
+phase_train() {
+  local log="$out/train.log"
+  begin_phase train
+  : >"$log"
+  require_gpu train "$log" || return 0
+  local golden="$bundle/data/golden/llama-tiny-gqa"
+  local checks="$work/checks.txt"
+  : >"$checks"
+  # The golden case (forward, backward, one AdamW step against PyTorch) on the GPU, under the
+  # configurations ctest checks on the CPU; a tiny model: seconds each.
+  local variant rc
+  local -a variants=(
+    "fp32|"
+    "bf16|--set precision.compute=bf16"
+    "fp16|--set precision.compute=fp16"
+    "fused_attention|--set activation.attention=fused"
+    "fused_attention_bf16|--set activation.attention=fused --set precision.compute=bf16"
+    "per_layer_bf16|--set activation.strategy=per_layer --set precision.compute=bf16"
+    "offload_checkpoint_bf16_mb1|--set activation.strategy=offload_checkpoint --set precision.compute=bf16 --set train.micro_batch=1"
+    "optimizer_offload|--set optim.offload=cpu"
+  )
+  for variant in "${variants[@]}"; do
+    local name="${variant%%|*}" extra
+    read -r -a extra <<<"${variant#*|}"
+    step train "check golden $name" 90 "$log" 0 -- \
+      "$bundle/bin/shardtrain" check --model "$golden" --batch "$golden/batch.safetensors" \
+      --expected "$golden/expected.safetensors" --set train.device=cuda \
+      --set train.out_dir="$work/runs" "${extra[@]}"
+    rc=$?
+    echo "$name $rc" >>"$checks"
+  done
+
+  # Throughput, memory and MFU. Step counts from an estimate of one step on an H100:
+  #   llama-125m: 8.8e8 model FLOPs/token x 16384 tokens (micro-batch 8) = 1.4e13 per step,
+  #     36 ms at 40% MFU, 0.4 s at a poor 4%: 3 warm-up + 20 measured steps per strategy.
+  #   llama-1b: 8.2e9 FLOPs/token x 8192 tokens (micro-batch 4) = 6.7e13 per step, 0.17 s at
+  #     40% MFU, 1.7 s at 4%: 2 warm-up + 8 measured steps per strategy (per_layer re-runs the
+  #     forward: about 1.33x). Building the 1.2 B-parameter model takes seconds more per row.
+  # The limits below cover the 4% case with room; the built-in corpus (byte tokens) is the
+  # data, since only the token ids' count matters to the speed.
+  local cfg warmup steps limit
+  for cfg in llama-125m llama-1b; do
+    case "$cfg" in
+      llama-125m) warmup=3 steps=20 limit=150 ;;
+      llama-1b) warmup=2 steps=8 limit=240 ;;
+    esac
+    step train "bench $cfg bf16 none,per_layer fused" "$limit" "$log" 1 -- \
+      "$bundle/bin/shardtrain" bench --config "$bundle/configs/$cfg.yaml" \
+      --set train.device=cuda --set train.seq_len=2048 --set data.path=builtin \
+      --set activation.attention=fused --set train.out_dir="$work/runs" \
+      --precisions bf16 --strategies none,per_layer --warmup "$warmup" --steps "$steps" \
+      --out "$work/bench-$cfg"
+  done
+
+  # train.csv: both CSVs under one header with the config name first.
+  local first=1 csv
+  : >"$out/train.csv"
+  for cfg in llama-125m llama-1b; do
+    csv="$work/bench-$cfg/bench.csv"
+    [[ -s "$csv" ]] || continue
+    if ((first)); then
+      head -n 1 "$csv" | sed 's/^/config,/' >>"$out/train.csv"
+      first=0
+    fi
+    tail -n +2 "$csv" | sed "s/^/$cfg,/" >>"$out/train.csv"
+  done
+  [[ -s "$out/train.csv" ]] || rm -f "$out/train.csv"
+  if [[ -n "$python" ]]; then
+    "$python" - "$work" "$checks" "$out/train.json" <<'PY'
+import json, os, sys
+work, checks, dst = sys.argv[1:4]
+merged = {"bench": {}, "check": []}
+for cfg in ("llama-125m", "llama-1b"):
+    path = os.path.join(work, f"bench-{cfg}", "bench.json")
+    try:
+        with open(path) as f:
+            merged["bench"][cfg] = json.load(f)
+    except (OSError, ValueError) as e:
+        merged["bench"][cfg] = {"missing": str(e)}
+with open(checks) as f:
+    for line in f:
+        name, rc = line.split()
+        merged["check"].append({"variant": name, "exit_status": int(rc),
+                                "passed": rc == "0"})
+with open(dst, "w") as f:
+    json.dump(merged, f, indent=1)
+    f.write("\n")
+PY
+  fi
+}
+
+# ---- main --------------------------------------------------------------------------------------
+summary_before=0
+[[ -f "$summary" ]] && summary_before=$(wc -l <"$summary")
+{
+  echo "gpu-verify $phase_arg: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname); bundle $bundle"
+  if gpu_present; then nvidia-smi -L 2>&1 | sed 's/^/  /'; else echo "  no CUDA device"; fi
+} >>"$summary"
+case "$phase_arg" in
+  tests) phase_tests ;;
+  kernels) phase_kernels ;;
+  train) phase_train ;;
+  all)
+    phase_tests
+    phase_kernels
+    phase_train
+    ;;
+esac
+
+echo >&2
+tail -n +$((summary_before + 1)) "$summary" >&2
+note "$failures step(s) did not pass; files in $out: $(cd "$out" && ls | tr '\n' ' ')"
+((failures == 0))
