@@ -145,7 +145,6 @@ void check_names(const std::vector<std::string>& given, const std::vector<std::s
   }
 }
 
-
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   size_t n = v.size();
@@ -193,7 +192,7 @@ BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t meas
     for (int64_t i = 0; i < warmup_steps; ++i, ++step)
       rt.train_step(batches.next(), schedule.at(step));
     std::vector<double> ms;
-    double reruns = 0, offloaded = 0, restored = 0, recompute_s = 0, transfer_s = 0;
+    double reruns = 0, offloaded = 0, restored = 0, recompute_s = 0, transfer_s = 0, copy_s = 0;
     for (int64_t i = 0; i < measured_steps; ++i, ++step) {
       std::vector<Batch> micro = batches.next();
       int64_t tokens = 0;
@@ -211,6 +210,7 @@ BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t meas
       restored += static_cast<double>(r.bytes_restored);
       recompute_s += r.recompute_seconds;
       transfer_s += r.transfer_seconds;
+      copy_s += r.copy_seconds;
       row.tokens_per_step = tokens;
       row.final_loss = r.loss;
       const MemoryStats& d = r.device_memory;
@@ -237,6 +237,7 @@ BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t meas
       row.bytes_restored = restored / n;
       row.recompute_ms = recompute_s * 1e3 / n;
       row.transfer_ms = transfer_s * 1e3 / n;
+      row.copy_ms = copy_s * 1e3 / n;
     }
   } catch (const OutOfMemoryError& e) {
     row.status = BenchStatus::OutOfMemory;
@@ -252,7 +253,7 @@ BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t meas
 namespace {
 
 // The figures of a row that travel between ranks, as doubles (exact for byte counts < 2^53).
-constexpr int kPacked = 15 + 2 * kNumMemoryCategories;
+constexpr int kPacked = 16 + 2 * kNumMemoryCategories;
 
 std::array<double, kPacked> pack(const BenchRow& r) {
   std::array<double, kPacked> v{};
@@ -272,6 +273,7 @@ std::array<double, kPacked> pack(const BenchRow& r) {
   v[i++] = r.bytes_restored;
   v[i++] = r.recompute_ms;
   v[i++] = r.transfer_ms;
+  v[i++] = r.copy_ms;
   for (int64_t b : r.peak_by_category) v[i++] = static_cast<double>(b);
   for (int64_t b : r.at_peak) v[i++] = static_cast<double>(b);
   return v;
@@ -298,6 +300,7 @@ BenchRow unpack(const double* v, const BenchRow& shape, int rank) {
   r.bytes_restored = v[i++];
   r.recompute_ms = v[i++];
   r.transfer_ms = v[i++];
+  r.copy_ms = v[i++];
   for (int64_t& b : r.peak_by_category) b = static_cast<int64_t>(v[i++]);
   for (int64_t& b : r.at_peak) b = static_cast<int64_t>(v[i++]);
   r.tokens_per_s =
@@ -334,6 +337,7 @@ BenchRow combine(const std::vector<BenchRow>& ranks, const BenchRow& local) {
     m.bytes_restored = std::max(m.bytes_restored, r.bytes_restored);
     m.recompute_ms = std::max(m.recompute_ms, r.recompute_ms);
     m.transfer_ms = std::max(m.transfer_ms, r.transfer_ms);
+    m.copy_ms = std::max(m.copy_ms, r.copy_ms);
     tokens += r.tokens_per_step;
   }
   m.tokens_per_step = tokens;
@@ -544,11 +548,9 @@ nlohmann::json row_json(const BenchRow& r) {
   j["tokens_per_step"] = r.tokens_per_step;
   j["tokens_per_s"] = r.tokens_per_s;
   j["final_loss"] = r.final_loss;
-  j["per_step"] = {{"forward_reruns", r.forward_reruns},
-                   {"bytes_offloaded", r.bytes_offloaded},
-                   {"bytes_restored", r.bytes_restored},
-                   {"recompute_ms", r.recompute_ms},
-                   {"transfer_ms", r.transfer_ms}};
+  j["per_step"] = {{"forward_reruns", r.forward_reruns}, {"bytes_offloaded", r.bytes_offloaded},
+                   {"bytes_restored", r.bytes_restored}, {"recompute_ms", r.recompute_ms},
+                   {"transfer_ms", r.transfer_ms},       {"copy_ms", r.copy_ms}};
   if (r.peak_vs_none >= 0) j["peak_vs_none"] = r.peak_vs_none;
   if (r.overhead_vs_none > -1) j["overhead_vs_none"] = r.overhead_vs_none;
   j["achieved_tflops"] = r.achieved_tflops;
@@ -610,7 +612,7 @@ std::string BenchReport::csv() const {
       "host_offloaded_peak,host_optimizer_state_peak,final_loss";
   for (int k = 0; k < kNumMemoryCategories; ++k) out += ",at_peak_" + category_key(k);
   for (int k = 0; k < kNumMemoryCategories; ++k) out += ",peak_" + category_key(k);
-  out += ",model_flops_per_token,achieved_tflops,peak_tflops,mfu\n";
+  out += ",model_flops_per_token,achieved_tflops,peak_tflops,mfu,copy_ms\n";
   auto emit = [&](const BenchRow& r) {
     std::ostringstream s;
     s.precision(10);
@@ -639,6 +641,8 @@ std::string BenchReport::csv() const {
     if (r.peak_tflops > 0) s << r.peak_tflops;
     s << ',';
     if (r.mfu >= 0) s << r.mfu;
+    s << ',';
+    if (r.ok()) s << r.copy_ms;
     out += s.str() + "\n";
   };
   for (const BenchRow& r : rows) emit(r);

@@ -241,6 +241,7 @@ StepResult Runtime::train_step(const std::vector<Batch>& micro_batches, float lr
   r.bytes_restored = c.bytes_restored;
   r.recompute_seconds = c.recompute_seconds;
   r.transfer_seconds = c.transfer_seconds;
+  r.copy_seconds = c.copy_seconds;
   r.device_memory = dev.stats();
   r.host_memory = host.stats();
   return r;

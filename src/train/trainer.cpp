@@ -175,6 +175,7 @@ TrainSummary run_training(const Config& requested) {
                         {"bytes_restored", r.bytes_restored},
                         {"recompute_s", r.recompute_seconds},
                         {"transfer_s", r.transfer_seconds},
+                        {"copy_s", r.copy_seconds},
                         {"device_memory", memory_json(r.device_memory)},
                         {"host_memory", memory_json(r.host_memory)}};
     metrics << j.dump() << "\n";

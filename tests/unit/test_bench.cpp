@@ -140,6 +140,7 @@ TEST(Bench, ShortRunGivesSaneFiguresCsvAndJson) {
   EXPECT_GT(none.at_peak[static_cast<size_t>(MemoryCategory::OptimizerState)], 0);
   EXPECT_EQ(none.forward_reruns, 0.0);
   EXPECT_EQ(none.bytes_offloaded, 0.0);
+  EXPECT_EQ(none.copy_ms, 0.0);  // nothing offloaded, nothing copied
   EXPECT_DOUBLE_EQ(none.peak_vs_none, 1.0);
   EXPECT_DOUBLE_EQ(none.overhead_vs_none, 0.0);
   // The memory model agrees with the measurement (fp32, strategy none).
@@ -168,7 +169,7 @@ TEST(Bench, ShortRunGivesSaneFiguresCsvAndJson) {
        {"strategy", "precision", "status", "peak_bytes", "peak_vs_none", "step_ms_median",
         "tokens_per_s", "overhead_vs_none", "forward_reruns", "bytes_offloaded", "bytes_restored",
         "at_peak_activations", "at_peak_optimizer_state", "host_offloaded_peak",
-        "oom_requested_bytes"})
+        "oom_requested_bytes", "copy_ms"})
     EXPECT_TRUE(csv[0].count(column)) << "missing CSV column " << column;
   EXPECT_EQ(csv[0]["status"], "ok");
   EXPECT_EQ(std::stoll(csv[0]["peak_bytes"]), none.peak_bytes);
@@ -255,7 +256,7 @@ TEST(Bench, RowsCarryModelFlopsAndMfu) {
     std::ifstream in(dir / "bench.csv");
     std::string header;
     std::getline(in, header);
-    const std::string tail = ",model_flops_per_token,achieved_tflops,peak_tflops,mfu";
+    const std::string tail = ",model_flops_per_token,achieved_tflops,peak_tflops,mfu,copy_ms";
     ASSERT_GE(header.size(), tail.size());
     EXPECT_EQ(header.substr(header.size() - tail.size()), tail);
     EXPECT_EQ(header.rfind("strategy,precision,status,rank,message,oom_requested_bytes,", 0), 0u);

@@ -71,6 +71,7 @@ struct BenchRow {
   double bytes_restored = 0;
   double recompute_ms = 0;
   double transfer_ms = 0;
+  double copy_ms = 0;  // offload copies' own duration (overlaps compute on a GPU)
 
   // Against strategy none of the same precision (< 0 when that row has no figures).
   double peak_vs_none = -1;      // peak / none's peak

@@ -43,6 +43,9 @@ struct StepResult {
   // Activation strategy counters of this step.
   int64_t forward_reruns = 0, bytes_offloaded = 0, bytes_restored = 0;
   double recompute_seconds = 0, transfer_seconds = 0;
+  // Offload copies' own duration (bus time; on a GPU they overlap compute): see
+  // activation::ActivationCounters::copy_seconds.
+  double copy_seconds = 0;
   MemoryStats device_memory;  // peaks since the start of the step
   MemoryStats host_memory;
 };
