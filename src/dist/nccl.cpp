@@ -21,10 +21,20 @@ bool nccl_available() {
   return false;
 }
 
-std::unique_ptr<ProcessGroup> make_nccl_process_group(MPI_Comm, int, double) {
+namespace {
+[[noreturn]] void no_nccl() {
   throw ConfigError(
       "the NCCL backend is not part of this build (configure with CUDA and NCCL available); use "
       "dist.backend=mpi");
+}
+}  // namespace
+
+std::unique_ptr<ProcessGroup> make_nccl_process_group(MPI_Comm, int, double) {
+  no_nccl();
+}
+
+std::unique_ptr<ProcessGroup> make_single_rank_nccl_group(int, double) {
+  no_nccl();
 }
 
 #else
@@ -142,20 +152,31 @@ class NcclWork : public Work {
 
 class NcclProcessGroup : public ProcessGroup {
  public:
+  // Over the ranks of `comm`: rank 0 makes the unique id, MPI broadcasts it.
   NcclProcessGroup(MPI_Comm comm, int device, double timeout_s)
-      : mpi_(comm, timeout_s), device_(device), stream_(device) {
-    timeout_s_ = timeout_s;
+      : host_(std::make_unique<MpiProcessGroup>(comm, timeout_s)),
+        device_(device),
+        stream_(device) {
     cuda::DeviceGuard guard(device_);
     ncclUniqueId id{};
-    if (mpi_.rank() == 0) check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
-    check_mpi(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, mpi_.comm()), "MPI_Bcast(ncclUniqueId)");
-    comm_ = std::make_shared<NcclComm>();
-    check_nccl(ncclCommInitRank(&comm_->comm, mpi_.size(), id, mpi_.rank()), "ncclCommInitRank");
+    if (host_->rank() == 0) check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    auto& mpi = static_cast<MpiProcessGroup&>(*host_);
+    check_mpi(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, mpi.comm()), "MPI_Bcast(ncclUniqueId)");
+    init(id, timeout_s);
+  }
+
+  // This process alone: the unique id never leaves it.
+  NcclProcessGroup(int device, double timeout_s)
+      : host_(std::make_unique<LocalProcessGroup>()), device_(device), stream_(device) {
+    cuda::DeviceGuard guard(device_);
+    ncclUniqueId id{};
+    check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    init(id, timeout_s);
   }
   ~NcclProcessGroup() override = default;
 
-  int rank() const override { return mpi_.rank(); }
-  int size() const override { return mpi_.size(); }
+  int rank() const override { return host_->rank(); }
+  int size() const override { return host_->size(); }
   std::string backend_name() const override { return "nccl"; }
 
   WorkPtr all_gather(const Tensor& input, Tensor& output) override {
@@ -198,16 +219,23 @@ class NcclProcessGroup : public ProcessGroup {
     });
   }
 
-  void barrier() override { mpi_.barrier(); }
+  void barrier() override { host_->barrier(); }
   void all_reduce_host(std::vector<double>& values, ReduceOp op) override {
-    mpi_.all_reduce_host(values, op);
+    host_->all_reduce_host(values, op);
   }
   void all_reduce_host(std::vector<int64_t>& values, ReduceOp op) override {
-    mpi_.all_reduce_host(values, op);
+    host_->all_reduce_host(values, op);
   }
   using ProcessGroup::all_reduce_host;
 
  private:
+  void init(const ncclUniqueId& id, double timeout_s) {
+    timeout_s_ = timeout_s;
+    comm_ = std::make_shared<NcclComm>();
+    check_nccl(ncclCommInitRank(&comm_->comm, host_->size(), id, host_->rank()),
+               "ncclCommInitRank");
+  }
+
   void check_device(const Tensor& t, const char* what) const {
     ST_CHECK_SHAPE(t.device().is_cuda() && t.device().index == device_, what,
                    " on the NCCL backend needs tensors on cuda:", device_, ", got ", t.describe());
@@ -229,7 +257,9 @@ class NcclProcessGroup : public ProcessGroup {
     return work;
   }
 
-  MpiProcessGroup mpi_;  // the unique-id broadcast and host-number reductions
+  // The unique-id broadcast, barriers and host-number reductions: MPI, or the local group of a
+  // one-rank group.
+  std::unique_ptr<ProcessGroup> host_;
   int device_;
   cuda::Stream stream_;
   std::shared_ptr<NcclComm> comm_;
@@ -239,6 +269,10 @@ class NcclProcessGroup : public ProcessGroup {
 
 std::unique_ptr<ProcessGroup> make_nccl_process_group(MPI_Comm comm, int device, double timeout_s) {
   return std::make_unique<NcclProcessGroup>(comm, device, timeout_s);
+}
+
+std::unique_ptr<ProcessGroup> make_single_rank_nccl_group(int device, double timeout_s) {
+  return std::make_unique<NcclProcessGroup>(device, timeout_s);
 }
 
 #endif
