@@ -7,7 +7,9 @@
 #   launch/gpu-verify.sh train     `shardtrain check` on the golden case on the GPU, then
 #                                  `shardtrain bench` for llama-125m and llama-1b (seq 2048,
 #                                  bf16, strategies none and per_layer, fused attention)
-#   launch/gpu-verify.sh all       the three in turn
+#   launch/gpu-verify.sh qlora     `shardtrain bench` of configs/qlora-llama-3.1-8b.yaml on a
+#                                  random NF4 base (seq 4096, per_layer): step time, memory
+#   launch/gpu-verify.sh all       tests, kernels and train in turn (qlora runs on its own)
 #
 # Run it from the repository root (or as bundle/gpu-verify.sh from a copied bundle) after
 # launch/bundle.sh has built bundle/. It sources bundle/env.sh itself. Results go to
@@ -18,6 +20,7 @@
 #   kernels.log   kernel bench, SDPA and comparison text  kernels.json  the three as one JSON
 #   train.log     check and bench output, tables          train.csv     both bench CSVs (+config)
 #                                                         train.json    both bench JSONs + checks
+#   qlora.log     the QLoRA bench's output and table      qlora.json    its bench JSON
 #
 # Every step runs under `timeout`, and a failing step is recorded and the phase goes on. Each
 # phase stops starting new steps after GPU_VERIFY_BUDGET_S seconds (default 480, so that a
@@ -28,12 +31,12 @@
 set -uo pipefail
 
 usage() {
-  sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 (($# == 1)) || usage
 phase_arg="$1"
-case "$phase_arg" in tests | kernels | train | all) ;; *) usage ;; esac
+case "$phase_arg" in tests | kernels | train | qlora | all) ;; *) usage ;; esac
 
 # ---- where things are ------------------------------------------------------------------------
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -352,6 +355,27 @@ PY
   fi
 }
 
+# ---- qlora -------------------------------------------------------------------------------------
+phase_qlora() {
+  local log="$out/qlora.log"
+  begin_phase qlora
+  : >"$log"
+  require_gpu qlora "$log" || return 0
+  # No released weights travel with the bundle: the base is the seeded random init, quantized to
+  # NF4 as released weights would be, which costs the same per step. Building it dominates: on
+  # one CPU core a 1-layer version of this model (1.3 B parameters, mostly the 128256-token
+  # embedding and head) took about 80 s to initialise and quantize, so the 8 B model needs
+  # minutes; one micro-batch per step (global_batch 2) keeps the measured steps short (about
+  # 6e13 FLOPs each with the recomputation, well under a second at 40% MFU).
+  step qlora "bench qlora-llama-3.1-8b bf16 per_layer" "$budget" "$log" 1 -- \
+    "$bundle/bin/shardtrain" bench --config "$bundle/configs/qlora-llama-3.1-8b.yaml" \
+    --set train.device=cuda --set data.path=builtin --set train.global_batch=2 \
+    --set train.out_dir="$work/runs" --precisions bf16 --strategies per_layer \
+    --warmup 1 --steps 3 --out "$work/bench-qlora"
+  [[ -s "$work/bench-qlora/bench.json" ]] && cp "$work/bench-qlora/bench.json" "$out/qlora.json"
+  return 0
+}
+
 # ---- main --------------------------------------------------------------------------------------
 summary_before=0
 [[ -f "$summary" ]] && summary_before=$(wc -l <"$summary")
@@ -363,6 +387,7 @@ case "$phase_arg" in
   tests) phase_tests ;;
   kernels) phase_kernels ;;
   train) phase_train ;;
+  qlora) phase_qlora ;;
   all)
     phase_tests
     phase_kernels

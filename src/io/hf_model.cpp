@@ -1,8 +1,8 @@
 #include "shardtrain/io/hf_model.h"
 
-#include <filesystem>
-#include <fstream>
 #include <map>
+#include <optional>
+#include <vector>
 
 #include "shardtrain/autograd/grad_mode.h"
 #include "shardtrain/io/safetensors.h"
@@ -65,18 +65,74 @@ void load_hf_weights(fsdp::ShardedModel& model, const std::string& dir) {
   });
 }
 
+namespace {
+
+std::vector<TensorDecl> declare_parameters(fsdp::ShardedModel& model) {
+  std::vector<TensorDecl> decls;
+  for (int u = 0; u < model.num_units(); ++u)
+    for (const auto& e : model.unit_layout(u).entries)
+      decls.push_back({e.name, DType::F32, e.shape});
+  return decls;
+}
+
+void write_hf_config(const nn::LlamaConfig& config, const std::string& dir) {
+  write_file_atomically(dir + "/config.json", config.to_hf_json() + "\n");
+}
+
+constexpr const char* kHfMetadataFormat = "pt";
+
+}  // namespace
+
 void save_hf_model(nn::LlamaModel& model, const std::string& dir, int64_t max_shard_bytes) {
-  std::filesystem::create_directories(dir);
   NamedTensors tensors;
   for (auto& [name, slot] : model.named_parameters()) tensors.emplace_back(name, slot->detach());
-  save_sharded(dir, tensors, max_shard_bytes, {{"format", "pt"}});
-  std::string tmp = dir + "/config.json.tmp";
-  {
-    std::ofstream out(tmp);
-    out << model.config().to_hf_json() << "\n";
-    if (!out) throw Error("cannot write '" + tmp + "'");
+  save_sharded(dir, tensors, max_shard_bytes, {{"format", kHfMetadataFormat}});
+  write_hf_config(model.config(), dir);
+}
+
+void save_hf_model(fsdp::ShardedModel& model, const std::string& dir, int64_t max_shard_bytes) {
+  dist::ProcessGroup* replicas = model.replicate_group();
+  const bool writes =
+      model.shard_group().rank() == 0 && (replicas == nullptr || replicas->rank() == 0);
+  // The writing rank catches its errors and goes on joining the gathers: throwing out of them
+  // would leave the other ranks blocked in the next one. Every rank learns of the failure below.
+  std::string error;
+  std::optional<ShardedSafetensorsWriter> out;
+  if (writes) {
+    try {
+      out.emplace(dir, declare_parameters(model), max_shard_bytes,
+                  std::map<std::string, std::string>{{"format", kHfMetadataFormat}});
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
   }
-  std::filesystem::rename(tmp, dir + "/config.json");
+  {
+    autograd::NoGrad no_grad;
+    model.for_each_full_parameter([&](const std::string& name, const Tensor& full) {
+      if (!out) return;
+      try {
+        out->write(name, full);
+      } catch (const std::exception& e) {
+        error = e.what();
+        out.reset();  // removes the temporary files
+      }
+    });
+  }
+  if (out) {
+    try {
+      out->commit();
+      write_hf_config(model.model().config(), dir);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    out.reset();
+  }
+  if (model.any_rank(!error.empty())) {
+    if (!error.empty())
+      throw Error("exporting the model to '" + dir + "' failed on the writing rank: " + error);
+    throw Error("exporting the model to '" + dir +
+                "' failed on the writing rank (rank 0; see its message)");
+  }
 }
 
 }  // namespace shardtrain::io

@@ -92,13 +92,30 @@ class AtomicFileWriter {
   AtomicFileWriter(const AtomicFileWriter&) = delete;
   AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
 
+  // Appends at the current position.
   void write(const void* data, size_t bytes) {
     const char* p = static_cast<const char*>(data);
     while (bytes > 0) {
       ssize_t n = ::write(fd_, p, std::min<size_t>(bytes, size_t{1} << 30));
       if (n < 0 && errno == EINTR) continue;
+      if (n == 0) errno = ENOSPC;  // no progress and no error: nothing more fits
       if (n <= 0) fail("write");
       p += n;
+      bytes -= static_cast<size_t>(n);
+    }
+  }
+
+  // Writes at byte `offset` of the file, leaving the current position alone (parts of a file
+  // may arrive in any order; a gap is filled by a later write).
+  void write_at(int64_t offset, const void* data, size_t bytes) {
+    const char* p = static_cast<const char*>(data);
+    while (bytes > 0) {
+      ssize_t n = ::pwrite(fd_, p, std::min<size_t>(bytes, size_t{1} << 30), offset);
+      if (n < 0 && errno == EINTR) continue;
+      if (n == 0) errno = ENOSPC;  // no progress and no error: nothing more fits
+      if (n <= 0) fail("write");
+      p += n;
+      offset += n;
       bytes -= static_cast<size_t>(n);
     }
   }
@@ -383,25 +400,70 @@ Tensor SafetensorsFile::view(const std::string& name) const {
 
 // ---- writing ----------------------------------------------------------------------------------
 
-void save_safetensors(const std::string& path, const NamedTensors& tensors,
-                      const std::map<std::string, std::string>& metadata) {
-  std::vector<const std::pair<std::string, Tensor>*> sorted;
-  sorted.reserve(tensors.size());
-  for (const auto& entry : tensors) {
-    if (entry.first.empty() || entry.first == "__metadata__")
+namespace {
+
+// Rejects empty, reserved and repeated names; `sorted` is in name order. `where` names the file
+// or directory being written.
+void check_tensor_names(const std::string& where, const std::vector<TensorDecl>& sorted) {
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    const std::string& name = sorted[i].name;
+    if (name.empty() || name == "__metadata__")
+      throw ConfigError(concat("cannot save '", where, "': invalid tensor name '", name, "'"));
+    if (i > 0 && name == sorted[i - 1].name)
       throw ConfigError(
-          concat("cannot save '", path, "': invalid tensor name '", entry.first, "'"));
-    if (!entry.second.defined())
-      throw ConfigError(
-          concat("cannot save '", path, "': tensor '", entry.first, "' is undefined"));
-    sorted.push_back(&entry);
+          concat("cannot save '", where, "': tensor name '", name, "' appears twice"));
   }
-  std::sort(sorted.begin(), sorted.end(),
-            [](const auto* a, const auto* b) { return a->first < b->first; });
-  for (size_t i = 1; i < sorted.size(); ++i)
-    if (sorted[i]->first == sorted[i - 1]->first)
-      throw ConfigError(
-          concat("cannot save '", path, "': tensor name '", sorted[i]->first, "' appears twice"));
+}
+
+std::vector<TensorDecl> sorted_by_name(std::vector<TensorDecl> tensors) {
+  std::stable_sort(tensors.begin(), tensors.end(),
+                   [](const TensorDecl& a, const TensorDecl& b) { return a.name < b.name; });
+  return tensors;
+}
+
+std::string decl_str(const TensorDecl& d) {
+  return concat(safetensors_dtype_name(d.dtype), shape_str(d.shape));
+}
+
+}  // namespace
+
+struct SafetensorsWriter::State {
+  struct Slot {
+    TensorDecl decl;
+    int64_t begin = 0;  // offset in the data section
+    bool written = false;
+  };
+
+  explicit State(const std::string& file_path) : path(file_path), file(file_path) {}
+
+  std::string path;
+  AtomicFileWriter file;
+  std::map<std::string, Slot> slots;
+  int64_t data_start = 0;  // file offset of the data section
+  bool committed = false;
+
+  Slot& slot_for_write(const std::string& name) {
+    ST_CHECK(!committed, "cannot write tensor '", name, "' to '", path,
+             "': the file was already committed");
+    auto it = slots.find(name);
+    if (it == slots.end()) {
+      std::vector<std::string> names;
+      names.reserve(slots.size());
+      for (const auto& entry : slots) names.push_back(entry.first);
+      throw Error(concat("cannot write tensor '", name, "' to '", path,
+                         "': it was not declared when the file was created (",
+                         available_names(name, names), ")"));
+    }
+    ST_CHECK(!it->second.written, "cannot write tensor '", name, "' to '", path,
+             "': it was already written (each tensor is written exactly once)");
+    return it->second;
+  }
+};
+
+SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<TensorDecl> tensors,
+                                     const std::map<std::string, std::string>& metadata) {
+  std::vector<TensorDecl> sorted = sorted_by_name(std::move(tensors));
+  check_tensor_names(path, sorted);
 
   // The reference writer puts __metadata__ first, then the tensors in file order.
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
@@ -410,35 +472,108 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
     for (const auto& [k, v] : metadata) meta[k] = v;
     header["__metadata__"] = std::move(meta);
   }
+  std::map<std::string, State::Slot> slots;
   uint64_t offset = 0;
-  for (const auto* entry : sorted) {
-    const Tensor& t = entry->second;
+  for (TensorDecl& d : sorted) {
+    const auto bytes = static_cast<uint64_t>(d.nbytes());
     nlohmann::ordered_json desc;
-    desc["dtype"] = std::string(safetensors_dtype_name(t.dtype()));
-    desc["shape"] = t.shape();
-    desc["data_offsets"] = {offset, offset + t.nbytes()};
-    header[entry->first] = std::move(desc);
-    offset += t.nbytes();
+    desc["dtype"] = std::string(safetensors_dtype_name(d.dtype));
+    desc["shape"] = d.shape;
+    desc["data_offsets"] = {offset, offset + bytes};
+    header[d.name] = std::move(desc);
+    const std::string name = d.name;
+    slots[name] = State::Slot{std::move(d), static_cast<int64_t>(offset), false};
+    offset += bytes;
   }
   std::string text = header.dump();
   // Pad with spaces so the data section starts 8-byte aligned, as the reference writer does.
   text.append((8 - text.size() % 8) % 8, ' ');
 
-  AtomicFileWriter out(path);
+  state_ = std::make_unique<State>(path);
+  state_->slots = std::move(slots);
+  state_->data_start = static_cast<int64_t>(8 + text.size());
   unsigned char len[8];
-  uint64_t n = text.size();
+  const uint64_t n = text.size();
   for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>((n >> (8 * i)) & 0xffu);
-  out.write(len, 8);
-  out.write(text.data(), text.size());
-  for (const auto* entry : sorted) {
-    const Tensor& t = entry->second;
-    if (t.device().cpu_addressable()) {
-      out.write(t.data_ptr(), t.nbytes());
-    } else {
-      Tensor host = t.to(Device::host());
-      out.write(host.data_ptr(), host.nbytes());
-    }
+  state_->file.write(len, 8);
+  state_->file.write(text.data(), text.size());
+}
+
+SafetensorsWriter::~SafetensorsWriter() = default;
+SafetensorsWriter::SafetensorsWriter(SafetensorsWriter&&) noexcept = default;
+SafetensorsWriter& SafetensorsWriter::operator=(SafetensorsWriter&&) noexcept = default;
+
+const std::string& SafetensorsWriter::path() const {
+  return state_->path;
+}
+
+void SafetensorsWriter::write(const std::string& name, const Tensor& tensor) {
+  State::Slot& slot = state_->slot_for_write(name);
+  const TensorDecl& d = slot.decl;
+  ST_CHECK_SHAPE(tensor.defined() && tensor.dtype() == d.dtype && tensor.shape() == d.shape,
+                 "cannot write tensor '", name, "' to '", state_->path, "': it is declared as ",
+                 decl_str(d), " but the tensor given is ",
+                 tensor.defined() ? tensor.describe() : std::string("undefined"));
+  if (tensor.device().cpu_addressable()) {
+    write(name, tensor.data_ptr(), tensor.nbytes());
+  } else {
+    // One tensor at a time in host memory: the most a streamed write ever holds.
+    Tensor host = tensor.to(Device::host());
+    write(name, host.data_ptr(), host.nbytes());
   }
+}
+
+void SafetensorsWriter::write(const std::string& name, const void* data, size_t bytes) {
+  State::Slot& slot = state_->slot_for_write(name);
+  const int64_t expected = slot.decl.nbytes();
+  ST_CHECK_SHAPE(static_cast<int64_t>(bytes) == expected, "cannot write tensor '", name, "' to '",
+                 state_->path, "': it is declared as ", decl_str(slot.decl), " (", expected,
+                 " bytes) but ", bytes, " bytes were given");
+  if (bytes > 0) state_->file.write_at(state_->data_start + slot.begin, data, bytes);
+  slot.written = true;
+}
+
+void SafetensorsWriter::commit() {
+  State& st = *state_;
+  ST_CHECK(!st.committed, "'", st.path, "' was already committed");
+  std::vector<std::string> missing;
+  for (const auto& [name, slot] : st.slots)
+    if (!slot.written) missing.push_back(name);
+  if (!missing.empty()) {
+    std::string list;
+    for (size_t i = 0; i < missing.size() && i < 5; ++i)
+      list += (i == 0 ? "'" : ", '") + missing[i] + "'";
+    if (missing.size() > 5) list += ", ...";
+    throw Error(concat("cannot commit '", st.path, "': ", missing.size(), " of its ",
+                       st.slots.size(), " declared tensors were never written: ", list));
+  }
+  st.file.commit();
+  st.committed = true;
+}
+
+void save_safetensors(const std::string& path, const NamedTensors& tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  std::vector<TensorDecl> decls;
+  decls.reserve(tensors.size());
+  for (const auto& [name, t] : tensors) {
+    if (!t.defined())
+      throw ConfigError(concat("cannot save '", path, "': tensor '", name, "' is undefined"));
+    decls.push_back({name, t.dtype(), t.shape()});
+  }
+  SafetensorsWriter out(path, std::move(decls), metadata);
+  // File order: sequential writes.
+  std::vector<const std::pair<std::string, Tensor>*> sorted;
+  sorted.reserve(tensors.size());
+  for (const auto& entry : tensors) sorted.push_back(&entry);
+  std::sort(sorted.begin(), sorted.end(),
+            [](const auto* a, const auto* b) { return a->first < b->first; });
+  for (const auto* entry : sorted) out.write(entry->first, entry->second);
+  out.commit();
+}
+
+void write_file_atomically(const std::string& path, std::string_view bytes) {
+  AtomicFileWriter out(path);
+  out.write(bytes.data(), bytes.size());
   out.commit();
 }
 
@@ -456,77 +591,121 @@ void remove_quietly(const fs::path& p) {
 
 }  // namespace
 
-std::vector<std::string> save_sharded(const std::string& dir, const NamedTensors& tensors,
-                                      int64_t max_shard_bytes,
-                                      const std::map<std::string, std::string>& metadata) {
+ShardedSafetensorsWriter::ShardedSafetensorsWriter(
+    std::string dir, std::vector<TensorDecl> tensors, int64_t max_shard_bytes,
+    const std::map<std::string, std::string>& metadata)
+    : dir_(std::move(dir)) {
   if (max_shard_bytes <= 0)
-    throw ConfigError(concat("cannot save checkpoint '", dir,
-                             "': max_shard_bytes must be "
-                             "positive, got ",
-                             max_shard_bytes));
+    throw ConfigError(concat("cannot save checkpoint '", dir_,
+                             "': max_shard_bytes must be positive, got ", max_shard_bytes));
+  std::vector<TensorDecl> sorted = sorted_by_name(std::move(tensors));
+  check_tensor_names(dir_, sorted);
   std::error_code ec;
-  fs::create_directories(dir, ec);
+  fs::create_directories(dir_, ec);
   if (ec)
-    throw ConfigError(concat("cannot create checkpoint directory '", dir, "': ", ec.message()));
-  const fs::path root(dir);
+    throw ConfigError(concat("cannot create checkpoint directory '", dir_, "': ", ec.message()));
+  for (const TensorDecl& d : sorted) total_bytes_ += d.nbytes();
 
-  NamedTensors sorted = tensors;
-  std::sort(sorted.begin(), sorted.end(),
-            [](const auto& a, const auto& b) { return a.first < b.first; });
-  int64_t total = 0;
-  for (const auto& entry : sorted)
-    if (entry.second.defined()) total += static_cast<int64_t>(entry.second.nbytes());
+  // Greedy packing in name order; a tensor larger than the limit gets a shard of its own. Only
+  // names and sizes decide, so a writer that has none of the bytes yet splits like one that has.
+  std::vector<std::vector<TensorDecl>> shards(1);
+  if (total_bytes_ <= max_shard_bytes) {
+    shards[0] = std::move(sorted);
+  } else {
+    int64_t shard_bytes = 0;
+    for (TensorDecl& d : sorted) {
+      const int64_t bytes = d.nbytes();
+      if (!shards.back().empty() && shard_bytes + bytes > max_shard_bytes) {
+        shards.emplace_back();
+        shard_bytes = 0;
+      }
+      shards.back().push_back(std::move(d));
+      shard_bytes += bytes;
+    }
+  }
+  sharded_ = total_bytes_ > max_shard_bytes;
+  const fs::path root(dir_);
+  for (size_t i = 0; i < shards.size(); ++i) {
+    std::string name = kSingleCheckpointFile;
+    if (sharded_) {
+      char text[64];
+      std::snprintf(text, sizeof(text), "model-%05zu-of-%05zu.safetensors", i + 1, shards.size());
+      name = text;
+    }
+    for (const TensorDecl& d : shards[i]) file_of_[d.name] = i;
+    files_.emplace_back((root / name).string(), std::move(shards[i]), metadata);
+    file_names_.push_back(name);
+  }
+}
 
-  std::vector<std::string> written;
-  if (total <= max_shard_bytes) {
-    save_safetensors((root / kSingleCheckpointFile).string(), sorted, metadata);
-    written.push_back(kSingleCheckpointFile);
+std::vector<std::string> ShardedSafetensorsWriter::file_names() const {
+  std::vector<std::string> names = file_names_;
+  if (sharded_) names.push_back(kCheckpointIndexFile);
+  return names;
+}
+
+void ShardedSafetensorsWriter::write(const std::string& name, const Tensor& tensor) {
+  auto it = file_of_.find(name);
+  if (it == file_of_.end()) {
+    std::vector<std::string> names;
+    names.reserve(file_of_.size());
+    for (const auto& entry : file_of_) names.push_back(entry.first);
+    throw Error(concat("cannot write tensor '", name, "' to checkpoint '", dir_,
+                       "': it was not declared when the writer was created (",
+                       available_names(name, names), ")"));
+  }
+  files_[it->second].write(name, tensor);
+}
+
+std::vector<std::string> ShardedSafetensorsWriter::commit() {
+  ST_CHECK(!committed_, "checkpoint '", dir_, "' was already committed");
+  const fs::path root(dir_);
+  std::error_code ec;
+  for (SafetensorsWriter& file : files_) file.commit();
+  if (!sharded_) {
     remove_quietly(root / kCheckpointIndexFile);
     for (const auto& e : fs::directory_iterator(root, ec))
       if (std::regex_match(e.path().filename().string(), shard_name_pattern()))
         remove_quietly(e.path());
-    return written;
-  }
+  } else {
+    nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
+    for (const auto& [name, file] : file_of_) weight_map[name] = file_names_[file];
+    nlohmann::ordered_json index;
+    index["metadata"] = {{"total_size", total_bytes_}};
+    index["weight_map"] = std::move(weight_map);
+    write_file_atomically((root / kCheckpointIndexFile).string(), index.dump(2) + "\n");
 
-  // Greedy packing in name order; a tensor larger than the limit gets a shard of its own.
-  std::vector<NamedTensors> shards(1);
-  int64_t shard_bytes = 0;
-  for (auto& entry : sorted) {
-    const int64_t bytes = entry.second.defined() ? static_cast<int64_t>(entry.second.nbytes()) : 0;
-    if (!shards.back().empty() && shard_bytes + bytes > max_shard_bytes) {
-      shards.emplace_back();
-      shard_bytes = 0;
+    remove_quietly(root / kSingleCheckpointFile);
+    const std::set<std::string> ours(file_names_.begin(), file_names_.end());
+    for (const auto& e : fs::directory_iterator(root, ec)) {
+      const std::string fname = e.path().filename().string();
+      if (std::regex_match(fname, shard_name_pattern()) && ours.count(fname) == 0)
+        remove_quietly(e.path());
     }
-    shards.back().push_back(std::move(entry));
-    shard_bytes += bytes;
   }
+  committed_ = true;
+  return file_names();
+}
 
-  nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
-  std::set<std::string> shard_files;
-  for (size_t i = 0; i < shards.size(); ++i) {
-    char name[64];
-    std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", i + 1, shards.size());
-    save_safetensors((root / name).string(), shards[i], metadata);
-    for (const auto& entry : shards[i]) weight_map[entry.first] = name;
-    written.push_back(name);
-    shard_files.insert(name);
+std::vector<std::string> save_sharded(const std::string& dir, const NamedTensors& tensors,
+                                      int64_t max_shard_bytes,
+                                      const std::map<std::string, std::string>& metadata) {
+  std::vector<TensorDecl> decls;
+  decls.reserve(tensors.size());
+  for (const auto& [name, t] : tensors) {
+    if (!t.defined())
+      throw ConfigError(
+          concat("cannot save checkpoint '", dir, "': tensor '", name, "' is undefined"));
+    decls.push_back({name, t.dtype(), t.shape()});
   }
-  nlohmann::ordered_json index;
-  index["metadata"] = {{"total_size", total}};
-  index["weight_map"] = std::move(weight_map);
-  const std::string text = index.dump(2) + "\n";
-  AtomicFileWriter out((root / kCheckpointIndexFile).string());
-  out.write(text.data(), text.size());
-  out.commit();
-  written.push_back(kCheckpointIndexFile);
-
-  remove_quietly(root / kSingleCheckpointFile);
-  for (const auto& e : fs::directory_iterator(root, ec)) {
-    const std::string fname = e.path().filename().string();
-    if (std::regex_match(fname, shard_name_pattern()) && shard_files.count(fname) == 0)
-      remove_quietly(e.path());
-  }
-  return written;
+  ShardedSafetensorsWriter out(dir, std::move(decls), max_shard_bytes, metadata);
+  std::vector<const std::pair<std::string, Tensor>*> sorted;
+  sorted.reserve(tensors.size());
+  for (const auto& entry : tensors) sorted.push_back(&entry);
+  std::sort(sorted.begin(), sorted.end(),
+            [](const auto* a, const auto* b) { return a->first < b->first; });
+  for (const auto* entry : sorted) out.write(entry->first, entry->second);
+  return out.commit();
 }
 
 // ---- checkpoints ------------------------------------------------------------------------------

@@ -218,18 +218,9 @@ TrainSummary run_training(const Config& requested) {
     } else if (rt.sharded() == nullptr) {
       io::save_hf_model(rt.model(), summary.export_dir);
     } else {
-      // Every rank gathers the weights one unit at a time; rank 0 copies them into an unsharded
-      // model in CPU memory and writes it.
-      std::unique_ptr<nn::LlamaModel> full;
-      std::map<std::string, Tensor*> slots;
-      if (leader) {
-        full = std::make_unique<nn::LlamaModel>(rt.model().config(), Device::cpu());
-        for (auto& [name, slot] : full->named_parameters()) slots[name] = slot;
-      }
-      rt.sharded()->for_each_full_parameter([&](const std::string& name, const Tensor& weights) {
-        if (leader) slots.at(name)->copy_from(weights);
-      });
-      if (leader) io::save_hf_model(*full, summary.export_dir);
+      // Every rank gathers the weights one unit at a time and rank 0 streams them into the
+      // files: no rank ever holds the full model.
+      io::save_hf_model(*rt.sharded(), summary.export_dir);
     }
     progress.message("exported the model to " + summary.export_dir);
   }

@@ -1,8 +1,16 @@
 // Checkpoints inside one job of several ranks: ranges written by every rank come back as whole
 // tensors (also through arbitrary flat ranges), and 20 steps saved and resumed on the same ranks
-// give the 40-step run bit for bit under every sharding strategy.
+// give the 40-step run bit for bit under every sharding strategy. The Hugging Face export of a
+// sharded model is byte for byte the unsharded export of the same weights, rank 0 holding one
+// gathered unit at a time, and a failure to write it fails every rank instead of leaving them
+// waiting.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <csignal>
+#include <cstring>
 
 #include <filesystem>
 #include <fstream>
@@ -11,8 +19,11 @@
 #include <sstream>
 
 #include "shardtrain/dist/env.h"
+#include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/io/checkpoint.h"
+#include "shardtrain/io/hf_model.h"
 #include "shardtrain/train/trainer.h"
+#include "tiny_llama.h"
 #include "tiny_run.h"
 
 using namespace shardtrain;
@@ -164,6 +175,155 @@ TEST_P(ResumeOnTheSameRanks, TwentyPlusTwentyStepsGiveTheFortyStepRunBitwise) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Sharding, ResumeOnTheSameRanks,
+                         ::testing::Values("full_shard", "grad_op_shard", "no_shard",
+                                           "hybrid_shard"));
+
+// ---- Hugging Face export of a sharded model ---------------------------------------------------
+
+std::vector<std::string> files_in(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// Every file of `got` against `want`'s, byte for byte, and the same file names.
+void expect_same_files(const std::string& got, const std::string& want) {
+  ASSERT_EQ(files_in(got), files_in(want));
+  for (const std::string& name : files_in(want))
+    EXPECT_TRUE(read_file_bytes(got + "/" + name) == read_file_bytes(want + "/" + name))
+        << name << " differs from the unsharded export";
+}
+
+dist::DistOptions dist_options_for(const std::string& sharding, int world_size) {
+  dist::DistOptions options;
+  options.timeout_s = 120;
+  if (sharding == "hybrid_shard") options.ranks_per_node = world_size / 2;  // two pretend nodes
+  return options;
+}
+
+class ShardedExport : public ::testing::TestWithParam<std::string> {};
+
+// Deferred shards initialised from a seed hold exactly the full initialisation's values, so the
+// export must be the full model's export, file for file. Several shard files and the index.
+TEST_P(ShardedExport, EqualsTheUnshardedExportOfTheSameWeightsHoldingOneUnitAtATime) {
+  constexpr uint64_t kSeed = 17;
+  constexpr int64_t kMaxShardBytes = 40000;  // a layer is 31 KB, the model 140 KB
+  dist::DistEnv env(dist_options_for(GetParam(), dist::job_world_size()));
+  SharedDir dir(env.world());
+  const nn::LlamaConfig config = test::tiny_config(4);
+
+  nn::LlamaModel model(config, Device::cpu(), nn::ParameterStorage::Deferred);
+  fsdp::FsdpOptions options;
+  options.strategy = fsdp::parse_sharding_strategy(GetParam());
+  fsdp::ShardedModel sharded(model, env, options, fsdp::seeded_init(model, kSeed));
+  int64_t largest_unit = 0, full_model = 0;
+  for (int u = 0; u < sharded.num_units(); ++u) {
+    // The gathered flat parameter, rounded to the allocators' 64 bytes.
+    largest_unit = std::max(largest_unit, (sharded.unit_layout(u).padded * 4 + 63) / 64 * 64);
+    full_model += sharded.unit_layout(u).total * 4;
+  }
+  ASSERT_LT(2 * largest_unit, full_model) << "the case must tell one unit from the whole model";
+
+  Allocator& cpu = allocator_for(Device::cpu());
+  Allocator& host = allocator_for(Device::host());
+  cpu.reset_peak();
+  host.reset_peak();
+  const int64_t cpu_before = cpu.stats().total_in_use, host_before = host.stats().total_in_use;
+  io::save_hf_model(sharded, dir / "sharded", kMaxShardBytes);
+  // What the export added on top of the shards: CPU-device memory (where the units are gathered)
+  // and the host pool (staging, for models on a GPU) together.
+  const int64_t export_peak =
+      (cpu.stats().total_peak - cpu_before) + (host.stats().total_peak - host_before);
+  EXPECT_LE(export_peak, largest_unit)
+      << "rank " << env.rank() << " held more than one gathered unit during the export";
+  if (sharded.shard_group().size() > 1) {
+    EXPECT_EQ(export_peak, largest_unit) << "rank " << env.rank() << ": one gathered unit";
+  }
+  EXPECT_EQ(cpu.stats().total_in_use, cpu_before) << "the gathered units must be released";
+
+  if (env.rank() == 0) {
+    nn::LlamaModel full(config, Device::cpu());
+    full.init_weights(kSeed);
+    io::save_hf_model(full, dir / "full", kMaxShardBytes);
+    expect_same_files(dir / "sharded", dir / "full");
+    EXPECT_GE(files_in(dir / "sharded").size(), 6u) << "meant to write several shard files";
+    EXPECT_TRUE(fs::exists(dir / "sharded/model.safetensors.index.json"));
+  }
+}
+
+// A trained run: the export the trainer writes from the shards is the export of an unsharded
+// model holding the weights of the run's final checkpoint (read from its HDF5 files).
+TEST_P(ShardedExport, TrainerExportEqualsTheUnshardedExportOfTheFinalCheckpoint) {
+  dist::DistEnv env;
+  SharedDir dir(env.world());
+  std::vector<std::string> overrides = {"dist.sharding=" + GetParam(), "train.steps=3",
+                                        "checkpoint.every_steps=3", "checkpoint.keep_last=0"};
+  if (GetParam() == "hybrid_shard")
+    overrides.push_back("dist.ranks_per_node=" + std::to_string(env.world_size() / 2));
+  const train::Config config = tiny_config(dir / "run", overrides);
+  train::TrainSummary run = train::run_training(config);
+  if (env.rank() != 0) return;  // rank 0 writes the export
+  ASSERT_FALSE(run.export_dir.empty());
+  io::CheckpointReader reader(run.last_checkpoint);
+  nn::LlamaModel full(nn::LlamaConfig::from_hf_json(run.export_dir + "/config.json"),
+                      Device::cpu());
+  for (auto& [name, slot] : full.named_parameters()) slot->copy_from(reader.read("model/" + name));
+  io::save_hf_model(full, dir / "full");
+  expect_same_files(run.export_dir, dir / "full");
+}
+
+// The export cannot be written on rank 0: every rank gets an error (none is left waiting in a
+// collective for it), rank 0's naming the cause. Then a failure part-way through the writes
+// (rank 0 may write no file over 20 KB), after which nothing is published.
+TEST_P(ShardedExport, AFailureOnRankZeroFailsEveryRank) {
+  dist::DistEnv env(dist_options_for(GetParam(), dist::job_world_size()));
+  SharedDir dir(env.world());
+  const nn::LlamaConfig config = test::tiny_config(4);
+  nn::LlamaModel model(config, Device::cpu(), nn::ParameterStorage::Deferred);
+  fsdp::FsdpOptions options;
+  options.strategy = fsdp::parse_sharding_strategy(GetParam());
+  fsdp::ShardedModel sharded(model, env, options, fsdp::seeded_init(model, 3));
+  const bool rank0 = env.rank() == 0;
+
+  if (rank0) std::ofstream(dir / "blocked") << "a file where the export directory would go";
+  env.world().barrier();
+  std::string message;
+  try {
+    io::save_hf_model(sharded, dir / "blocked", 40000);
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find(dir / "blocked"), std::string::npos) << message;
+  EXPECT_NE(message.find(rank0 ? "cannot create" : "failed on the writing rank (rank 0"),
+            std::string::npos)
+      << "rank " << env.rank() << ": " << message;
+
+  struct rlimit saved {};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
+  auto* previous_handler = std::signal(SIGXFSZ, SIG_IGN);  // EFBIG instead of a signal
+  if (rank0) {
+    struct rlimit limited = saved;
+    limited.rlim_cur = 20000;
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limited), 0);
+  }
+  message.clear();
+  try {
+    io::save_hf_model(sharded, dir / "export", 40000);
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &saved);
+  std::signal(SIGXFSZ, previous_handler);
+  EXPECT_NE(message.find(rank0 ? std::strerror(EFBIG) : "failed on the writing rank (rank 0"),
+            std::string::npos)
+      << "rank " << env.rank() << ": " << message;
+  if (rank0) {
+    EXPECT_TRUE(files_in(dir / "export").empty()) << "a failed export published files";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sharding, ShardedExport,
                          ::testing::Values("full_shard", "grad_op_shard", "no_shard",
                                            "hybrid_shard"));
 

@@ -1,14 +1,18 @@
 // safetensors: byte-exact round trips of every dtype, the golden checkpoint, sharded checkpoints,
-// and a precise error for every kind of malformed file.
+// streamed writing (byte for byte the files of the in-memory writers), and a precise error for
+// every kind of malformed file or misuse of a writer.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
 #include "expect_error.h"
 #include "temp_dir.h"
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "shardtrain/core/error.h"
@@ -230,6 +234,167 @@ TEST_F(SafetensorsTest, CheckpointErrors) {
   save_sharded(d, {{"a", zeros({100})}, {"b", zeros({100})}}, 1 << 20);
   SafetensorsCheckpoint ck = SafetensorsCheckpoint::open(d);
   expect_error<FormatError>([&] { ck.load("c"); }, {d, "no tensor 'c'", "'a', 'b'"});
+}
+
+// ---- streamed writing -------------------------------------------------------------------------
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  EXPECT_TRUE(in.good()) << "cannot read " << path;
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+std::vector<std::string> files_in(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::vector<TensorDecl> declarations(const NamedTensors& tensors) {
+  std::vector<TensorDecl> decls;
+  for (const auto& [name, t] : tensors) decls.push_back({name, t.dtype(), t.shape()});
+  return decls;
+}
+
+TEST_F(SafetensorsTest, StreamedFileEqualsSaveSafetensorsByteForByte) {
+  const NamedTensors tensors = every_dtype();
+  for (const bool with_metadata : {true, false}) {
+    const std::map<std::string, std::string> metadata =
+        with_metadata ? std::map<std::string, std::string>{{"format", "pt"}, {"step", "12"}}
+                      : std::map<std::string, std::string>{};
+    const std::string reference = path("reference.safetensors");
+    save_safetensors(reference, tensors, metadata);
+
+    // Declared in one order, written in another, partly from raw bytes.
+    std::vector<TensorDecl> decls = declarations(tensors);
+    std::reverse(decls.begin(), decls.end());
+    const std::string streamed = path("streamed.safetensors");
+    SafetensorsWriter out(streamed, decls, metadata);
+    for (size_t i : {3u, 0u, 7u, 5u, 1u, 6u, 2u, 4u}) {
+      const auto& [name, t] = tensors[i];
+      if (i % 2 == 0)
+        out.write(name, t);
+      else
+        out.write(name, t.data_ptr(), t.nbytes());
+    }
+    EXPECT_FALSE(fs::exists(streamed)) << "the file must not appear before commit";
+    out.commit();
+    EXPECT_EQ(out.path(), streamed);
+    const std::string want = file_bytes(reference);
+    ASSERT_GT(want.size(), 8u);
+    EXPECT_TRUE(file_bytes(streamed) == want) << "metadata " << with_metadata;
+    // Only the two files: the temporary one was renamed.
+    EXPECT_EQ(files_in(tmp_.str()),
+              (std::vector<std::string>{"reference.safetensors", "streamed.safetensors"}));
+    fs::remove(reference);
+    fs::remove(streamed);
+  }
+}
+
+TEST_F(SafetensorsTest, StreamedWriterErrorsNameTheTensor) {
+  const std::string p = path("errors.safetensors");
+  SafetensorsWriter out(
+      p, {{"a", DType::F32, {2, 3}}, {"b", DType::BF16, {4}}, {"c", DType::I64, {}}});
+  Tensor a = from_floats({1, 2, 3, 4, 5, 6}, {2, 3});
+  out.write("a", a);
+  expect_error<Error>([&] { out.write("a", a); }, {p, "'a'", "already written"});
+  expect_error<ShapeError>([&] { out.write("b", a.data_ptr(), 6); },
+                           {p, "'b'", "BF16[4]", "8 bytes", "6 bytes were given"});
+  expect_error<ShapeError>([&] { out.write("b", zeros({4})); }, {p, "'b'", "BF16[4]", "f32[4]"});
+  expect_error<ShapeError>(
+      [&] {
+        out.write("b", zeros({2, 2}, DType::BF16));
+      },
+      {p, "'b'", "BF16[4]", "[2, 2]"});
+  expect_error<Error>([&] { out.write("d", a); }, {p, "'d'", "not declared"});
+  out.write("c", from_ints({42}, {}, DType::I64));
+  expect_error<Error>([&] { out.commit(); }, {p, "1 of its 3", "never written", "'b'"});
+  EXPECT_FALSE(fs::exists(p));
+  // The failed writes did not count: "b" can still be written, and then the file is complete.
+  out.write("b", from_floats({1, 2, 3, 4}, {4}, DType::BF16));
+  out.commit();
+  SafetensorsFile f = SafetensorsFile::open(p);
+  EXPECT_EQ(f.load("a").to_float_vector(), a.to_float_vector());
+  EXPECT_EQ(f.load("b").to_float_vector(), (std::vector<float>{1, 2, 3, 4}));
+  expect_error<Error>([&] { out.write("a", a); }, {p, "'a'", "already committed"});
+
+  expect_error<ConfigError>(
+      [&] {
+        SafetensorsWriter(path("dup.safetensors"),
+                          {{"x", DType::F32, {1}}, {"x", DType::F32, {2}}});
+      },
+      {"dup.safetensors", "'x' appears twice"});
+  expect_error<ConfigError>(
+      [&] {
+        SafetensorsWriter(path("meta.safetensors"), {{"__metadata__", DType::F32, {1}}});
+      },
+      {"meta.safetensors", "invalid tensor name '__metadata__'"});
+  EXPECT_EQ(files_in(tmp_.str()), (std::vector<std::string>{"errors.safetensors"}));
+}
+
+TEST_F(SafetensorsTest, NoFileAppearsWithoutCommit) {
+  const std::string p = path("uncommitted.safetensors");
+  {
+    SafetensorsWriter out(p, declarations(every_dtype()));
+    for (const auto& [name, t] : every_dtype()) out.write(name, t);
+    // The bytes exist, under a temporary name only.
+    std::vector<std::string> names = files_in(tmp_.str());
+    ASSERT_EQ(names.size(), 1u);
+    EXPECT_EQ(names[0].rfind("uncommitted.safetensors.tmp.", 0), 0u) << names[0];
+  }
+  EXPECT_TRUE(files_in(tmp_.str()).empty());
+
+  const std::string d = path("dir");
+  {
+    ShardedSafetensorsWriter out(d, declarations(every_dtype()), 40);
+    for (const auto& [name, t] : every_dtype()) out.write(name, t);
+  }
+  EXPECT_TRUE(files_in(d).empty());
+}
+
+TEST_F(SafetensorsTest, StreamedCheckpointEqualsSaveShardedByteForByte) {
+  NamedTensors tensors = every_dtype();
+  for (int i = 0; i < 6; ++i) {
+    std::vector<float> v(100 + 37 * static_cast<size_t>(i));
+    for (size_t j = 0; j < v.size(); ++j)
+      v[j] = static_cast<float>(i) * 0.5f - static_cast<float>(j);
+    tensors.push_back(
+        {"layer." + std::to_string(i) + ".w",
+         from_floats(v, {static_cast<int64_t>(v.size())}, i % 2 == 0 ? DType::F32 : DType::BF16)});
+  }
+  const std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  for (const int64_t max_shard_bytes : {int64_t{700}, int64_t{1} << 20}) {
+    const std::string ref = path("ref"), streamed = path("streamed");
+    std::vector<std::string> ref_files = save_sharded(ref, tensors, max_shard_bytes, metadata);
+
+    std::vector<TensorDecl> decls = declarations(tensors);
+    std::reverse(decls.begin(), decls.end());
+    ShardedSafetensorsWriter out(streamed, decls, max_shard_bytes, metadata);
+    EXPECT_EQ(out.file_names(), ref_files) << "the split is known from the declarations";
+    for (size_t k = 0; k < tensors.size(); ++k) {
+      const auto& [name, t] = tensors[(k * 5 + 3) % tensors.size()];  // 5 is coprime to 14
+      out.write(name, t);
+    }
+    EXPECT_EQ(files_in(streamed).size(), ref_files.size() - (ref_files.size() > 1 ? 1 : 0));
+    for (const std::string& f : ref_files) EXPECT_FALSE(fs::exists(streamed + "/" + f)) << f;
+    EXPECT_EQ(out.commit(), ref_files);
+    if (max_shard_bytes == 700)
+      EXPECT_GE(ref_files.size(), 5u);  // several shards and the index
+    else
+      EXPECT_EQ(ref_files, (std::vector<std::string>{"model.safetensors"}));
+    EXPECT_EQ(files_in(streamed), files_in(ref));
+    for (const std::string& f : ref_files)
+      EXPECT_TRUE(file_bytes(streamed + "/" + f) == file_bytes(ref + "/" + f)) << f;
+    fs::remove_all(ref);
+    fs::remove_all(streamed);
+  }
+  expect_error<Error>(
+      [&] {
+        ShardedSafetensorsWriter out(path("d"), declarations(tensors), 700);
+        out.write("layer.9.w", zeros({1}));
+      },
+      {path("d"), "'layer.9.w'", "not declared"});
 }
 
 // ---- malformed files ----------------------------------------------------------------------

@@ -18,8 +18,21 @@ void load_hf_weights(nn::LlamaModel& model, const std::string& dir);
 // memory-mapped files, so no rank ever holds the full model.
 void load_hf_weights(fsdp::ShardedModel& model, const std::string& dir);
 
-// Writes config.json and the weights (fp32, sharded past `max_shard_bytes`) into `dir`.
+// Writes config.json and the weights (in the parameters' dtype, fp32 for training; split into
+// shard files past `max_shard_bytes`, see ShardedSafetensorsWriter) into `dir`.
 void save_hf_model(nn::LlamaModel& model, const std::string& dir,
+                   int64_t max_shard_bytes = int64_t{5} << 30);
+
+// The same for a sharded model, byte for byte the files save_hf_model writes for the equivalent
+// full model (fp32 weights), without ever building it. Collective: every rank calls it. The
+// files are declared from the units' names and shapes, then every rank gathers the weights one
+// unit at a time and the writing rank (rank 0 of both the shard and the replicate group: world
+// rank 0 in a training job) streams each parameter into its place, so it holds at most one
+// gathered unit, plus one parameter in host memory when the model is on a GPU. A failure on the
+// writing rank (a full disk, an unwritable `dir`) throws Error on every rank once the gathers
+// are done, so no rank is left waiting in a collective; nothing is published under `dir` then
+// (the files stay under temporary names, which are removed).
+void save_hf_model(fsdp::ShardedModel& model, const std::string& dir,
                    int64_t max_shard_bytes = int64_t{5} << 30);
 
 }  // namespace shardtrain::io

@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -72,6 +73,51 @@ class SafetensorsFile {
 
 using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 
+// What a file's header says about one tensor, known before its bytes are.
+struct TensorDecl {
+  std::string name;
+  DType dtype = DType::F32;
+  Shape shape;
+  int64_t nbytes() const { return numel(shape) * static_cast<int64_t>(dtype_size(dtype)); }
+};
+
+// Writes one safetensors file whose tensors arrive one at a time, in any order, so that no
+// tensor has to stay in memory past its own write (a sharded model's export holds one gathered
+// unit at a time). The declarations fix the header, and with it every tensor's offset, so the
+// header is written first; the bytes are exactly save_safetensors' for the same tensors (which
+// writes through this class). The file is written under `path.tmp.<pid>` and appears at `path`
+// only in commit(), fsynced and renamed; a writer destroyed without commit() removes its
+// temporary file, so no partial file is ever seen under `path`.
+class SafetensorsWriter {
+ public:
+  // Creates the temporary file and writes the header. Throws ConfigError on empty, reserved
+  // ("__metadata__") or repeated names, and when the file cannot be created or written.
+  SafetensorsWriter(std::string path, std::vector<TensorDecl> tensors,
+                    const std::map<std::string, std::string>& metadata = {});
+  ~SafetensorsWriter();
+  SafetensorsWriter(SafetensorsWriter&&) noexcept;
+  SafetensorsWriter& operator=(SafetensorsWriter&&) noexcept;
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+
+  // Writes the bytes of declared tensor `name` from `tensor` (any device), whose dtype and shape
+  // must be the declared ones. Throws ShapeError naming the tensor on a mismatch, Error when
+  // `name` was not declared or is written a second time, ConfigError when the write fails.
+  void write(const std::string& name, const Tensor& tensor);
+  // The same from `bytes` bytes of host memory, which must be the declared size.
+  void write(const std::string& name, const void* data, size_t bytes);
+  // Checks that every declared tensor was written (Error naming the missing ones otherwise),
+  // then fsyncs the file and renames it to `path`. Throws ConfigError when that fails.
+  void commit();
+
+  // The final path (the file is under a temporary name until commit()).
+  const std::string& path() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
 // Writes `tensors` (any devices; dtypes kept) sorted by name, atomically: the bytes go to
 // `path.tmp.<pid>`, are fsynced, and the file is renamed over `path`. Throws ConfigError on
 // duplicate or empty names and when the file cannot be written.
@@ -81,12 +127,48 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
 constexpr const char* kSingleCheckpointFile = "model.safetensors";
 constexpr const char* kCheckpointIndexFile = "model.safetensors.index.json";
 
-// Writes a checkpoint into directory `dir` (created if missing). When the tensors' total bytes
-// exceed `max_shard_bytes`, they are split (in name order) into model-0000K-of-0000N.safetensors
-// files of at most `max_shard_bytes` each (a larger single tensor gets a shard of its own) plus
-// model.safetensors.index.json; otherwise a single model.safetensors is written. Files of an
-// earlier checkpoint in the other layout are removed so that readers never see a mix. Returns the
-// file names written (index last).
+// Writes a checkpoint directory (save_sharded's layout) one tensor at a time, in any order.
+// Which file holds which tensor is decided from the declarations alone, exactly as save_sharded
+// decides it from the tensors: when their total bytes exceed `max_shard_bytes` they are split (in
+// name order) into model-0000K-of-0000N.safetensors files of at most `max_shard_bytes` each (a
+// larger single tensor gets a shard of its own) plus model.safetensors.index.json; otherwise a
+// single model.safetensors is written. Every file is open under its temporary name until
+// commit(), which publishes the shard files, then the index, then removes the files of an earlier
+// checkpoint in the other layout, so that readers never see a mix. A writer destroyed without
+// commit() leaves the directory as it found it (apart from creating it).
+class ShardedSafetensorsWriter {
+ public:
+  // Creates `dir` if missing. Throws ConfigError for a non-positive `max_shard_bytes`, bad or
+  // repeated names, and when the directory or a file cannot be created.
+  ShardedSafetensorsWriter(std::string dir, std::vector<TensorDecl> tensors,
+                           int64_t max_shard_bytes,
+                           const std::map<std::string, std::string>& metadata = {});
+
+  // As SafetensorsWriter::write, into the file that holds `name`.
+  void write(const std::string& name, const Tensor& tensor);
+  // Commits every file (see above) and returns the file names written (index last).
+  std::vector<std::string> commit();
+
+  // The file names commit() will write (index last), known from the declarations.
+  std::vector<std::string> file_names() const;
+
+ private:
+  std::string dir_;
+  std::vector<SafetensorsWriter> files_;
+  std::vector<std::string> file_names_;    // parallel to files_
+  std::map<std::string, size_t> file_of_;  // tensor name -> index into files_
+  int64_t total_bytes_ = 0;
+  bool sharded_ = false;  // shard files and an index, not one model.safetensors
+  bool committed_ = false;
+};
+
+// Writes `bytes` to `path` the way every file here is written: under `path.tmp.<pid>`, fsynced,
+// then renamed over `path` (and the directory synced). Throws ConfigError when that fails.
+void write_file_atomically(const std::string& path, std::string_view bytes);
+
+// Writes a checkpoint into directory `dir` (created if missing) in the layout described for
+// ShardedSafetensorsWriter, from tensors already in memory. Returns the file names written
+// (index last).
 std::vector<std::string> save_sharded(const std::string& dir, const NamedTensors& tensors,
                                       int64_t max_shard_bytes,
                                       const std::map<std::string, std::string>& metadata = {});

@@ -1,0 +1,253 @@
+// Exporting a sharded model in the Hugging Face layout: the files are byte for byte those of the
+// full model's export (single file and several shards with the index), the writing rank holds one
+// gathered unit and nothing more (to the byte, on the memory ledgers), the other ranks write
+// nothing, and a failure while writing publishes nothing. One process plays a rank of a larger
+// world through a process group whose gathers hand back the full unit.
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <csignal>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+
+#include "expect_error.h"
+#include "shardtrain/fsdp/fsdp.h"
+#include "shardtrain/io/hf_model.h"
+#include "shardtrain/io/safetensors.h"
+#include "temp_dir.h"
+
+namespace shardtrain::fsdp {
+namespace {
+
+namespace fs = std::filesystem;
+using shardtrain::testing::expect_error;
+using shardtrain::testing::TempDir;
+
+constexpr uint64_t kSeed = 41;
+
+// Sizes that do not split evenly over 3 or 4 ranks (padding), with parameters from 12 to 444
+// elements, so that a few kilobytes per shard file give several files.
+nn::LlamaConfig small_config(bool tied) {
+  nn::LlamaConfig c;
+  c.vocab_size = 37;
+  c.hidden_size = 12;
+  c.intermediate_size = 23;
+  c.num_layers = 3;
+  c.num_heads = 2;
+  c.num_kv_heads = 1;
+  c.max_seq_len = 8;
+  c.init_std = 0.3f;
+  c.tie_embeddings = tied;
+  return c;
+}
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  EXPECT_TRUE(in.good()) << "cannot read " << path;
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+std::vector<std::string> files_in(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// Every file of `got` against `want`'s, byte for byte, and the same file names.
+void expect_same_files(const std::string& got, const std::string& want, const std::string& tag) {
+  ASSERT_EQ(files_in(got), files_in(want)) << tag;
+  for (const std::string& name : files_in(want))
+    EXPECT_TRUE(file_bytes(got + "/" + name) == file_bytes(want + "/" + name))
+        << tag << ": " << name << " differs from the full model's";
+}
+
+// The reference: the full model, initialised the usual way, exported the usual way.
+void export_full_model(const nn::LlamaConfig& config, const std::string& dir,
+                       int64_t max_shard_bytes) {
+  nn::LlamaModel full(config, Device::cpu());
+  full.init_weights(kSeed);
+  io::save_hf_model(full, dir, max_shard_bytes);
+}
+
+// Rank `rank` of a world of `size` whose all-gathers return the whole unit, as a real job's
+// would: the other ranks' blocks come from the full initialisation (`units`, the padded flat
+// parameter of each unit), and this rank's block is checked against it bit for bit.
+class GatheringRank : public dist::ProcessGroup {
+ public:
+  GatheringRank(int rank, int size) : rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend_name() const override { return "gathering"; }
+  dist::WorkPtr all_gather(const Tensor& input, Tensor& output) override {
+    check_all_gather(input, output);
+    const float* mine = input.data<float>();
+    for (const std::vector<float>& flat : units) {
+      if (static_cast<int64_t>(flat.size()) != output.numel()) continue;
+      if (std::memcmp(mine, flat.data() + rank_ * input.numel(), input.nbytes()) != 0) continue;
+      std::memcpy(output.data_ptr(), flat.data(), output.nbytes());
+      ++gathers;
+      return dist::completed_work();
+    }
+    ADD_FAILURE() << "all_gather of " << input.describe() << ": no unit has this rank's block";
+    return dist::completed_work();
+  }
+  dist::WorkPtr reduce_scatter(const Tensor&, Tensor&) override { return dist::completed_work(); }
+  dist::WorkPtr all_reduce(Tensor&, dist::ReduceOp) override { return dist::completed_work(); }
+  dist::WorkPtr broadcast(Tensor&, int) override { return dist::completed_work(); }
+  void barrier() override {}
+  void all_reduce_host(std::vector<double>&, dist::ReduceOp) override {}
+  void all_reduce_host(std::vector<int64_t>&, dist::ReduceOp) override {}
+  using ProcessGroup::all_reduce_host;
+
+  std::vector<std::vector<float>> units;
+  int gathers = 0;
+
+ private:
+  int rank_, size_;
+};
+
+// The padded flat parameter of every unit of `sharded`, from the full initialisation.
+std::vector<std::vector<float>> full_units(const ShardedModel& sharded,
+                                           const nn::LlamaConfig& config) {
+  nn::LlamaModel full(config, Device::cpu());
+  full.init_weights(kSeed);
+  std::map<std::string, std::vector<float>> values;
+  for (auto& [name, slot] : full.named_parameters()) values[name] = slot->to_float_vector();
+  std::vector<std::vector<float>> units;
+  for (int u = 0; u < sharded.num_units(); ++u) {
+    const FlatParamLayout& layout = sharded.unit_layout(u);
+    std::vector<float> flat(static_cast<size_t>(layout.padded), 0.0f);
+    for (const auto& e : layout.entries)
+      std::copy(values.at(e.name).begin(), values.at(e.name).end(),
+                flat.begin() + static_cast<std::ptrdiff_t>(e.offset));
+    units.push_back(std::move(flat));
+  }
+  return units;
+}
+
+int64_t rounded(int64_t bytes) {
+  return (bytes + 63) / 64 * 64;
+}  // the allocators' granularity
+
+// A single file, and shard files of at most 2 KB (a layer's 1284 elements are 5 KB) with the
+// index: the sharded export is the full model's, byte for byte.
+TEST(ShardedExport, OneRankEqualsTheFullModelsExportByteForByte) {
+  for (const bool tied : {false, true}) {
+    const nn::LlamaConfig config = small_config(tied);
+    for (const int64_t max_shard_bytes : {int64_t{2000}, int64_t{5} << 30}) {
+      const std::string tag = std::string(tied ? "tied" : "untied") + ", shards of at most " +
+                              std::to_string(max_shard_bytes) + " bytes";
+      TempDir tmp("export");
+      export_full_model(config, tmp / "full", max_shard_bytes);
+
+      dist::LocalProcessGroup group;
+      nn::LlamaModel model(config, Device::cpu(), nn::ParameterStorage::Deferred);
+      ShardedModel sharded(model, group, nullptr, {}, seeded_init(model, kSeed));
+      io::save_hf_model(sharded, tmp / "sharded", max_shard_bytes);
+
+      expect_same_files(tmp / "sharded", tmp / "full", tag);
+      const std::vector<std::string> files = files_in(tmp / "sharded");
+      if (max_shard_bytes == 2000) {
+        EXPECT_GE(files.size(), 10u) << tag << ": meant to produce several shard files";
+        EXPECT_TRUE(fs::exists(tmp / "sharded/model.safetensors.index.json")) << tag;
+      } else {
+        EXPECT_EQ(files, (std::vector<std::string>{"config.json", "model.safetensors"})) << tag;
+      }
+    }
+  }
+}
+
+// Rank 0 of 4, every gather returning the whole unit: the same bytes, and the export's peak
+// memory is exactly one gathered unit (the largest), far below the full model.
+TEST(ShardedExport, RankZeroOfFourHoldsOneGatheredUnitAtATime) {
+  const nn::LlamaConfig config = small_config(false);
+  TempDir tmp("export");
+  export_full_model(config, tmp / "full", 2000);
+
+  GatheringRank group(0, 4);
+  nn::LlamaModel model(config, Device::cpu(), nn::ParameterStorage::Deferred);
+  ShardedModel sharded(model, group, nullptr, {}, seeded_init(model, kSeed));
+  group.units = full_units(sharded, config);
+  int64_t largest_unit = 0, full_model = 0;
+  for (int u = 0; u < sharded.num_units(); ++u) {
+    largest_unit = std::max(largest_unit, rounded(sharded.unit_layout(u).padded * 4));
+    full_model += sharded.unit_layout(u).total * 4;
+  }
+
+  Allocator& cpu = allocator_for(Device::cpu());
+  Allocator& host = allocator_for(Device::host());
+  cpu.reset_peak();
+  host.reset_peak();
+  const int64_t cpu_before = cpu.stats().total_in_use, host_before = host.stats().total_in_use;
+  io::save_hf_model(sharded, tmp / "sharded", 2000);
+  const int64_t cpu_peak = cpu.stats().total_peak - cpu_before;
+  const int64_t host_peak = host.stats().total_peak - host_before;
+
+  EXPECT_EQ(group.gathers, sharded.num_units());
+  expect_same_files(tmp / "sharded", tmp / "full", "rank 0 of 4");
+  EXPECT_EQ(cpu_peak, largest_unit) << "the export must hold one gathered unit, nothing more";
+  EXPECT_EQ(host_peak, 0) << "a model on the CPU device needs no host staging";
+  EXPECT_LT(2 * largest_unit, full_model) << "the case must tell one unit from the whole model";
+  EXPECT_EQ(cpu.stats().total_in_use, cpu_before) << "the gathered units must be released";
+}
+
+// Only rank 0 writes: another rank joins the gathers and leaves no file, not even the directory.
+TEST(ShardedExport, OtherRanksWriteNothing) {
+  const nn::LlamaConfig config = small_config(false);
+  TempDir tmp("export");
+  GatheringRank group(2, 4);
+  nn::LlamaModel model(config, Device::cpu(), nn::ParameterStorage::Deferred);
+  ShardedModel sharded(model, group, nullptr, {}, seeded_init(model, kSeed));
+  group.units = full_units(sharded, config);
+  io::save_hf_model(sharded, tmp / "sharded", 2000);
+  EXPECT_EQ(group.gathers, sharded.num_units()) << "rank 2 must take part in every gather";
+  EXPECT_FALSE(fs::exists(tmp / "sharded"));
+}
+
+// Writing fails part-way (the process may write no file larger than 3000 bytes, so the first
+// shard file over it fails after others were written): an error naming the export, and nothing
+// published, no temporary file left behind, an earlier export in the directory left intact.
+TEST(ShardedExport, AFailedWritePublishesNothing) {
+  const nn::LlamaConfig config = small_config(false);
+  TempDir tmp("export");
+  const std::string dir = tmp / "sharded";
+  dist::LocalProcessGroup group;
+  nn::LlamaModel model(config, Device::cpu(), nn::ParameterStorage::Deferred);
+  ShardedModel sharded(model, group, nullptr, {}, seeded_init(model, kSeed));
+  io::save_hf_model(sharded, dir, int64_t{5} << 30);  // an earlier export, one file
+  const std::string earlier = file_bytes(dir + "/model.safetensors");
+
+  struct rlimit saved {};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
+  auto* previous_handler = std::signal(SIGXFSZ, SIG_IGN);  // EFBIG instead of a signal
+  struct rlimit limited = saved;
+  limited.rlim_cur = 3000;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limited), 0);
+  std::string message;
+  try {
+    io::save_hf_model(sharded, dir, 4500);
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &saved);
+  std::signal(SIGXFSZ, previous_handler);
+
+  EXPECT_NE(message.find(dir), std::string::npos) << message;
+  EXPECT_NE(message.find("failed on the writing rank"), std::string::npos) << message;
+  EXPECT_NE(message.find(std::strerror(EFBIG)), std::string::npos) << message;
+  EXPECT_EQ(files_in(dir), (std::vector<std::string>{"config.json", "model.safetensors"}));
+  EXPECT_TRUE(file_bytes(dir + "/model.safetensors") == earlier);
+
+  // An export directory that cannot be created.
+  const std::string blocked = tmp.write("a-file", "not a directory") + "/export";
+  expect_error<Error>([&] { io::save_hf_model(sharded, blocked, 2000); },
+                      {blocked, "failed on the writing rank", "cannot create"});
+}
+
+}  // namespace
+}  // namespace shardtrain::fsdp
