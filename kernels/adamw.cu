@@ -1,5 +1,7 @@
-// AdamW on fp32 parameters and moments with a gradient of any float dtype; one launch per
-// tensor, four elements per thread per step when every operand allows 16-byte (f32) accesses.
+// AdamW on fp32 parameters and moments with a gradient of any float dtype: one tensor per launch
+// (adamw), or a list of tensors in a few launches (adamw_multi, the multi-tensor apply of fused
+// optimizers: a model's hundreds of small launches become a handful). Four elements per thread
+// per step when every operand allows 16-byte (f32) accesses.
 // Per-element arithmetic follows the CPU backend operation for operation, each product, sum and
 // quotient rounded on its own (the _rn intrinsics keep nvcc from contracting them into fused
 // multiply-adds), so both backends produce the same bits.
@@ -21,11 +23,12 @@ __device__ __forceinline__ void adamw_element(float& p, float g, float& m, float
   p = __fsub_rn(__fmul_rn(p, c.decay), __fmul_rn(c.step_size, __fdiv_rn(mi, denom)));
 }
 
+// Elements [0, n) of one tensor, thread `first` of `stride` threads taking every stride-th vector
+// of N elements, then the scalar tail.
 template <int N, typename TG>
-__global__ void adamw_kernel(float* param, const TG* grad, float* m, float* v, int64_t n,
-                             AdamWConstants c) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+__device__ __forceinline__ void adamw_range(float* param, const TG* grad, float* m, float* v,
+                                            int64_t n, int64_t first, int64_t stride,
+                                            const AdamWConstants& c) {
   for (int64_t i = first; i < n / N; i += stride) {
     float p[N], g[N], mm[N], vv[N];
     load_vec<float, N>(param + i * N, p);
@@ -42,14 +45,104 @@ __global__ void adamw_kernel(float* param, const TG* grad, float* m, float* v, i
     adamw_element(param[i], to_float(grad[i]), m[i], v[i], c);
 }
 
+template <int N, typename TG>
+__global__ void adamw_kernel(float* param, const TG* grad, float* m, float* v, int64_t n,
+                             AdamWConstants c) {
+  adamw_range<N>(param, grad, m, v, n, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+                 static_cast<int64_t>(gridDim.x) * blockDim.x, c);
+}
+
+// The tensors of one multi-tensor launch, passed by value in the kernel's arguments (under the
+// 4 KB limit), so a launch needs no device-side table and no copy before it.
+constexpr int kListMax = 48;
+// Elements per block: a multiple of 4, so every chunk starts as aligned as its tensor.
+constexpr int64_t kChunkElems = 32768;
+
+template <typename TG>
+struct AdamWList {
+  float* param[kListMax];
+  const TG* grad[kListMax];
+  float* m[kListMax];
+  float* v[kListMax];
+  int64_t n[kListMax];
+  float decay[kListMax];
+  // Tensor t is worked on by blocks first_block[t] .. first_block[t + 1] - 1.
+  int64_t first_block[kListMax + 1];
+  int count;
+};
+
+template <int N, typename TG>
+__global__ void adamw_multi_kernel(const AdamWList<TG> list, AdamWConstants c) {
+  const int64_t block = blockIdx.x;
+  int t = 0;
+  while (t + 1 < list.count && list.first_block[t + 1] <= block) ++t;
+  const int64_t lo = (block - list.first_block[t]) * kChunkElems;
+  const int64_t len = min(kChunkElems, list.n[t] - lo);
+  c.decay = list.decay[t];
+  adamw_range<N>(list.param[t] + lo, list.grad[t] + lo, list.m[t] + lo, list.v[t] + lo, len,
+                 threadIdx.x, blockDim.x, c);
+}
+
+template <typename TG>
+bool adamw_vectorizable(const float* param, const TG* grad, const float* m, const float* v) {
+  return aligned(param, 16) && aligned(m, 16) && aligned(v, 16) && aligned(grad, 4 * sizeof(TG));
+}
+
+// Launches the tensors of `refs` whose gradient is TG and whose alignment allows (or, with
+// `vectorized` false, does not allow) the 4-wide path, kListMax at a time.
+template <typename TG>
+void launch_adamw_lists(const AdamWTensorRef* refs, int64_t count, bool vectorized,
+                        const AdamWConstants& c, cudaStream_t stream) {
+  AdamWList<TG> list{};
+  int64_t blocks = 0;
+  auto launch = [&] {
+    if (list.count == 0) return;
+    list.first_block[list.count] = blocks;
+    if (vectorized)
+      adamw_multi_kernel<4, TG><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(list, c);
+    else
+      adamw_multi_kernel<1, TG><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(list, c);
+    ST_CHECK_LAUNCH();
+    list = AdamWList<TG>{};
+    blocks = 0;
+  };
+  for (int64_t i = 0; i < count; ++i) {
+    const AdamWTensorRef& r = refs[i];
+    const TG* grad = static_cast<const TG*>(r.grad);
+    if (r.n <= 0 || dtype_of<TG>() != r.grad_type ||
+        adamw_vectorizable(r.param, grad, r.m, r.v) != vectorized)
+      continue;
+    const int k = list.count++;
+    list.param[k] = r.param;
+    list.grad[k] = grad;
+    list.m[k] = r.m;
+    list.v[k] = r.v;
+    list.n[k] = r.n;
+    list.decay[k] = r.decay;
+    list.first_block[k] = blocks;
+    blocks += (r.n + kChunkElems - 1) / kChunkElems;
+    if (list.count == kListMax) launch();
+  }
+  launch();
+}
+
 }  // namespace
+
+void adamw_multi(const AdamWTensorRef* tensors, int64_t count, const AdamWConstants& c,
+                 cudaStream_t stream) {
+  for (bool vectorized : {true, false}) {
+    launch_adamw_lists<float>(tensors, count, vectorized, c, stream);
+    launch_adamw_lists<bf16>(tensors, count, vectorized, c, stream);
+    launch_adamw_lists<f16>(tensors, count, vectorized, c, stream);
+  }
+}
 
 void adamw(float* param, const void* grad, DType tg, float* m, float* v, int64_t n,
            const AdamWConstants& c, cudaStream_t stream) {
   if (n <= 0) return;
   ST_DISPATCH_FLOAT(tg, TG, {
     const TG* g = static_cast<const TG*>(grad);
-    if (aligned(param, 16) && aligned(m, 16) && aligned(v, 16) && aligned(g, 4 * sizeof(TG)))
+    if (adamw_vectorizable(param, g, m, v))
       adamw_kernel<4><<<grid_for(n / 4 + 1), kThreads, 0, stream>>>(param, g, m, v, n, c);
     else
       adamw_kernel<1><<<grid_for(n), kThreads, 0, stream>>>(param, g, m, v, n, c);

@@ -49,6 +49,22 @@ __device__ __forceinline__ f16 from_float<f16>(float v) {
   return __float2half_rn(v);
 }
 
+// The DType that names a device element type (host side, for dispatching lists of tensors).
+template <typename T>
+constexpr DType dtype_of();
+template <>
+constexpr DType dtype_of<float>() {
+  return DType::F32;
+}
+template <>
+constexpr DType dtype_of<bf16>() {
+  return DType::BF16;
+}
+template <>
+constexpr DType dtype_of<f16>() {
+  return DType::F16;
+}
+
 // ---- vector access --------------------------------------------------------------------------
 
 // N elements of T loaded or stored with one instruction (N * sizeof(T) <= 16, a power of two).

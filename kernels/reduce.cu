@@ -67,15 +67,16 @@ __global__ void unscale_kernel(T* x, int64_t n, float inv_scale, int* found) {
   if (__any_sync(0xffffffffu, bad) && (threadIdx.x & 31) == 0) *found = 1;
 }
 
-}  // namespace
-
-double sum(const void* x, DType type, int64_t n, bool squares, Scratch& scratch,
-           cudaStream_t stream) {
-  if (n <= 0) return 0.0;
+// Enqueues the sum of x (or of its squares) into *result, using `partial` (kMaxSumBlocks
+// doubles) for the block partials; the grid depends only on n, so the result does too.
+void enqueue_sum(const void* x, DType type, int64_t n, bool squares, double* partial,
+                 double* result, cudaStream_t stream) {
+  if (n <= 0) {
+    ST_CUDA_CHECK(cudaMemsetAsync(result, 0, sizeof(double), stream));
+    return;
+  }
   const int64_t blocks =
       std::min<int64_t>(kMaxSumBlocks, (n + kSumThreads * 8 - 1) / (kSumThreads * 8));
-  auto* partial = static_cast<double*>(scratch.get(sizeof(double) * (blocks + 1)));
-  double* result = partial + blocks;
   ST_DISPATCH_FLOAT(type, T, {
     const T* p = static_cast<const T*>(x);
     constexpr int V = kVec<T>;
@@ -95,17 +96,12 @@ double sum(const void* x, DType type, int64_t n, bool squares, Scratch& scratch,
   });
   final_sum_kernel<<<1, kMaxSumBlocks, 0, stream>>>(partial, blocks, result);
   ST_CHECK_LAUNCH();
-  double host = 0.0;
-  ST_CUDA_CHECK(cudaMemcpyAsync(&host, result, sizeof(host), cudaMemcpyDeviceToHost, stream));
-  ST_CUDA_CHECK(cudaStreamSynchronize(stream));
-  return host;
 }
 
-bool unscale_and_check(void* x, DType type, int64_t n, float inv_scale, Scratch& scratch,
-                       cudaStream_t stream) {
-  if (n <= 0) return false;
-  int* found = static_cast<int*>(scratch.get(sizeof(int)));
-  ST_CUDA_CHECK(cudaMemsetAsync(found, 0, sizeof(int), stream));
+// Enqueues x *= inv_scale, setting *found when an element was inf or nan.
+void enqueue_unscale(void* x, DType type, int64_t n, float inv_scale, int* found,
+                     cudaStream_t stream) {
+  if (n <= 0) return;
   ST_DISPATCH_FLOAT(type, T, {
     T* p = static_cast<T*>(x);
     constexpr int V = kVec<T>;
@@ -115,9 +111,58 @@ bool unscale_and_check(void* x, DType type, int64_t n, float inv_scale, Scratch&
       unscale_kernel<1><<<grid_for(n), kThreads, 0, stream>>>(p, n, inv_scale, found);
     ST_CHECK_LAUNCH();
   });
-  int host = 0;
-  ST_CUDA_CHECK(cudaMemcpyAsync(&host, found, sizeof(host), cudaMemcpyDeviceToHost, stream));
+}
+
+template <typename T>
+void copy_to_host_and_wait(T* host, const T* device, int64_t count, cudaStream_t stream) {
+  ST_CUDA_CHECK(cudaMemcpyAsync(host, device, sizeof(T) * static_cast<size_t>(count),
+                                cudaMemcpyDeviceToHost, stream));
   ST_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+}  // namespace
+
+double sum(const void* x, DType type, int64_t n, bool squares, Scratch& scratch,
+           cudaStream_t stream) {
+  if (n <= 0) return 0.0;
+  auto* partial = static_cast<double*>(scratch.get(sizeof(double) * (kMaxSumBlocks + 1)));
+  double* result = partial + kMaxSumBlocks;
+  enqueue_sum(x, type, n, squares, partial, result, stream);
+  double host = 0.0;
+  copy_to_host_and_wait(&host, result, 1, stream);
+  return host;
+}
+
+void sum_squares_multi(const TensorSpan* tensors, int64_t count, double* out, Scratch& scratch,
+                      cudaStream_t stream) {
+  if (count <= 0) return;
+  // One partial buffer serves every tensor: the stream runs each final sum before the next
+  // tensor's partial sums overwrite it.
+  auto* partial = static_cast<double*>(
+      scratch.get(sizeof(double) * static_cast<size_t>(kMaxSumBlocks + count)));
+  double* results = partial + kMaxSumBlocks;
+  for (int64_t i = 0; i < count; ++i)
+    enqueue_sum(tensors[i].data, tensors[i].type, tensors[i].n, true, partial, results + i, stream);
+  copy_to_host_and_wait(out, results, count, stream);
+}
+
+bool unscale_and_check(void* x, DType type, int64_t n, float inv_scale, Scratch& scratch,
+                       cudaStream_t stream) {
+  const TensorSpan one{x, type, n};
+  return unscale_and_check_multi(&one, 1, inv_scale, scratch, stream);
+}
+
+bool unscale_and_check_multi(const TensorSpan* tensors, int64_t count, float inv_scale,
+                            Scratch& scratch, cudaStream_t stream) {
+  int64_t elements = 0;
+  for (int64_t i = 0; i < count; ++i) elements += std::max<int64_t>(tensors[i].n, 0);
+  if (elements == 0) return false;
+  int* found = static_cast<int*>(scratch.get(sizeof(int)));
+  ST_CUDA_CHECK(cudaMemsetAsync(found, 0, sizeof(int), stream));
+  for (int64_t i = 0; i < count; ++i)
+    enqueue_unscale(tensors[i].data, tensors[i].type, tensors[i].n, inv_scale, found, stream);
+  int host = 0;
+  copy_to_host_and_wait(&host, found, 1, stream);
   return host != 0;
 }
 

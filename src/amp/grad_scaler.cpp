@@ -29,13 +29,16 @@ bool GradScaler::unscale_and_check(const std::vector<Tensor*>& params) {
   unscaled_this_step_ = true;
   // As torch.amp does: the reciprocal is formed in double and rounded once to float.
   const float inv_scale = static_cast<float>(1.0 / static_cast<double>(state_.scale));
+  std::vector<Tensor> grads;
+  for (Tensor* param : params)
+    if (Tensor g = autograd::grad(*param); g.defined()) grads.push_back(std::move(g));
+  std::vector<Tensor*> pointers;
+  for (Tensor& g : grads) pointers.push_back(&g);
+  // Every gradient is unscaled even after an overflow was seen, so they stay consistent.
   bool found_inf = false;
-  for (Tensor* param : params) {
-    Tensor g = autograd::grad(*param);
-    if (!g.defined()) continue;
-    // Every gradient is unscaled even after an overflow was seen, so they stay consistent.
-    found_inf = backend_for(g.device()).unscale_and_check(g, inv_scale) || found_inf;
-  }
+  for (const auto& [device, list] :
+       split_by_device(pointers, [](const Tensor* g) { return g->device(); }))
+    found_inf = backend_for(device).unscale_and_check_multi(list, inv_scale) || found_inf;
   return found_inf;
 }
 

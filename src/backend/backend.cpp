@@ -30,6 +30,27 @@ void ensure_builtin_backends() {
 
 }  // namespace
 
+bool Backend::unscale_and_check_multi(const std::vector<Tensor*>& tensors, float inv_scale) {
+  bool found = false;
+  for (Tensor* t : tensors) found = unscale_and_check(*t, inv_scale) || found;
+  return found;
+}
+
+std::vector<double> Backend::sum_squares_multi(const std::vector<const Tensor*>& tensors) {
+  std::vector<double> out;
+  out.reserve(tensors.size());
+  for (const Tensor* t : tensors) out.push_back(sum_squares(*t));
+  return out;
+}
+
+void Backend::adamw_multi(const std::vector<AdamWTensor>& tensors, const AdamWArgs& args) {
+  for (const AdamWTensor& t : tensors) {
+    AdamWArgs own = args;
+    if (!t.decay) own.weight_decay = 0.0f;
+    adamw(*t.param, *t.grad, *t.m, *t.v, own);
+  }
+}
+
 void register_backend(DeviceKind kind, Backend* backend) {
   backends()[static_cast<size_t>(kind)] = backend;
 }

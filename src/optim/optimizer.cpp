@@ -29,18 +29,20 @@ AdamW::AdamW(std::vector<NamedParam> params, AdamWOptions options)
 
 void AdamW::step(float lr) {
   ++steps_;
+  const Backend::AdamWArgs args{lr,           options_.beta1,        options_.beta2,
+                                options_.eps, options_.weight_decay, steps_};
+  std::vector<Tensor> grads(params_.size());
+  std::vector<Backend::AdamWTensor> tensors;
   for (size_t i = 0; i < params_.size(); ++i) {
-    Tensor g = autograd::grad(*params_[i].param);
-    if (!g.defined()) continue;
-    Backend::AdamWArgs args{lr,
-                            options_.beta1,
-                            options_.beta2,
-                            options_.eps,
-                            decay_[i] ? options_.weight_decay : 0.0f,
-                            steps_};
-    backend_for(params_[i].param->device())
-        .adamw(*params_[i].param, g, exp_avg_[i], exp_avg_sq_[i], args);
+    grads[i] = autograd::grad(*params_[i].param);
+    if (!grads[i].defined()) continue;
+    tensors.push_back(
+        {params_[i].param, &grads[i], &exp_avg_[i], &exp_avg_sq_[i], static_cast<bool>(decay_[i])});
   }
+  // One call per device, so that each backend updates all of its tensors at once.
+  for (const auto& [device, list] :
+       split_by_device(tensors, [](const Backend::AdamWTensor& t) { return t.param->device(); }))
+    backend_for(device).adamw_multi(list, args);
 }
 
 std::vector<std::pair<std::string, Tensor*>> AdamW::state() {
@@ -102,11 +104,15 @@ float LrSchedule::at(int64_t step) const {
 }
 
 double grad_sum_squares(const std::vector<NamedParam>& params) {
+  std::vector<Tensor> grads;
+  for (auto& p : params)
+    if (Tensor g = autograd::grad(*p.param); g.defined()) grads.push_back(std::move(g));
+  std::vector<const Tensor*> pointers;
+  for (const Tensor& g : grads) pointers.push_back(&g);
   double total = 0;
-  for (auto& p : params) {
-    Tensor g = autograd::grad(*p.param);
-    if (g.defined()) total += backend_for(g.device()).sum_squares(g);
-  }
+  for (const auto& [device, list] :
+       split_by_device(pointers, [](const Tensor* g) { return g->device(); }))
+    for (double part : backend_for(device).sum_squares_multi(list)) total += part;
   return total;
 }
 

@@ -380,5 +380,108 @@ TEST(CudaKernels, AdamW) {
   }
 }
 
+// The list forms of the gradient-norm and loss-scaling kernels: each tensor's sum of squares is
+// the single-tensor result bit for bit; every tensor is unscaled, and an inf in any one of them
+// (first, middle or last, in any dtype) is reported.
+TEST(CudaKernels, SumSquaresAndUnscaleOverListsEqualThePerTensorCalls) {
+  REQUIRE_CUDA();
+  std::vector<Tensor> host, dev;
+  const int64_t sizes[] = {1, 17, 4096, 65537, 0};
+  for (int i = 0; i < 15; ++i) {
+    host.push_back(random_cpu({sizes[i % 5]}, kFloatTypes[i % 3], 500 + static_cast<uint64_t>(i)));
+    dev.push_back(host.back().to(cuda0()));
+  }
+  std::vector<const Tensor*> list;
+  for (const Tensor& t : dev) list.push_back(&t);
+  const std::vector<double> sums = gpu().sum_squares_multi(list);
+  ASSERT_EQ(sums.size(), dev.size());
+  for (size_t i = 0; i < dev.size(); ++i) {
+    EXPECT_EQ(sums[i], gpu().sum_squares(dev[i])) << "tensor " << i;
+    EXPECT_NEAR(sums[i], cpu().sum_squares(host[i]), 1e-9 * sums[i]) << "tensor " << i;
+  }
+
+  for (size_t bad : {size_t{0}, size_t{7}, dev.size() - 2}) {
+    std::vector<Tensor> want, got;
+    std::vector<Tensor*> pointers;
+    for (size_t i = 0; i < host.size(); ++i) {
+      std::vector<float> v = host[i].to_float_vector();
+      if (i == bad) v[v.size() / 2] = std::numeric_limits<float>::infinity();
+      want.push_back(from_floats(v, host[i].shape(), host[i].dtype()));
+      got.push_back(want.back().to(cuda0()));
+    }
+    for (Tensor& t : got) pointers.push_back(&t);
+    EXPECT_TRUE(gpu().unscale_and_check_multi(pointers, 0.25f)) << "inf in tensor " << bad;
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(cpu().unscale_and_check(want[i], 0.25f), i == bad);
+      expect_close(got[i], want[i], 0.0f, 0.0f, "unscaled tensor " + std::to_string(i));
+    }
+  }
+  std::vector<Tensor*> clean;
+  for (Tensor& t : dev) clean.push_back(&t);
+  EXPECT_FALSE(gpu().unscale_and_check_multi(clean, 0.5f));
+}
+
+// The multi-tensor AdamW against the per-tensor CPU AdamW: more tensors than one launch takes,
+// every gradient dtype in one list, sizes from 1 element to several blocks' worth, tensors that
+// start off the 16-byte alignment the vector path needs, and weight decay on some entries only.
+TEST(CudaKernels, AdamWMultiTensorEqualsPerTensorAdamW) {
+  REQUIRE_CUDA();
+  struct Entry {
+    Tensor p, m, v, gp, gm, gv;
+    DType grad_type;
+    bool decay;
+  };
+  std::vector<Entry> entries;
+  const int64_t sizes[] = {1, 3, 64, 1000, 70001};
+  for (int i = 0; i < 100; ++i) {
+    const int64_t n = sizes[i % 5];
+    Entry e;
+    e.grad_type = kFloatTypes[i % 3];
+    e.decay = i % 3 != 0;
+    e.p = random_cpu({n}, DType::F32, 200 + static_cast<uint64_t>(i));
+    e.m = zeros({n});
+    e.v = zeros({n});
+    if (i % 4 == 1) {  // one element past an aligned start: the scalar path
+      e.gp = random_cpu({n + 1}, DType::F32, 1).to(cuda0()).slice_rows(1, n);
+      e.gp.copy_from(e.p);
+      e.gm = zeros({n + 1}, DType::F32, cuda0()).slice_rows(1, n);
+      e.gv = zeros({n + 1}, DType::F32, cuda0()).slice_rows(1, n);
+    } else {
+      e.gp = e.p.to(cuda0());
+      e.gm = e.m.to(cuda0());
+      e.gv = e.v.to(cuda0());
+    }
+    entries.push_back(std::move(e));
+  }
+  const Backend::AdamWArgs base{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1};
+  for (int64_t step = 1; step <= 3; ++step) {
+    Backend::AdamWArgs args = base;
+    args.step = step;
+    std::vector<Tensor> grads;  // the GPU copies, alive until the update has run
+    grads.reserve(entries.size());
+    std::vector<Backend::AdamWTensor> list;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      Entry& e = entries[i];
+      const Tensor g =
+          random_cpu(e.p.shape(), e.grad_type, 300 + 7 * i + static_cast<size_t>(step));
+      Backend::AdamWArgs own = args;
+      if (!e.decay) own.weight_decay = 0.0f;
+      cpu().adamw(e.p, g, e.m, e.v, own);
+      grads.push_back(g.to(cuda0()));
+      list.push_back({&e.gp, &grads.back(), &e.gm, &e.gv, e.decay});
+    }
+    gpu().adamw_multi(list, args);
+  }
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const Entry& e = entries[i];
+    const std::string what = "adamw_multi entry " + std::to_string(i) + " " +
+                             label("", e.grad_type, e.p.shape()) +
+                             (e.decay ? " decay" : " no decay");
+    testing::expect_bitwise_equal(e.gp, e.p, what + " param");
+    testing::expect_bitwise_equal(e.gm, e.m, what + " m");
+    testing::expect_bitwise_equal(e.gv, e.v, what + " v");
+  }
+}
+
 }  // namespace
 }  // namespace shardtrain

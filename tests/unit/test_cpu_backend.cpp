@@ -963,5 +963,66 @@ TEST(CpuBackend, AdamWMatchesScalarReferenceForThreeSteps) {
   }
 }
 
+// The list forms of sum_squares and unscale_and_check are the per-tensor calls.
+TEST(CpuBackend, SumSquaresAndUnscaleOverLists) {
+  std::vector<Tensor> xs;
+  for (int i = 0; i < 5; ++i)
+    xs.push_back(random({7 + 300 * i}, kFloatTypes[i % 3], 600 + static_cast<uint64_t>(i)));
+  std::vector<const Tensor*> list;
+  for (const Tensor& x : xs) list.push_back(&x);
+  const std::vector<double> sums = cpu().sum_squares_multi(list);
+  ASSERT_EQ(sums.size(), xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) EXPECT_EQ(sums[i], cpu().sum_squares(xs[i]));
+
+  std::vector<Tensor> want;
+  for (const Tensor& x : xs) want.push_back(x.clone());
+  std::vector<float> bad = xs[3].to_float_vector();
+  bad[5] = std::numeric_limits<float>::quiet_NaN();
+  xs[3] = from_floats(bad, xs[3].shape(), xs[3].dtype());
+  want[3] = xs[3].clone();
+  std::vector<Tensor*> pointers;
+  for (Tensor& x : xs) pointers.push_back(&x);
+  EXPECT_TRUE(cpu().unscale_and_check_multi(pointers, 0.5f));
+  for (size_t i = 0; i < xs.size(); ++i) {
+    EXPECT_EQ(cpu().unscale_and_check(want[i], 0.5f), i == 3);
+    const std::vector<float> got = xs[i].to_float_vector(), expected = want[i].to_float_vector();
+    for (size_t j = 0; j < got.size(); ++j) {
+      if (std::isnan(got[j]) && std::isnan(expected[j])) continue;
+      ASSERT_EQ(got[j], expected[j]) << "tensor " << i << " element " << j;
+    }
+  }
+  pointers.erase(pointers.begin() + 3);
+  EXPECT_FALSE(cpu().unscale_and_check_multi(pointers, 0.5f));
+}
+
+// The list form applies the decay flag per entry and is otherwise the per-tensor step.
+TEST(CpuBackend, AdamWMultiIsThePerTensorStepWithDecayPerEntry) {
+  const Backend::AdamWArgs args{1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 2};
+  std::vector<Tensor> p, m, v, g, rp, rm, rv;
+  std::vector<Backend::AdamWTensor> list;
+  for (int i = 0; i < 6; ++i) {
+    const int64_t n = 17 + 500 * i;
+    p.push_back(random({n}, DType::F32, 400 + static_cast<uint64_t>(i)));
+    m.push_back(random({n}, DType::F32, 410 + static_cast<uint64_t>(i), 0.1f));
+    std::vector<float> squares =
+        random({n}, DType::F32, 420 + static_cast<uint64_t>(i), 0.1f).to_float_vector();
+    for (float& x : squares) x *= x;  // a second moment is never negative
+    v.push_back(from_floats(squares, {n}));
+    g.push_back(random({n}, kFloatTypes[i % 3], 430 + static_cast<uint64_t>(i)));
+    rp.push_back(p.back().clone());
+    rm.push_back(m.back().clone());
+    rv.push_back(v.back().clone());
+  }
+  for (size_t i = 0; i < p.size(); ++i) list.push_back({&p[i], &g[i], &m[i], &v[i], i % 2 == 0});
+  cpu().adamw_multi(list, args);
+  for (size_t i = 0; i < p.size(); ++i) {
+    Backend::AdamWArgs own = args;
+    if (i % 2 != 0) own.weight_decay = 0.0f;
+    cpu().adamw(rp[i], g[i], rm[i], rv[i], own);
+    for (auto [got, want] : {std::pair{&p[i], &rp[i]}, {&m[i], &rm[i]}, {&v[i], &rv[i]}})
+      EXPECT_EQ(got->to_float_vector(), want->to_float_vector()) << "entry " << i;
+  }
+}
+
 }  // namespace
 }  // namespace shardtrain

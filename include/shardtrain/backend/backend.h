@@ -11,6 +11,8 @@
 //  - Reductions that return a number return it to the host (they synchronise).
 #pragma once
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "shardtrain/tensor/tensor.h"
 
@@ -127,6 +129,13 @@ class Backend {
   // ---- optimizer and loss-scaling support ----
   // x *= inv_scale in place; returns true when any element of x (before scaling) is inf or nan.
   virtual bool unscale_and_check(Tensor& x, float inv_scale) = 0;
+  // The same on every tensor of a list (all of them are unscaled); true when any had an inf or
+  // nan. The default calls unscale_and_check per tensor; the CUDA backend waits once for the
+  // whole list instead of once per tensor.
+  virtual bool unscale_and_check_multi(const std::vector<Tensor*>& tensors, float inv_scale);
+  // out[i] = sum_squares(*tensors[i]), bit for bit; the CUDA backend waits once for the list
+  // (a gradient norm over a model's tensors).
+  virtual std::vector<double> sum_squares_multi(const std::vector<const Tensor*>& tensors);
   // One AdamW step on f32 param/m/v with gradient g (any float dtype), PyTorch semantics:
   //   p -= lr * weight_decay * p
   //   m = beta1 m + (1-beta1) g ; v = beta2 v + (1-beta2) g^2
@@ -137,7 +146,36 @@ class Backend {
   };
   virtual void adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
                      const AdamWArgs& args) = 0;
+  // The same step on many tensors at once: every entry gets `args`, except that weight decay
+  // applies only to the entries marked `decay`. The result is adamw()'s for each entry, bit for
+  // bit. The default calls adamw() per entry; the CUDA backend updates the list in a few
+  // launches (multi-tensor apply), since one launch per tensor of a model costs microseconds
+  // each.
+  struct AdamWTensor {
+    Tensor* param;
+    const Tensor* grad;
+    Tensor* m;
+    Tensor* v;
+    bool decay;
+  };
+  virtual void adamw_multi(const std::vector<AdamWTensor>& tensors, const AdamWArgs& args);
 };
+
+// `items` split by the device each is on (`device_of(item)`), devices in order of first
+// appearance, items in their order within a device: one list per call of a *_multi kernel.
+template <typename Item, typename DeviceOf>
+std::vector<std::pair<Device, std::vector<Item>>> split_by_device(const std::vector<Item>& items,
+                                                                  DeviceOf device_of) {
+  std::vector<std::pair<Device, std::vector<Item>>> lists;
+  for (const Item& item : items) {
+    const Device device = device_of(item);
+    size_t i = 0;
+    while (i < lists.size() && !(lists[i].first == device)) ++i;
+    if (i == lists.size()) lists.push_back({device, {}});
+    lists[i].second.push_back(item);
+  }
+  return lists;
+}
 
 // The backend that computes on `device` (CPU for Device::cpu() and the host pool).
 Backend& backend_for(Device device);

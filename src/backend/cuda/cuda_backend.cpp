@@ -371,13 +371,47 @@ bool CudaBackend::unscale_and_check(Tensor& x, float inv_scale) {
                                     call.stream);
 }
 
-void CudaBackend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
-                        const AdamWArgs& args) {
-  Call call({&param, &grad, &m, &v}, "adamw");
-  require_f32(param, "AdamW parameter");
-  require_f32(m, "AdamW first moment");
-  require_f32(v, "AdamW second moment");
-  // The scalars exactly as the CPU backend forms them (double, rounded to float once).
+namespace {
+
+// The tensors of a list as (data, dtype, count) spans, checked to be on the call's GPU.
+template <typename TensorPtr>
+std::vector<kernels::TensorSpan> spans_on(const std::vector<TensorPtr>& tensors, int device,
+                                          const char* op) {
+  std::vector<kernels::TensorSpan> spans;
+  spans.reserve(tensors.size());
+  for (const Tensor* t : tensors) {
+    ST_CHECK(device_of({t}, op) == device, "CUDA ", op,
+             ": the tensors of one list must be on one GPU (", t->describe(),
+             " is not on cuda:", device, ")");
+    spans.push_back({t->data_ptr(), t->dtype(), t->numel()});
+  }
+  return spans;
+}
+
+}  // namespace
+
+bool CudaBackend::unscale_and_check_multi(const std::vector<Tensor*>& tensors, float inv_scale) {
+  if (tensors.empty()) return false;
+  Call call({tensors.front()}, "unscale_and_check_multi");
+  const auto spans = spans_on(tensors, call.device, "unscale_and_check_multi");
+  return kernels::unscale_and_check_multi(spans.data(), static_cast<int64_t>(spans.size()),
+                                          inv_scale, call.scratch, call.stream);
+}
+
+std::vector<double> CudaBackend::sum_squares_multi(const std::vector<const Tensor*>& tensors) {
+  std::vector<double> out(tensors.size(), 0.0);
+  if (tensors.empty()) return out;
+  Call call({tensors.front()}, "sum_squares_multi");
+  const auto spans = spans_on(tensors, call.device, "sum_squares_multi");
+  kernels::sum_squares_multi(spans.data(), static_cast<int64_t>(spans.size()), out.data(),
+                             call.scratch, call.stream);
+  return out;
+}
+
+namespace {
+
+// The scalars exactly as the CPU backend forms them (double, rounded to float once).
+kernels::AdamWConstants adamw_constants(const Backend::AdamWArgs& args) {
   const double step = static_cast<double>(args.step);
   const double bc1 = 1.0 - std::pow(static_cast<double>(args.beta1), step);
   const double bc2 = 1.0 - std::pow(static_cast<double>(args.beta2), step);
@@ -390,9 +424,51 @@ void CudaBackend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
   c.step_size = static_cast<float>(static_cast<double>(args.lr) / bc1);
   c.bias2_sqrt = static_cast<float>(std::sqrt(bc2));
   c.eps = args.eps;
+  return c;
+}
+
+void require_adamw_operands(const Tensor& param, const Tensor& grad, const Tensor& m,
+                            const Tensor& v) {
+  require_f32(param, "AdamW parameter");
+  require_f32(m, "AdamW first moment");
+  require_f32(v, "AdamW second moment");
+  ST_CHECK_SHAPE(
+      grad.numel() == param.numel() && m.numel() == param.numel() && v.numel() == param.numel(),
+      "CUDA adamw: parameter ", param.describe(), ", gradient ", grad.describe(), " and moments ",
+      m.describe(), ", ", v.describe(), " must have the same number of elements");
+}
+
+}  // namespace
+
+void CudaBackend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
+                        const AdamWArgs& args) {
+  Call call({&param, &grad, &m, &v}, "adamw");
+  require_adamw_operands(param, grad, m, v);
   kernels::adamw(static_cast<float*>(param.data_ptr()), grad.data_ptr(), grad.dtype(),
                  static_cast<float*>(m.data_ptr()), static_cast<float*>(v.data_ptr()),
-                 param.numel(), c, call.stream);
+                 param.numel(), adamw_constants(args), call.stream);
+}
+
+void CudaBackend::adamw_multi(const std::vector<AdamWTensor>& tensors, const AdamWArgs& args) {
+  if (tensors.empty()) return;
+  const AdamWTensor& first = tensors.front();
+  Call call({first.param, first.grad, first.m, first.v}, "adamw_multi");
+  const kernels::AdamWConstants c = adamw_constants(args);
+  // Weight decay is the one constant that differs between tensors; without it the factor is
+  // exactly 1 (what adamw_constants forms for weight_decay 0).
+  constexpr float kNoDecay = 1.0f;
+  std::vector<kernels::AdamWTensorRef> refs;
+  refs.reserve(tensors.size());
+  for (const AdamWTensor& t : tensors) {
+    ST_CHECK(device_of({t.param, t.grad, t.m, t.v}, "adamw_multi") == call.device,
+             "CUDA adamw_multi: the tensors of one list must be on one GPU (", t.param->describe(),
+             " is not on cuda:", call.device, ")");
+    require_adamw_operands(*t.param, *t.grad, *t.m, *t.v);
+    refs.push_back({static_cast<float*>(t.param->data_ptr()), t.grad->data_ptr(), t.grad->dtype(),
+                    static_cast<float*>(t.m->data_ptr()), static_cast<float*>(t.v->data_ptr()),
+                    t.param->numel(), t.decay ? c.decay : kNoDecay});
+  }
+  kernels::adamw_multi(refs.data(), static_cast<int64_t>(refs.size()), c, call.stream);
 }
 
 // ---- registered copy and cast ---------------------------------------------------------------
@@ -400,6 +476,10 @@ void CudaBackend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
 void copy_between_devices(void* dst, Device dst_device, const void* src, Device src_device,
                           size_t bytes) {
   const int device = dst_device.is_cuda() ? dst_device.index : src_device.index;
+  // Between two GPUs the copy runs on the destination's stream, which is not ordered with the
+  // source GPU's streams (another context): wait for the work that produces the source first.
+  if (dst_device.is_cuda() && src_device.is_cuda() && dst_device.index != src_device.index)
+    current_stream(src_device.index).synchronize();
   DeviceGuard guard(device);
   const auto stream = static_cast<cudaStream_t>(current_stream(device).handle());
   ST_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream));

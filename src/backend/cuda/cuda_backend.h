@@ -122,6 +122,9 @@ class CudaBackend final : public Backend {
   bool unscale_and_check(Tensor& x, float inv_scale) override;
   void adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
              const AdamWArgs& args) override;
+  bool unscale_and_check_multi(const std::vector<Tensor*>& tensors, float inv_scale) override;
+  std::vector<double> sum_squares_multi(const std::vector<const Tensor*>& tensors) override;
+  void adamw_multi(const std::vector<AdamWTensor>& tensors, const AdamWArgs& args) override;
 
  private:
   CublasLtGemm gemm_;
