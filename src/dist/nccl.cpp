@@ -8,6 +8,7 @@
 #include <nccl.h>
 
 #include <chrono>
+#include <exception>
 #include <thread>
 
 #include "shardtrain/backend/cuda.h"
@@ -82,10 +83,15 @@ cudaStream_t as_stream(void* h) {
 struct NcclComm {
   ncclComm_t comm = nullptr;
   bool aborted = false;
+  // A collective was abandoned unfinished (its Work destroyed while an error unwound): a peer
+  // may never join it, and ncclCommDestroy would wait for it.
+  bool abandoned = false;
   ~NcclComm() {
-    if (comm == nullptr) return;
-    if (aborted) return;
-    ncclCommDestroy(comm);
+    if (comm == nullptr || aborted) return;
+    if (abandoned)
+      ncclCommAbort(comm);  // frees the communicator without waiting for its collectives
+    else
+      ncclCommDestroy(comm);
   }
   void abort() {
     if (comm != nullptr && !aborted) ncclCommAbort(comm);
@@ -99,8 +105,15 @@ class NcclWork : public Work {
       : comm_(std::move(comm)), what_(std::move(what)), timeout_s_(timeout_s) {}
   ~NcclWork() override {
     // Never block here (see MpiWork): abandon an unfinished collective with its buffers.
-    if (done_ || done_event.query()) return;
+    if (done_) return;
+    try {
+      if (done_event.query()) return;
+    } catch (const std::exception&) {
+      // A CUDA error (sticky after a fault) must not escape a destructor that may run while an
+      // exception unwinds: treat the collective as unfinished.
+    }
     static_cast<void>(new std::vector<Tensor>(std::move(keep)));
+    comm_->abandoned = true;
   }
 
   bool is_completed() override {

@@ -52,10 +52,12 @@ Registry& registry() {
 void* Allocator::allocate(size_t bytes, MemoryCategory category) {
   std::lock_guard<std::mutex> lock(mutex_);
   int64_t counted = static_cast<int64_t>(round_up(bytes));
-  ledger_.charge(counted, category, device().str());
+  // Counted only once allocated: a refused request (or a raw_allocate that throws) leaves the
+  // in-use bytes and the peaks as they were.
+  ledger_.check_capacity(counted, category, device().str());
   void* p = raw_allocate(bytes);
   if (p == nullptr) {
-    ledger_.release(counted, category);
+    ledger_.set_reserved(reserved_bytes());  // the cache may have been released on the way
     // Worded like MemoryLedger::charge: the request, what is in use, what to do.
     const MemoryStats& s = ledger_.stats();
     throw OutOfMemoryError(
@@ -68,6 +70,7 @@ void* Allocator::allocate(size_t bytes, MemoryCategory category) {
                        "scale-up recipe (shardtrain plan lists which step fits)."),
         counted);
   }
+  ledger_.charge_unchecked(counted, category);
   ledger_.set_reserved(reserved_bytes());
   return p;
 }

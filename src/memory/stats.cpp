@@ -17,6 +17,11 @@ std::string MemoryStats::summary() const {
 }
 
 void MemoryLedger::charge(int64_t bytes, MemoryCategory c, const std::string& where) {
+  check_capacity(bytes, c, where);
+  charge_unchecked(bytes, c);
+}
+
+void MemoryLedger::check_capacity(int64_t bytes, MemoryCategory c, const std::string& where) const {
   if (stats_.capacity > 0 && stats_.total_in_use + bytes > stats_.capacity) {
     throw OutOfMemoryError(
         detail::concat("out of memory on ", where, ": tried to allocate ", format_bytes(bytes),
@@ -27,7 +32,6 @@ void MemoryLedger::charge(int64_t bytes, MemoryCategory c, const std::string& wh
                        "scale-up recipe (shardtrain plan lists which step fits)."),
         bytes);
   }
-  charge_unchecked(bytes, c);
 }
 
 void MemoryLedger::charge_unchecked(int64_t bytes, MemoryCategory c) {

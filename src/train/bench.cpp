@@ -165,17 +165,6 @@ class CapacityGuard {
   int64_t capacity_;
 };
 
-// The device Runtime trains on: train.device, or the local rank's GPU when several ranks share
-// a node and train.device is auto or cuda (Runtime's rule).
-Device training_device(const Config& config) {
-  Device d = resolve_device(config.train.device);
-  const dist::LaunchInfo launch = dist::detect_launch();
-  if (d.is_cuda() && launch.local_size > 1 &&
-      (config.train.device == "auto" || config.train.device == "cuda"))
-    d = Device::cuda(launch.local_rank);
-  return d;
-}
-
 }  // namespace
 
 BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t measured_steps) {

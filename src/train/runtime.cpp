@@ -8,6 +8,9 @@
 #include "shardtrain/autograd/engine.h"
 #include "shardtrain/autograd/grad_mode.h"
 #include "shardtrain/backend/backend.h"
+#ifdef SHARDTRAIN_HAVE_CUDA
+#include "shardtrain/backend/cuda.h"
+#endif
 #include "shardtrain/dist/env.h"
 #include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/io/hf_model.h"
@@ -25,6 +28,23 @@ Device resolve_device(const std::string& name) {
                       "' asked for a GPU but none is usable (no CUDA build, no driver or no "
                       "device); use train.device=cpu or auto");
   ST_CHECK_AS(ConfigError, !d.is_host(), "train.device: 'host' is the offload pool, not a device");
+  return d;
+}
+
+Device training_device(const Config& config) {
+  Device d = resolve_device(config.train.device);
+  const dist::LaunchInfo launch = dist::detect_launch();
+  if (d.is_cuda() && launch.local_size > 1 &&
+      (config.train.device == "auto" || config.train.device == "cuda")) {
+    d = Device::cuda(launch.local_rank);
+#ifdef SHARDTRAIN_HAVE_CUDA
+    const int gpus = cuda::device_count();
+    ST_CHECK_AS(ConfigError, launch.local_rank < gpus, "train.device: ", config.train.device,
+                " gives each rank of a node its own GPU, but this node runs ", launch.local_size,
+                " ranks and has ", gpus, " usable GPU(s) (local rank ", launch.local_rank,
+                " has none): start at most ", gpus, " ranks per node");
+#endif
+  }
   return d;
 }
 
@@ -46,13 +66,13 @@ nn::LlamaConfig llama_config_from(const ModelConfig& m) {
   return c;
 }
 
-Runtime::Runtime(const Config& config)
-    : config_(config), device_(resolve_device(config.train.device)) {
-  // Several ranks on a node use one GPU each: "auto" and "cuda" mean the local rank's device.
-  const dist::LaunchInfo launch = dist::detect_launch();
-  if (device_.is_cuda() && launch.local_size > 1 &&
-      (config_.train.device == "auto" || config_.train.device == "cuda"))
-    device_ = Device::cuda(launch.local_rank);
+Runtime::Runtime(const Config& config) : config_(config), device_(training_device(config)) {
+#ifdef SHARDTRAIN_HAVE_CUDA
+  // This rank's GPU becomes the process's current device, so that nothing (a device guard
+  // restoring "the previous device", NCCL, a library call) creates a context on GPU 0 in every
+  // rank of the node.
+  if (device_.is_cuda()) cuda::set_device(device_.index);
+#endif
   dist::DistOptions dist_options;
   dist_options.backend = config_.dist.backend;
   dist_options.ranks_per_node = static_cast<int>(config_.dist.ranks_per_node);

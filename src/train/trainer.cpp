@@ -42,7 +42,7 @@ nlohmann::json memory_json(const MemoryStats& s) {
 Config resolve_recipe(const Config& requested) {
   if (requested.recipe != "auto") return requested;
   int64_t device_bytes = requested.train.device_memory_bytes();
-  Device device = resolve_device(requested.train.device);
+  Device device = training_device(requested);
 #ifdef SHARDTRAIN_HAVE_CUDA
   if (device_bytes == 0 && device.is_cuda()) device_bytes = cuda::total_memory(device.index);
 #endif

@@ -138,6 +138,42 @@ TEST(Memory, CapacityRaisesOutOfMemoryWithAnActionableMessage) {
   EXPECT_EQ(cpu.stats().in_use_of(kActs) - before.in_use_of(kActs), requested);
 }
 
+// An allocator whose system refuses (returns nullptr) or fails (throws) on demand, as a GPU's
+// does when its memory is full or its driver reports an error.
+class FlakyAllocator final : public Allocator {
+ public:
+  enum class Mode { Serve, Refuse, Throw };
+  Mode mode = Mode::Serve;
+  Device device() const override { return Device::cpu(); }
+
+ protected:
+  void* raw_allocate(size_t bytes) override {
+    if (mode == Mode::Refuse) return nullptr;
+    if (mode == Mode::Throw) throw Error("the system failed");
+    return ::operator new(bytes);
+  }
+  void raw_deallocate(void* ptr, size_t) override { ::operator delete(ptr); }
+};
+
+TEST(Memory, ARefusedOrFailedAllocationIsNeverCounted) {
+  FlakyAllocator a;
+  void* kept = a.allocate(1000, kParams);
+  const MemoryStats before = a.stats();
+  a.mode = FlakyAllocator::Mode::Refuse;
+  EXPECT_THROW(a.allocate(1 << 20, kActs), OutOfMemoryError);
+  a.mode = FlakyAllocator::Mode::Throw;
+  EXPECT_THROW(a.allocate(1 << 20, kActs), Error);
+  const MemoryStats after = a.stats();
+  // Neither the bytes in use nor the peaks saw the megabyte that was never allocated.
+  EXPECT_EQ(after.total_in_use, before.total_in_use);
+  EXPECT_EQ(after.total_peak, before.total_peak);
+  EXPECT_EQ(after.peak, before.peak);
+  EXPECT_EQ(after.num_allocs, before.num_allocs);
+  a.mode = FlakyAllocator::Mode::Serve;
+  a.deallocate(kept, 1000, kParams);
+  EXPECT_EQ(a.stats().total_in_use, 0);
+}
+
 TEST(Memory, HostPoolIsSeparateFromTheCpuDevice) {
   Allocator& cpu = allocator_for(Device::cpu());
   Allocator& host = allocator_for(Device::host());

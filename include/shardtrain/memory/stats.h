@@ -31,6 +31,9 @@ class MemoryLedger {
   // Throws OutOfMemoryError (naming `where`, the request and the in-use breakdown) when the
   // capacity would be exceeded.
   void charge(int64_t bytes, MemoryCategory c, const std::string& where);
+  // charge's capacity check alone (OutOfMemoryError naming `where` when `bytes` more would not
+  // fit), for callers that count the bytes only once they are really allocated.
+  void check_capacity(int64_t bytes, MemoryCategory c, const std::string& where) const;
   // Counts bytes without the capacity check (bytes that are already allocated).
   void charge_unchecked(int64_t bytes, MemoryCategory c);
   void release(int64_t bytes, MemoryCategory c);

@@ -31,6 +31,10 @@ namespace shardtrain::train {
 // "auto" picks cuda:0 when a GPU is usable, else the CPU device. Asking for cuda without one is
 // an error (no silent fallback).
 Device resolve_device(const std::string& name);
+// The device this process trains on: train.device resolved as above, except that with several
+// ranks on a node "auto" and "cuda" mean the local rank's GPU (one GPU per rank). Throws
+// ConfigError when the node has fewer GPUs than ranks.
+Device training_device(const Config& config);
 nn::LlamaConfig llama_config_from(const ModelConfig& model);
 
 struct StepResult {
