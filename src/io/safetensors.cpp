@@ -425,6 +425,40 @@ std::string decl_str(const TensorDecl& d) {
   return concat(safetensors_dtype_name(d.dtype), shape_str(d.shape));
 }
 
+// A write of a tensor that `declared` (keyed by tensor name) does not hold, into `target`.
+template <typename Map>
+[[noreturn]] void throw_undeclared(const std::string& name, const std::string& target,
+                                   const Map& declared) {
+  std::vector<std::string> names;
+  names.reserve(declared.size());
+  for (const auto& entry : declared) names.push_back(entry.first);
+  throw Error(concat("cannot write tensor '", name, "' to ", target,
+                     ": it was not declared when the writer was created (",
+                     available_names(name, names), ")"));
+}
+
+// The declarations of `tensors` (each must be defined), and the tensors in name order: the
+// order a writer lays them out in, so writing them in it is sequential.
+std::vector<TensorDecl> declare(const NamedTensors& tensors, const std::string& where) {
+  std::vector<TensorDecl> decls;
+  decls.reserve(tensors.size());
+  for (const auto& [name, t] : tensors) {
+    if (!t.defined())
+      throw ConfigError(concat("cannot save '", where, "': tensor '", name, "' is undefined"));
+    decls.push_back({name, t.dtype(), t.shape()});
+  }
+  return decls;
+}
+
+std::vector<const std::pair<std::string, Tensor>*> in_name_order(const NamedTensors& tensors) {
+  std::vector<const std::pair<std::string, Tensor>*> sorted;
+  sorted.reserve(tensors.size());
+  for (const auto& entry : tensors) sorted.push_back(&entry);
+  std::sort(sorted.begin(), sorted.end(),
+            [](const auto* a, const auto* b) { return a->first < b->first; });
+  return sorted;
+}
+
 }  // namespace
 
 struct SafetensorsWriter::State {
@@ -446,14 +480,7 @@ struct SafetensorsWriter::State {
     ST_CHECK(!committed, "cannot write tensor '", name, "' to '", path,
              "': the file was already committed");
     auto it = slots.find(name);
-    if (it == slots.end()) {
-      std::vector<std::string> names;
-      names.reserve(slots.size());
-      for (const auto& entry : slots) names.push_back(entry.first);
-      throw Error(concat("cannot write tensor '", name, "' to '", path,
-                         "': it was not declared when the file was created (",
-                         available_names(name, names), ")"));
-    }
+    if (it == slots.end()) throw_undeclared(name, concat("'", path, "'"), slots);
     ST_CHECK(!it->second.written, "cannot write tensor '", name, "' to '", path,
              "': it was already written (each tensor is written exactly once)");
     return it->second;
@@ -553,21 +580,8 @@ void SafetensorsWriter::commit() {
 
 void save_safetensors(const std::string& path, const NamedTensors& tensors,
                       const std::map<std::string, std::string>& metadata) {
-  std::vector<TensorDecl> decls;
-  decls.reserve(tensors.size());
-  for (const auto& [name, t] : tensors) {
-    if (!t.defined())
-      throw ConfigError(concat("cannot save '", path, "': tensor '", name, "' is undefined"));
-    decls.push_back({name, t.dtype(), t.shape()});
-  }
-  SafetensorsWriter out(path, std::move(decls), metadata);
-  // File order: sequential writes.
-  std::vector<const std::pair<std::string, Tensor>*> sorted;
-  sorted.reserve(tensors.size());
-  for (const auto& entry : tensors) sorted.push_back(&entry);
-  std::sort(sorted.begin(), sorted.end(),
-            [](const auto* a, const auto* b) { return a->first < b->first; });
-  for (const auto* entry : sorted) out.write(entry->first, entry->second);
+  SafetensorsWriter out(path, declare(tensors, path), metadata);
+  for (const auto* entry : in_name_order(tensors)) out.write(entry->first, entry->second);
   out.commit();
 }
 
@@ -646,14 +660,7 @@ std::vector<std::string> ShardedSafetensorsWriter::file_names() const {
 
 void ShardedSafetensorsWriter::write(const std::string& name, const Tensor& tensor) {
   auto it = file_of_.find(name);
-  if (it == file_of_.end()) {
-    std::vector<std::string> names;
-    names.reserve(file_of_.size());
-    for (const auto& entry : file_of_) names.push_back(entry.first);
-    throw Error(concat("cannot write tensor '", name, "' to checkpoint '", dir_,
-                       "': it was not declared when the writer was created (",
-                       available_names(name, names), ")"));
-  }
+  if (it == file_of_.end()) throw_undeclared(name, concat("checkpoint '", dir_, "'"), file_of_);
   files_[it->second].write(name, tensor);
 }
 
@@ -690,21 +697,8 @@ std::vector<std::string> ShardedSafetensorsWriter::commit() {
 std::vector<std::string> save_sharded(const std::string& dir, const NamedTensors& tensors,
                                       int64_t max_shard_bytes,
                                       const std::map<std::string, std::string>& metadata) {
-  std::vector<TensorDecl> decls;
-  decls.reserve(tensors.size());
-  for (const auto& [name, t] : tensors) {
-    if (!t.defined())
-      throw ConfigError(
-          concat("cannot save checkpoint '", dir, "': tensor '", name, "' is undefined"));
-    decls.push_back({name, t.dtype(), t.shape()});
-  }
-  ShardedSafetensorsWriter out(dir, std::move(decls), max_shard_bytes, metadata);
-  std::vector<const std::pair<std::string, Tensor>*> sorted;
-  sorted.reserve(tensors.size());
-  for (const auto& entry : tensors) sorted.push_back(&entry);
-  std::sort(sorted.begin(), sorted.end(),
-            [](const auto* a, const auto* b) { return a->first < b->first; });
-  for (const auto* entry : sorted) out.write(entry->first, entry->second);
+  ShardedSafetensorsWriter out(dir, declare(tensors, dir), max_shard_bytes, metadata);
+  for (const auto* entry : in_name_order(tensors)) out.write(entry->first, entry->second);
   return out.commit();
 }
 

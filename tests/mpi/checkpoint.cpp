@@ -136,6 +136,8 @@ train::Config tiny_config(const std::string& out_dir, std::vector<std::string> o
   return train::Config::parse(shardtrain::testing::kTinyRunYaml, overrides, "mpi checkpoint test");
 }
 
+using shardtrain::testing::expect_same_files;
+using shardtrain::testing::files_in;
 using shardtrain::testing::read_file_bytes;
 using shardtrain::testing::read_step_losses;
 
@@ -179,21 +181,6 @@ INSTANTIATE_TEST_SUITE_P(Sharding, ResumeOnTheSameRanks,
                                            "hybrid_shard"));
 
 // ---- Hugging Face export of a sharded model ---------------------------------------------------
-
-std::vector<std::string> files_in(const std::string& dir) {
-  std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
-  std::sort(names.begin(), names.end());
-  return names;
-}
-
-// Every file of `got` against `want`'s, byte for byte, and the same file names.
-void expect_same_files(const std::string& got, const std::string& want) {
-  ASSERT_EQ(files_in(got), files_in(want));
-  for (const std::string& name : files_in(want))
-    EXPECT_TRUE(read_file_bytes(got + "/" + name) == read_file_bytes(want + "/" + name))
-        << name << " differs from the unsharded export";
-}
 
 dist::DistOptions dist_options_for(const std::string& sharding, int world_size) {
   dist::DistOptions options;

@@ -11,6 +11,8 @@
 #include <sstream>
 #include <string>
 
+#include "files.h"
+
 namespace shardtrain::testing {
 
 // A 2-layer Llama (hidden 32, grouped-query heads) for 40 steps of 8 sequences of 16 tokens on
@@ -57,14 +59,6 @@ inline std::map<int64_t, double> read_step_losses(const std::string& metrics_pat
     losses[step] = j["loss"].get<double>();
   }
   return losses;
-}
-
-// The whole file as bytes ("" when it cannot be read).
-inline std::string read_file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
 }
 
 }  // namespace shardtrain::testing

@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 #include "expect_error.h"
+#include "files.h"
 #include "temp_dir.h"
 
 #include <algorithm>
@@ -49,6 +50,8 @@ std::vector<char> bytes_of(const Tensor& t) {
 }
 
 using shardtrain::testing::expect_error;
+using shardtrain::testing::files_in;
+using shardtrain::testing::read_file_bytes;
 
 NamedTensors every_dtype() {
   std::vector<float> f = {1.5f, -2.25f, 3.0e-3f, 65504.0f, -0.0f, 1.0e-8f};
@@ -238,19 +241,6 @@ TEST_F(SafetensorsTest, CheckpointErrors) {
 
 // ---- streamed writing -------------------------------------------------------------------------
 
-std::string file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  EXPECT_TRUE(in.good()) << "cannot read " << path;
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-std::vector<std::string> files_in(const std::string& dir) {
-  std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
-  std::sort(names.begin(), names.end());
-  return names;
-}
-
 std::vector<TensorDecl> declarations(const NamedTensors& tensors) {
   std::vector<TensorDecl> decls;
   for (const auto& [name, t] : tensors) decls.push_back({name, t.dtype(), t.shape()});
@@ -281,9 +271,9 @@ TEST_F(SafetensorsTest, StreamedFileEqualsSaveSafetensorsByteForByte) {
     EXPECT_FALSE(fs::exists(streamed)) << "the file must not appear before commit";
     out.commit();
     EXPECT_EQ(out.path(), streamed);
-    const std::string want = file_bytes(reference);
+    const std::string want = read_file_bytes(reference);
     ASSERT_GT(want.size(), 8u);
-    EXPECT_TRUE(file_bytes(streamed) == want) << "metadata " << with_metadata;
+    EXPECT_TRUE(read_file_bytes(streamed) == want) << "metadata " << with_metadata;
     // Only the two files: the temporary one was renamed.
     EXPECT_EQ(files_in(tmp_.str()),
               (std::vector<std::string>{"reference.safetensors", "streamed.safetensors"}));
@@ -385,7 +375,7 @@ TEST_F(SafetensorsTest, StreamedCheckpointEqualsSaveShardedByteForByte) {
       EXPECT_EQ(ref_files, (std::vector<std::string>{"model.safetensors"}));
     EXPECT_EQ(files_in(streamed), files_in(ref));
     for (const std::string& f : ref_files)
-      EXPECT_TRUE(file_bytes(streamed + "/" + f) == file_bytes(ref + "/" + f)) << f;
+      EXPECT_TRUE(read_file_bytes(streamed + "/" + f) == read_file_bytes(ref + "/" + f)) << f;
     fs::remove_all(ref);
     fs::remove_all(streamed);
   }

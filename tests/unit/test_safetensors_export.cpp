@@ -15,6 +15,7 @@
 #include <map>
 
 #include "expect_error.h"
+#include "files.h"
 #include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/io/hf_model.h"
 #include "shardtrain/io/safetensors.h"
@@ -25,6 +26,9 @@ namespace {
 
 namespace fs = std::filesystem;
 using shardtrain::testing::expect_error;
+using shardtrain::testing::expect_same_files;
+using shardtrain::testing::files_in;
+using shardtrain::testing::read_file_bytes;
 using shardtrain::testing::TempDir;
 
 constexpr uint64_t kSeed = 41;
@@ -43,27 +47,6 @@ nn::LlamaConfig small_config(bool tied) {
   c.init_std = 0.3f;
   c.tie_embeddings = tied;
   return c;
-}
-
-std::string file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  EXPECT_TRUE(in.good()) << "cannot read " << path;
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-std::vector<std::string> files_in(const std::string& dir) {
-  std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
-  std::sort(names.begin(), names.end());
-  return names;
-}
-
-// Every file of `got` against `want`'s, byte for byte, and the same file names.
-void expect_same_files(const std::string& got, const std::string& want, const std::string& tag) {
-  ASSERT_EQ(files_in(got), files_in(want)) << tag;
-  for (const std::string& name : files_in(want))
-    EXPECT_TRUE(file_bytes(got + "/" + name) == file_bytes(want + "/" + name))
-        << tag << ": " << name << " differs from the full model's";
 }
 
 // The reference: the full model, initialised the usual way, exported the usual way.
@@ -220,7 +203,7 @@ TEST(ShardedExport, AFailedWritePublishesNothing) {
   nn::LlamaModel model(config, Device::cpu(), nn::ParameterStorage::Deferred);
   ShardedModel sharded(model, group, nullptr, {}, seeded_init(model, kSeed));
   io::save_hf_model(sharded, dir, int64_t{5} << 30);  // an earlier export, one file
-  const std::string earlier = file_bytes(dir + "/model.safetensors");
+  const std::string earlier = read_file_bytes(dir + "/model.safetensors");
 
   struct rlimit saved {};
   ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
@@ -241,7 +224,7 @@ TEST(ShardedExport, AFailedWritePublishesNothing) {
   EXPECT_NE(message.find("failed on the writing rank"), std::string::npos) << message;
   EXPECT_NE(message.find(std::strerror(EFBIG)), std::string::npos) << message;
   EXPECT_EQ(files_in(dir), (std::vector<std::string>{"config.json", "model.safetensors"}));
-  EXPECT_TRUE(file_bytes(dir + "/model.safetensors") == earlier);
+  EXPECT_TRUE(read_file_bytes(dir + "/model.safetensors") == earlier);
 
   // An export directory that cannot be created.
   const std::string blocked = tmp.write("a-file", "not a directory") + "/export";
