@@ -1,5 +1,12 @@
 // 100 steps of configs/tiny.yaml with the same global batch at 1, 2 and 4 ranks give the same
-// loss curve (within 1e-4): sharding changes where the arithmetic happens, not what is learned.
+// loss curve: sharding changes where the arithmetic happens, not what is learned.
+//
+// Two tolerances, because fp32 training is chaotic. Sharding sums the gradients in another
+// order, so the curves start apart by rounding alone: over the first 15 steps they agree to
+// 1e-6 (a few ulps of a loss near 5; measured: 2.4e-7), which any real sharding error, a
+// missing or twice-counted gradient piece, would exceed by orders of magnitude. Later, a loss
+// spike amplifies those differences (measured: 6e-6 by step 20, 1.3e-4 by step 100 at 4
+// ranks), so the whole curve is held to 1e-3, a hundredth of the loss's own step-to-step change.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -48,10 +55,18 @@ TEST(LossCurveAcrossRanks, OneTwoAndFourRanksTrainTheSame) {
   for (int np : {2, 4}) {
     std::vector<double> curve = train_losses(np, "--set dist.sharding=full_shard");
     ASSERT_EQ(curve.size(), one.size()) << "np " << np;
-    double worst = 0;
-    for (size_t i = 0; i < one.size(); ++i) worst = std::max(worst, std::fabs(curve[i] - one[i]));
-    EXPECT_LT(worst, 1e-4) << "np " << np;
-    std::printf("np %d: max |loss - 1-rank loss| over 100 steps = %.3e\n", np, worst);
+    constexpr size_t kEarlySteps = 15;
+    double worst = 0, worst_early = 0;
+    for (size_t i = 0; i < one.size(); ++i) {
+      const double gap = std::fabs(curve[i] - one[i]);
+      worst = std::max(worst, gap);
+      if (i < kEarlySteps) worst_early = std::max(worst_early, gap);
+    }
+    EXPECT_LT(worst_early, 1e-6) << "np " << np << ", first " << kEarlySteps << " steps";
+    EXPECT_LT(worst, 1e-3) << "np " << np;
+    std::printf(
+        "np %d: max |loss - 1-rank loss| over the first %zu steps = %.3e, over 100 = %.3e\n", np,
+        kEarlySteps, worst_early, worst);
   }
 }
 
