@@ -1,6 +1,6 @@
 // Fused causal attention (flash-attention algorithm) with grouped-query heads.
 //
-// Forward: a block owns 64 query rows of one head (4 warps x 16 rows) and walks the key/value
+// Forward: a block owns 128 query rows of one head (8 warps x 16 rows) and walks the key/value
 // tiles of 64 keys up to the diagonal. Scores S = Q K^T and the product P V run on tensor cores
 // (mma.sync m16n8k16, bf16/f16 inputs, fp32 accumulation); the softmax is online (running row
 // max and sum in fp32 registers), so memory is O(S) and the S x S matrix never exists. The
@@ -16,12 +16,30 @@
 // dQ is recomputed in its own pass instead of being accumulated with atomics across key blocks,
 // which costs two extra matrix products per tile and makes every result bit-reproducible.
 //
+// Data movement uses sm_80 instructions only (no wgmma or TMA), so one binary serves sm_80 and
+// sm_90:
+// - Tiles go from global to shared memory with cp.async (16-byte copies that skip the registers;
+//   rows past the sequence are zero-filled by the copy itself) and are double-buffered: the copy
+//   of the next tile is issued right after the barrier that opens the current one, so it
+//   overlaps a whole tile of tensor-core work. One cp.async.wait_all + __syncthreads per tile
+//   both publishes the new tile and frees the buffer that the next copy overwrites.
+// - Every matrix stays row-major [row][d] in shared memory, as in global memory, and fragments
+//   come from ldmatrix.x4 (four 8x8 matrices per instruction). A operands, and B operands whose
+//   k dimension is d (K in Q K^T; Q, dO, K, V in the backward products over d), use the plain
+//   form; B operands whose k dimension is the row (V in P V, dO and Q in P^T dO and dS^T Q, K in
+//   dS K) use ldmatrix.trans, so no transposed copy is ever stored.
+// - Rows are padded by 8 elements (16 bytes): the eight row reads of an 8x8 matrix then start
+//   4 banks apart and cover all 32 banks, and every row start stays 16-byte aligned.
+// - The forward keeps its warp's Q fragments in registers for the whole key loop. Score
+//   accumulators of two adjacent 8-column tiles form the A fragment of P for the next product,
+//   so P never leaves the registers.
+// - The causal mask is applied only to tiles that cross a warp's diagonal or the end of the
+//   sequence, and a warp skips tiles that lie wholly above its diagonal (it still takes part in
+//   the block's copies and barriers).
+//
 // Tensor-core fragments follow the PTX ISA layouts for mma.m16n8k16 (groupID = lane / 4,
 // tig = lane % 4): A rows groupID and groupID + 8, columns 2 tig + {0, 1} (+ 8); B columns
 // groupID, rows 2 tig + {0, 1} (+ 8); C rows groupID / groupID + 8, columns 2 tig + {0, 1}.
-// Operands are staged in shared memory so that every fragment is a 32-bit load; a matrix used
-// as the k-major B operand is stored transposed. Rows are padded by 8 elements, which makes the
-// fragment loads of a warp hit 32 distinct banks.
 //
 // Other cases (f32, head dims other than 64 and 128, misaligned pointers) run on CUDA-core
 // kernels with one warp per row: exact fp32, deterministic, but much slower.
@@ -38,8 +56,6 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-constexpr int kWarps = 4;
-constexpr int kBlockThreads = 32 * kWarps;
 
 // ---- tensor-core helpers --------------------------------------------------------------------
 
@@ -78,58 +94,82 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], const
 #endif
 }
 
-__device__ __forceinline__ uint32_t ld32(const uint16_t* p) {
-  return *reinterpret_cast<const uint32_t*>(p);
+// ---- ldmatrix and cp.async (sm_80+) ---------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// A fragment of the 16x16 tile at (row0, col0) of a row-major shared matrix.
-__device__ __forceinline__ void load_a(const uint16_t* s, int ld, int row0, int col0,
-                                       uint32_t (&a)[4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const uint16_t* p = s + (row0 + g) * ld + col0 + 2 * t;
-  a[0] = ld32(p);
-  a[1] = ld32(p + 8 * ld);
-  a[2] = ld32(p + 8);
-  a[3] = ld32(p + 8 * ld + 8);
+// ldmatrix.x4: lane l supplies the address of row (l % 8) of 8x8 matrix l / 8 (16 bytes, 16-byte
+// aligned); register i of every lane receives its mma fragment of matrix i: row lane / 4, columns
+// 2 (lane % 4) + {0, 1}. With .trans the lane receives column lane / 4, rows 2 (lane % 4) + {0, 1}
+// instead, which turns a row-major [k][n] tile into a B fragment without a transposed copy.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const uint16_t* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+#else
+  __trap();
+#endif
 }
 
-// B fragment of the k x n = 16x8 tile whose transpose starts at (n0, k0) of a row-major shared
-// matrix (that is, the matrix stores B^T: element (k, n) of B at s[n * ld + k]).
-__device__ __forceinline__ void load_b(const uint16_t* s, int ld, int n0, int k0,
-                                       uint32_t (&b)[2]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const uint16_t* p = s + (n0 + g) * ld + k0 + 2 * t;
-  b[0] = ld32(p);
-  b[1] = ld32(p + 8);
+// Asynchronous global -> shared copy of 16 bytes (cp.async.cg: through L2 only). With `valid`
+// false the source size is 0: nothing is read and the 16 bytes are zero-filled, which pads a
+// tile past the end of the sequence (the address passed is then any valid one).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+// The same for 4 bytes (cp.async.ca), for per-row floats whose rows are not 16-byte aligned.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 4 : 0)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+// Closes the group of copies issued so far by this thread.
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until this thread's copies have landed. Other threads see them only after a barrier.
+__device__ __forceinline__ void cp_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
 }
 
-// Rows [row0, row0 + ROWS) of a [seq, D] matrix into shared [ROWS][LD]; rows past seq are zero.
-template <int ROWS, int D, int LD>
-__device__ __forceinline__ void load_rows(uint16_t* dst, const uint16_t* src, int64_t row0,
-                                          int64_t seq) {
+// Rows [row0, row0 + ROWS) of a [seq, D] matrix into shared [ROWS][LD] with cp.async, 16 bytes
+// per copy spread over the NT threads of the block; rows past seq are zero-filled.
+template <int ROWS, int D, int LD, int NT>
+__device__ __forceinline__ void copy_rows_async(uint16_t* dst, const uint16_t* src, int64_t row0,
+                                                int64_t seq) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += kBlockThreads) {
-    const int r = idx / kChunks, c = (idx % kChunks) * 8;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (row0 + r < seq) v = *reinterpret_cast<const uint4*>(src + (row0 + r) * D + c);
-    *reinterpret_cast<uint4*>(dst + r * LD + c) = v;
-  }
-}
-
-// The same rows stored transposed: dst[d * LDT + r]. Consecutive threads take consecutive rows
-// so that the 16-bit shared stores of a warp spread over the banks.
-template <int ROWS, int D, int LDT>
-__device__ __forceinline__ void load_rows_transposed(uint16_t* dst, const uint16_t* src,
-                                                     int64_t row0, int64_t seq) {
-  constexpr int kChunks = D / 8;
-  for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += kBlockThreads) {
-    const int r = idx % ROWS, c = (idx / ROWS) * 8;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (row0 + r < seq) v = *reinterpret_cast<const uint4*>(src + (row0 + r) * D + c);
-    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+  static_assert((ROWS * kChunks) % NT == 0, "every thread issues the same number of copies");
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-      dst[(c + j) * LDT + r] = static_cast<uint16_t>(words[j / 2] >> (16 * (j % 2)));
+  for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += NT) {
+    const int r = idx / kChunks, c = (idx % kChunks) * 8;
+    const bool valid = row0 + r < seq;
+    cp_async16(dst + r * LD + c, valid ? src + (row0 + r) * D + c : src, valid);
   }
 }
 
@@ -145,22 +185,29 @@ __device__ __forceinline__ float quad_sum(float v) {
 
 // ---- tensor-core forward --------------------------------------------------------------------
 
+// 8 warps x 16 query rows: a key/value tile brought into shared memory serves 128 rows, which
+// halves the L2 traffic of 64-row blocks. K and V are double-buffered: the copy of tile kt + 1
+// runs while tile kt is multiplied.
 template <int D>
 struct FwdTiles {
-  static constexpr int kRows = 64, kKeys = 64, kLd = D + 8, kLdT = kKeys + 8;
-  static constexpr size_t kSmem = sizeof(uint16_t) * (kRows * kLd + kKeys * kLd + D * kLdT);
+  static constexpr int kWarps = 8, kThreads = 32 * kWarps;
+  static constexpr int kRows = 16 * kWarps, kKeys = 64, kLd = D + 8;
+  static constexpr int kStage = kKeys * kLd;  // elements of one K or V buffer
+  // D = 64 fits two blocks per SM in 128 registers a thread; D = 128 keeps one (O alone takes 64).
+  static constexpr int kMinBlocks = D <= 64 ? 2 : 1;
+  static constexpr size_t kSmem = sizeof(uint16_t) * (kRows * kLd + 4 * kStage);
 };
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(FwdTiles<D>::kThreads, FwdTiles<D>::kMinBlocks)
     flash_forward_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
                          float* lse, int heads_q, int group, int64_t seq, float scale_log2) {
   using Tiles = FwdTiles<D>;
-  constexpr int BR = Tiles::kRows, BC = Tiles::kKeys, LD = Tiles::kLd, LDT = Tiles::kLdT;
+  constexpr int BR = Tiles::kRows, BC = Tiles::kKeys, LD = Tiles::kLd, NT = Tiles::kThreads;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   uint16_t* qs = reinterpret_cast<uint16_t*>(smem_raw);
-  uint16_t* ks = qs + BR * LD;
-  uint16_t* vt = ks + BC * LD;
+  uint16_t* ks = qs + BR * LD;            // K stages 0 and 1
+  uint16_t* vs = ks + 2 * Tiles::kStage;  // V stages 0 and 1
 
   const int64_t tile = gridDim.x - 1 - blockIdx.x;  // the longest rows start first
   const int h = blockIdx.y, b = blockIdx.z;
@@ -171,60 +218,87 @@ __global__ void __launch_bounds__(kBlockThreads)
   const uint16_t* kb = k + kv_head * seq * D;
   const uint16_t* vb = v + kv_head * seq * D;
   const int64_t q0 = tile * BR;
+  const int64_t tiles = (min(q0 + BR, seq) - 1) / BC + 1;
 
-  load_rows<BR, D, LD>(qs, qb, q0, seq);
+  // Q and the first key tile form the first group of copies.
+  copy_rows_async<BR, D, LD, NT>(qs, qb, q0, seq);
+  copy_rows_async<BC, D, LD, NT>(ks, kb, 0, seq);
+  copy_rows_async<BC, D, LD, NT>(vs, vb, 0, seq);
+  cp_async_commit();
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const int64_t row_a = q0 + warp * 16 + g, row_b = row_a + 8;
-  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
+  // ldmatrix.x4 addressing: this lane supplies row `lr` of 8x8 matrix `lm`.
+  const int lr = lane & 7, lm = lane >> 3;
+  const int64_t warp_row0 = q0 + warp * 16;
+  const int64_t row_a = warp_row0 + g, row_b = row_a + 8;
+  uint32_t qf[D / 16][4];  // this warp's Q rows as A fragments, loaded once
+  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;  // m in the log2 domain
   float o[D / 8][4];
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
 
-  const int64_t last_row = min(q0 + BR, seq) - 1;
-  const int64_t tiles = last_row / BC + 1;
   for (int64_t kt = 0; kt < tiles; ++kt) {
-    const int64_t k0 = kt * BC;
-    __syncthreads();  // the previous tile has been consumed (and Q is in place)
-    load_rows<BC, D, LD>(ks, kb, k0, seq);
-    load_rows_transposed<BC, D, LDT>(vt, vb, k0, seq);
+    cp_async_wait_all();
+    // Tile kt is visible to every thread, and every warp is done with tile kt - 1, whose
+    // buffers the next copy overwrites.
     __syncthreads();
+    if (kt + 1 < tiles) {
+      const int next = (kt + 1) & 1;
+      copy_rows_async<BC, D, LD, NT>(ks + next * Tiles::kStage, kb, (kt + 1) * BC, seq);
+      copy_rows_async<BC, D, LD, NT>(vs + next * Tiles::kStage, vb, (kt + 1) * BC, seq);
+      cp_async_commit();
+    }
+    if (kt == 0) {
+      // A fragment (kc): matrices 0..3 = rows 0-7 / 8-15 of columns 16 kc + 0-7, then of + 8-15.
+#pragma unroll
+      for (int kc = 0; kc < D / 16; ++kc)
+        ldsm_x4(qf[kc], qs + (warp * 16 + (lm & 1) * 8 + lr) * LD + kc * 16 + (lm >> 1) * 8);
+    }
+    const int64_t k0 = kt * BC;
+    // Warp-uniform: keys past all of this warp's rows (or rows past the sequence) add nothing.
+    if (warp_row0 >= seq || k0 > warp_row0 + 15) continue;
+    const uint16_t* kst = ks + (kt & 1) * Tiles::kStage;
+    const uint16_t* vst = vs + (kt & 1) * Tiles::kStage;
 
+    // S = Q K^T. One ldmatrix.x4 of K (row-major [key][d]) gives the B fragments of two 8-key
+    // tiles: matrices 0, 1 = keys 16 np + 0-7 at d 16 kc + 0-7 / + 8-15, matrices 2, 3 = keys
+    // 16 np + 8-15.
     float s[BC / 8][4];
 #pragma unroll
     for (int i = 0; i < BC / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) {
-      uint32_t a[4];
-      load_a(qs, LD, warp * 16, kc * 16, a);
 #pragma unroll
-      for (int nt = 0; nt < BC / 8; ++nt) {
-        uint32_t bb[2];
-        load_b(ks, LD, nt * 8, kc * 16, bb);
-        mma<T>(s[nt], a, bb);
+      for (int np = 0; np < BC / 16; ++np) {
+        uint32_t kf[4];
+        ldsm_x4(kf, kst + (np * 16 + (lm >> 1) * 8 + lr) * LD + kc * 16 + (lm & 1) * 8);
+        const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+        mma<T>(s[2 * np], qf[kc], b0);
+        mma<T>(s[2 * np + 1], qf[kc], b1);
       }
     }
 
-    // Scale into the log2 domain and mask keys after the query (and past the sequence).
+    // Mask keys after the query and past the sequence: only tiles that cross this warp's
+    // diagonal or the end of the sequence need it.
+    if (k0 + BC - 1 > warp_row0 || k0 + BC > seq) {
+#pragma unroll
+      for (int nt = 0; nt < BC / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t key = k0 + nt * 8 + 2 * t4 + (e & 1);
+          if (key > (e < 2 ? row_a : row_b) || key >= seq) s[nt][e] = -INFINITY;
+        }
+      }
+    }
+    // Online softmax in the log2 domain: p = exp2(s * scale_log2 - m), one FFMA per score.
     float mx_a = -INFINITY, mx_b = -INFINITY;
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t key = k0 + nt * 8 + 2 * t4 + (e & 1);
-        const int64_t row = e < 2 ? row_a : row_b;
-        float x = s[nt][e] * scale_log2;
-        if (key > row || key >= seq) x = -INFINITY;
-        s[nt][e] = x;
-        if (e < 2)
-          mx_a = fmaxf(mx_a, x);
-        else
-          mx_b = fmaxf(mx_b, x);
-      }
+      mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
+      mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
     }
-    mx_a = quad_max(mx_a);
-    mx_b = quad_max(mx_b);
-    const float new_a = fmaxf(m_a, mx_a), new_b = fmaxf(m_b, mx_b);
+    const float new_a = fmaxf(m_a, quad_max(mx_a) * scale_log2);
+    const float new_b = fmaxf(m_b, quad_max(mx_b) * scale_log2);
     // Key 0 is visible to every row, so the max is finite after the first tile; the guard keeps
     // exp2(-inf - -inf) out regardless.
     const float base_a = new_a == -INFINITY ? 0.0f : new_a;
@@ -235,10 +309,10 @@ __global__ void __launch_bounds__(kBlockThreads)
     float sum_a = 0.0f, sum_b = 0.0f;
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt) {
-      s[nt][0] = exp2f(s[nt][0] - base_a);
-      s[nt][1] = exp2f(s[nt][1] - base_a);
-      s[nt][2] = exp2f(s[nt][2] - base_b);
-      s[nt][3] = exp2f(s[nt][3] - base_b);
+      s[nt][0] = exp2f(fmaf(s[nt][0], scale_log2, -base_a));
+      s[nt][1] = exp2f(fmaf(s[nt][1], scale_log2, -base_a));
+      s[nt][2] = exp2f(fmaf(s[nt][2], scale_log2, -base_b));
+      s[nt][3] = exp2f(fmaf(s[nt][3], scale_log2, -base_b));
       sum_a += s[nt][0] + s[nt][1];
       sum_b += s[nt][2] + s[nt][3];
     }
@@ -254,7 +328,9 @@ __global__ void __launch_bounds__(kBlockThreads)
       o[dt][3] *= alpha_b;
     }
 
-    // O += P V: the score accumulators of two adjacent 8-key tiles form one A fragment.
+    // O += P V: the score accumulators of two adjacent 8-key tiles form one A fragment. V stays
+    // row-major [key][d]; ldmatrix.x4.trans gives the B fragments of two 8-column d tiles:
+    // matrices 0, 1 = keys 16 kc + 0-7 / + 8-15 at d 16 dp + 0-7, matrices 2, 3 at d + 8-15.
 #pragma unroll
     for (int kc = 0; kc < BC / 16; ++kc) {
       const uint32_t a[4] = {pack2<T>(s[2 * kc][0], s[2 * kc][1]),
@@ -262,10 +338,12 @@ __global__ void __launch_bounds__(kBlockThreads)
                              pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
                              pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
 #pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        uint32_t bb[2];
-        load_b(vt, LDT, dt * 8, kc * 16, bb);
-        mma<T>(o[dt], a, bb);
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t vf[4];
+        ldsm_x4_trans(vf, vst + (kc * 16 + (lm & 1) * 8 + lr) * LD + dp * 16 + (lm >> 1) * 8);
+        const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
+        mma<T>(o[2 * dp], a, b0);
+        mma<T>(o[2 * dp + 1], a, b1);
       }
     }
   }
@@ -294,121 +372,154 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // ---- tensor-core backward: dK and dV --------------------------------------------------------
 
+// A block owns 64 keys (4 warps x 16) of one kv head and walks the query tiles at or after its
+// keys, for every query head of its group, as one sequence of steps; the Q and dO tiles of a step
+// (with their lse and delta) are double-buffered. Query tiles are 64 rows at D = 64 and 32 at
+// D = 128, where the dK and dV accumulators alone take 128 registers a thread.
 template <int D>
 struct DkDvTiles {
-  static constexpr int kKeys = 64, kRows = 32, kLd = D + 8, kLdT = kRows + 8;
-  static constexpr size_t kHalfWords = 2 * kKeys * kLd + 2 * kRows * kLd + 2 * D * kLdT;
-  static constexpr size_t kSmem = sizeof(uint16_t) * kHalfWords + sizeof(float) * 2 * kRows;
+  static constexpr int kWarps = 4, kThreads = 32 * kWarps;
+  static constexpr int kKeys = 16 * kWarps, kRows = D <= 64 ? 64 : 32, kLd = D + 8;
+  static constexpr int kStage = kRows * kLd;  // elements of one Q or dO buffer
+  static constexpr size_t kHalfWords = 2 * kKeys * kLd + 4 * kStage;
+  static constexpr size_t kSmem = sizeof(uint16_t) * kHalfWords + sizeof(float) * 4 * kRows;
 };
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
     flash_backward_dkdv_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                const uint16_t* dout, const float* lse, const float* delta,
                                uint16_t* dk, uint16_t* dv, int heads_q, int group, int64_t seq,
                                float scale_log2, float scale) {
   using Tiles = DkDvTiles<D>;
-  constexpr int BK = Tiles::kKeys, BQ = Tiles::kRows, LD = Tiles::kLd, LDT = Tiles::kLdT;
+  constexpr int BK = Tiles::kKeys, BQ = Tiles::kRows, LD = Tiles::kLd, NT = Tiles::kThreads;
+  static_assert(2 * BQ <= NT, "one thread per lse and delta row");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   uint16_t* ks = reinterpret_cast<uint16_t*>(smem_raw);
   uint16_t* vs = ks + BK * LD;
-  uint16_t* qs = vs + BK * LD;
-  uint16_t* dos = qs + BQ * LD;
-  uint16_t* qt = dos + BQ * LD;
-  uint16_t* dot = qt + D * LDT;
+  uint16_t* qs = vs + BK * LD;             // Q stages 0 and 1
+  uint16_t* dos = qs + 2 * Tiles::kStage;  // dO stages 0 and 1
   float* lse_s = reinterpret_cast<float*>(smem_raw + sizeof(uint16_t) * Tiles::kHalfWords);
-  float* delta_s = lse_s + BQ;
+  float* delta_s = lse_s + 2 * BQ;  // lse_s and delta_s: [2][BQ]
 
   const int64_t k0 = static_cast<int64_t>(blockIdx.x) * BK;
   const int hk = blockIdx.y, b = blockIdx.z;
   const int heads_kv = heads_q / group;
   const int64_t kv_head = static_cast<int64_t>(b) * heads_kv + hk;
-  load_rows<BK, D, LD>(ks, k + kv_head * seq * D, k0, seq);
-  load_rows<BK, D, LD>(vs, v + kv_head * seq * D, k0, seq);
+  const int64_t first_tile = k0 / BQ;  // earlier queries cannot see these keys
+  const int q_tiles = static_cast<int>((seq + BQ - 1) / BQ - first_tile);
+  const int steps = group * q_tiles;
+
+  // Step i: query head hk * group + i / q_tiles, tile first_tile + i % q_tiles, into stage i & 1.
+  auto load_step = [&](int i) {
+    const int64_t head = static_cast<int64_t>(b) * heads_q + hk * group + i / q_tiles;
+    const int64_t q0 = (first_tile + i % q_tiles) * BQ;
+    const int stage = i & 1;
+    copy_rows_async<BQ, D, LD, NT>(qs + stage * Tiles::kStage, q + head * seq * D, q0, seq);
+    copy_rows_async<BQ, D, LD, NT>(dos + stage * Tiles::kStage, dout + head * seq * D, q0, seq);
+    if (threadIdx.x < 2 * BQ) {  // lse and delta rows; past seq they are zero (and masked)
+      const int r = threadIdx.x % BQ;
+      const bool is_lse = threadIdx.x < BQ, valid = q0 + r < seq;
+      const float* src = (is_lse ? lse : delta) + head * seq;
+      cp_async4((is_lse ? lse_s : delta_s) + stage * BQ + r, valid ? src + q0 + r : src, valid);
+    }
+  };
+  copy_rows_async<BK, D, LD, NT>(ks, k + kv_head * seq * D, k0, seq);
+  copy_rows_async<BK, D, LD, NT>(vs, v + kv_head * seq * D, k0, seq);
+  load_step(0);
+  cp_async_commit();
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const int64_t key_a = k0 + warp * 16 + g, key_b = key_a + 8;
+  const int lr = lane & 7, lm = lane >> 3;  // ldmatrix.x4: row lr of matrix lm
+  const int64_t warp_key0 = k0 + warp * 16;
+  const int64_t key_a = warp_key0 + g, key_b = key_a + 8;
   float dk_acc[D / 8][4], dv_acc[D / 8][4];
 #pragma unroll
   for (int i = 0; i < D / 8; ++i)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk_acc[i][e] = dv_acc[i][e] = 0.0f;
 
-  const int64_t first_tile = k0 / BQ;  // earlier queries cannot see these keys
-  const int64_t q_tiles = (seq + BQ - 1) / BQ;
-  for (int hh = 0; hh < group; ++hh) {
-    const int64_t head = static_cast<int64_t>(b) * heads_q + hk * group + hh;
-    const uint16_t* qb = q + head * seq * D;
-    const uint16_t* dob = dout + head * seq * D;
-    const float* lb = lse + head * seq;
-    const float* db = delta + head * seq;
-    for (int64_t qt_i = first_tile; qt_i < q_tiles; ++qt_i) {
-      const int64_t q0 = qt_i * BQ;
-      __syncthreads();  // the previous query tile has been consumed
-      load_rows<BQ, D, LD>(qs, qb, q0, seq);
-      load_rows<BQ, D, LD>(dos, dob, q0, seq);
-      load_rows_transposed<BQ, D, LDT>(qt, qb, q0, seq);
-      load_rows_transposed<BQ, D, LDT>(dot, dob, q0, seq);
-      if (threadIdx.x < BQ) {
-        const int64_t r = q0 + threadIdx.x;
-        lse_s[threadIdx.x] = r < seq ? lb[r] * kLog2e : INFINITY;
-        delta_s[threadIdx.x] = r < seq ? db[r] : 0.0f;
-      }
-      __syncthreads();
+  for (int i = 0; i < steps; ++i) {
+    cp_async_wait_all();
+    __syncthreads();  // step i is visible; every warp is done with step i - 1's buffers
+    if (i + 1 < steps) {
+      load_step(i + 1);
+      cp_async_commit();
+    }
+    const int64_t q0 = (first_tile + i % q_tiles) * BQ;
+    // Warp-uniform: keys after every query of the tile (or past seq) get nothing from it.
+    if (warp_key0 >= seq || warp_key0 > q0 + BQ - 1) continue;
+    const uint16_t* qst = qs + (i & 1) * Tiles::kStage;
+    const uint16_t* dost = dos + (i & 1) * Tiles::kStage;
+    const float* lse_t = lse_s + (i & 1) * BQ;
+    const float* delta_t = delta_s + (i & 1) * BQ;
 
-      // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x 32 queries.
-      float st[BQ / 8][4], dpt[BQ / 8][4];
+    // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BQ queries. K and V rows are A
+    // fragments; Q and dO (row-major [query][d]) give B fragments of two 8-query tiles per
+    // ldmatrix.x4, as K does in the forward.
+    float st[BQ / 8][4], dpt[BQ / 8][4];
 #pragma unroll
-      for (int i = 0; i < BQ / 8; ++i)
+    for (int n = 0; n < BQ / 8; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.0f;
+      for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
 #pragma unroll
-      for (int kc = 0; kc < D / 16; ++kc) {
-        uint32_t ak[4], av[4];
-        load_a(ks, LD, warp * 16, kc * 16, ak);
-        load_a(vs, LD, warp * 16, kc * 16, av);
+    for (int kc = 0; kc < D / 16; ++kc) {
+      uint32_t ak[4], av[4];
+      ldsm_x4(ak, ks + (warp * 16 + (lm & 1) * 8 + lr) * LD + kc * 16 + (lm >> 1) * 8);
+      ldsm_x4(av, vs + (warp * 16 + (lm & 1) * 8 + lr) * LD + kc * 16 + (lm >> 1) * 8);
 #pragma unroll
-        for (int nt = 0; nt < BQ / 8; ++nt) {
-          uint32_t bq[2], bd[2];
-          load_b(qs, LD, nt * 8, kc * 16, bq);
-          load_b(dos, LD, nt * 8, kc * 16, bd);
-          mma<T>(st[nt], ak, bq);
-          mma<T>(dpt[nt], av, bd);
-        }
+      for (int np = 0; np < BQ / 16; ++np) {
+        uint32_t qf[4], df[4];
+        ldsm_x4(qf, qst + (np * 16 + (lm >> 1) * 8 + lr) * LD + kc * 16 + (lm & 1) * 8);
+        ldsm_x4(df, dost + (np * 16 + (lm >> 1) * 8 + lr) * LD + kc * 16 + (lm & 1) * 8);
+        const uint32_t bq0[2] = {qf[0], qf[1]}, bq1[2] = {qf[2], qf[3]};
+        const uint32_t bd0[2] = {df[0], df[1]}, bd1[2] = {df[2], df[3]};
+        mma<T>(st[2 * np], ak, bq0);
+        mma<T>(st[2 * np + 1], ak, bq1);
+        mma<T>(dpt[2 * np], av, bd0);
+        mma<T>(dpt[2 * np + 1], av, bd1);
       }
-      // P^T = exp(S^T * scale - lse) (0 where masked); dS^T = P^T (dP^T - delta).
+    }
+    // P^T = exp(S^T * scale - lse), zero where masked; dS^T = P^T (dP^T - delta). Only tiles
+    // that cross this warp's diagonal or the end of the sequence need the mask.
+    const bool need_mask = warp_key0 + 15 > q0 || q0 + BQ > seq || warp_key0 + 16 > seq;
 #pragma unroll
-      for (int nt = 0; nt < BQ / 8; ++nt) {
+    for (int n = 0; n < BQ / 8; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = nt * 8 + 2 * t4 + (e & 1);
-          const int64_t query = q0 + col;
-          const int64_t key = e < 2 ? key_a : key_b;
-          float p = exp2f(st[nt][e] * scale_log2 - lse_s[col]);
+      for (int e = 0; e < 4; ++e) {
+        const int col = n * 8 + 2 * t4 + (e & 1);
+        float p = exp2f(fmaf(st[n][e], scale_log2, -lse_t[col] * kLog2e));
+        if (need_mask) {
+          const int64_t query = q0 + col, key = e < 2 ? key_a : key_b;
           if (key > query || query >= seq || key >= seq) p = 0.0f;
-          st[nt][e] = p;
-          dpt[nt][e] = p * (dpt[nt][e] - delta_s[col]);
         }
+        st[n][e] = p;
+        dpt[n][e] = p * (dpt[n][e] - delta_t[col]);
       }
-      // dV += P^T dO and dK += dS^T Q (B operands from the transposed copies).
+    }
+    // dV += P^T dO and dK += dS^T Q: the B fragments come from the same row-major dO and Q
+    // tiles through ldmatrix.x4.trans, as V does in the forward.
 #pragma unroll
-      for (int kc = 0; kc < BQ / 16; ++kc) {
-        const uint32_t ap[4] = {pack2<T>(st[2 * kc][0], st[2 * kc][1]),
-                                pack2<T>(st[2 * kc][2], st[2 * kc][3]),
-                                pack2<T>(st[2 * kc + 1][0], st[2 * kc + 1][1]),
-                                pack2<T>(st[2 * kc + 1][2], st[2 * kc + 1][3])};
-        const uint32_t ads[4] = {pack2<T>(dpt[2 * kc][0], dpt[2 * kc][1]),
-                                 pack2<T>(dpt[2 * kc][2], dpt[2 * kc][3]),
-                                 pack2<T>(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]),
-                                 pack2<T>(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3])};
+    for (int kc = 0; kc < BQ / 16; ++kc) {
+      const uint32_t ap[4] = {pack2<T>(st[2 * kc][0], st[2 * kc][1]),
+                              pack2<T>(st[2 * kc][2], st[2 * kc][3]),
+                              pack2<T>(st[2 * kc + 1][0], st[2 * kc + 1][1]),
+                              pack2<T>(st[2 * kc + 1][2], st[2 * kc + 1][3])};
+      const uint32_t ads[4] = {pack2<T>(dpt[2 * kc][0], dpt[2 * kc][1]),
+                               pack2<T>(dpt[2 * kc][2], dpt[2 * kc][3]),
+                               pack2<T>(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]),
+                               pack2<T>(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3])};
 #pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-          uint32_t bd[2], bq[2];
-          load_b(dot, LDT, dt * 8, kc * 16, bd);
-          load_b(qt, LDT, dt * 8, kc * 16, bq);
-          mma<T>(dv_acc[dt], ap, bd);
-          mma<T>(dk_acc[dt], ads, bq);
-        }
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t df[4], qf[4];
+        ldsm_x4_trans(df, dost + (kc * 16 + (lm & 1) * 8 + lr) * LD + dp * 16 + (lm >> 1) * 8);
+        ldsm_x4_trans(qf, qst + (kc * 16 + (lm & 1) * 8 + lr) * LD + dp * 16 + (lm >> 1) * 8);
+        const uint32_t bd0[2] = {df[0], df[1]}, bd1[2] = {df[2], df[3]};
+        const uint32_t bq0[2] = {qf[0], qf[1]}, bq1[2] = {qf[2], qf[3]};
+        mma<T>(dv_acc[2 * dp], ap, bd0);
+        mma<T>(dv_acc[2 * dp + 1], ap, bd1);
+        mma<T>(dk_acc[2 * dp], ads, bq0);
+        mma<T>(dk_acc[2 * dp + 1], ads, bq1);
       }
     }
   }
@@ -433,26 +544,29 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // ---- tensor-core backward: dQ ---------------------------------------------------------------
 
+// A block owns 64 query rows (4 warps x 16) and walks the key tiles up to the diagonal; K and V
+// tiles are double-buffered. Key tiles are 64 keys at D = 64 and 32 at D = 128.
 template <int D>
 struct DqTiles {
-  static constexpr int kRows = 64, kKeys = 32, kLd = D + 8, kLdT = kKeys + 8;
-  static constexpr size_t kSmem = sizeof(uint16_t) * (2 * kRows * kLd + 2 * kKeys * kLd + D * kLdT);
+  static constexpr int kWarps = 4, kThreads = 32 * kWarps;
+  static constexpr int kRows = 16 * kWarps, kKeys = D <= 64 ? 64 : 32, kLd = D + 8;
+  static constexpr int kStage = kKeys * kLd;  // elements of one K or V buffer
+  static constexpr size_t kSmem = sizeof(uint16_t) * (2 * kRows * kLd + 4 * kStage);
 };
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(DqTiles<D>::kThreads)
     flash_backward_dq_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                              const uint16_t* dout, const float* lse, const float* delta,
                              uint16_t* dq, int heads_q, int group, int64_t seq, float scale_log2,
                              float scale) {
   using Tiles = DqTiles<D>;
-  constexpr int BQ = Tiles::kRows, BK = Tiles::kKeys, LD = Tiles::kLd, LDT = Tiles::kLdT;
+  constexpr int BQ = Tiles::kRows, BK = Tiles::kKeys, LD = Tiles::kLd, NT = Tiles::kThreads;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   uint16_t* qs = reinterpret_cast<uint16_t*>(smem_raw);
   uint16_t* dos = qs + BQ * LD;
-  uint16_t* ks = dos + BQ * LD;
-  uint16_t* vs = ks + BK * LD;
-  uint16_t* kt = vs + BK * LD;
+  uint16_t* ks = dos + BQ * LD;           // K stages 0 and 1
+  uint16_t* vs = ks + 2 * Tiles::kStage;  // V stages 0 and 1
 
   const int64_t tile = gridDim.x - 1 - blockIdx.x;
   const int h = blockIdx.y, b = blockIdx.z;
@@ -462,11 +576,18 @@ __global__ void __launch_bounds__(kBlockThreads)
   const uint16_t* kb = k + kv_head * seq * D;
   const uint16_t* vb = v + kv_head * seq * D;
   const int64_t q0 = tile * BQ;
-  load_rows<BQ, D, LD>(qs, q + head * seq * D, q0, seq);
-  load_rows<BQ, D, LD>(dos, dout + head * seq * D, q0, seq);
+  const int64_t tiles = (min(q0 + BQ, seq) - 1) / BK + 1;
+
+  copy_rows_async<BQ, D, LD, NT>(qs, q + head * seq * D, q0, seq);
+  copy_rows_async<BQ, D, LD, NT>(dos, dout + head * seq * D, q0, seq);
+  copy_rows_async<BK, D, LD, NT>(ks, kb, 0, seq);
+  copy_rows_async<BK, D, LD, NT>(vs, vb, 0, seq);
+  cp_async_commit();
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const int64_t row_a = q0 + warp * 16 + g, row_b = row_a + 8;
+  const int lr = lane & 7, lm = lane >> 3;  // ldmatrix.x4: row lr of matrix lm
+  const int64_t warp_row0 = q0 + warp * 16;
+  const int64_t row_a = warp_row0 + g, row_b = row_a + 8;
   const float lse_a = row_a < seq ? lse[head * seq + row_a] * kLog2e : INFINITY;
   const float lse_b = row_b < seq ? lse[head * seq + row_b] * kLog2e : INFINITY;
   const float delta_a = row_a < seq ? delta[head * seq + row_a] : 0.0f;
@@ -475,46 +596,59 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) dq_acc[i][0] = dq_acc[i][1] = dq_acc[i][2] = dq_acc[i][3] = 0.0f;
 
-  const int64_t last_row = min(q0 + BQ, seq) - 1;
-  const int64_t tiles = last_row / BK + 1;
-  for (int64_t kt_i = 0; kt_i < tiles; ++kt_i) {
-    const int64_t k0 = kt_i * BK;
-    __syncthreads();
-    load_rows<BK, D, LD>(ks, kb, k0, seq);
-    load_rows<BK, D, LD>(vs, vb, k0, seq);
-    load_rows_transposed<BK, D, LDT>(kt, kb, k0, seq);
-    __syncthreads();
+  for (int64_t kt = 0; kt < tiles; ++kt) {
+    cp_async_wait_all();
+    __syncthreads();  // tile kt is visible; every warp is done with tile kt - 1's buffers
+    if (kt + 1 < tiles) {
+      const int next = (kt + 1) & 1;
+      copy_rows_async<BK, D, LD, NT>(ks + next * Tiles::kStage, kb, (kt + 1) * BK, seq);
+      copy_rows_async<BK, D, LD, NT>(vs + next * Tiles::kStage, vb, (kt + 1) * BK, seq);
+      cp_async_commit();
+    }
+    const int64_t k0 = kt * BK;
+    if (warp_row0 >= seq || k0 > warp_row0 + 15) continue;  // warp-uniform, as in the forward
+    const uint16_t* kst = ks + (kt & 1) * Tiles::kStage;
+    const uint16_t* vst = vs + (kt & 1) * Tiles::kStage;
 
+    // S = Q K^T and dP = dO V^T: Q and dO rows are A fragments, K and V give B fragments.
     float s[BK / 8][4], dp[BK / 8][4];
 #pragma unroll
-    for (int i = 0; i < BK / 8; ++i)
+    for (int n = 0; n < BK / 8; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[i][e] = dp[i][e] = 0.0f;
+      for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) {
       uint32_t aq[4], ad[4];
-      load_a(qs, LD, warp * 16, kc * 16, aq);
-      load_a(dos, LD, warp * 16, kc * 16, ad);
+      ldsm_x4(aq, qs + (warp * 16 + (lm & 1) * 8 + lr) * LD + kc * 16 + (lm >> 1) * 8);
+      ldsm_x4(ad, dos + (warp * 16 + (lm & 1) * 8 + lr) * LD + kc * 16 + (lm >> 1) * 8);
 #pragma unroll
-      for (int nt = 0; nt < BK / 8; ++nt) {
-        uint32_t bk[2], bv[2];
-        load_b(ks, LD, nt * 8, kc * 16, bk);
-        load_b(vs, LD, nt * 8, kc * 16, bv);
-        mma<T>(s[nt], aq, bk);
-        mma<T>(dp[nt], ad, bv);
+      for (int np = 0; np < BK / 16; ++np) {
+        uint32_t kf[4], vf[4];
+        ldsm_x4(kf, kst + (np * 16 + (lm >> 1) * 8 + lr) * LD + kc * 16 + (lm & 1) * 8);
+        ldsm_x4(vf, vst + (np * 16 + (lm >> 1) * 8 + lr) * LD + kc * 16 + (lm & 1) * 8);
+        const uint32_t bk0[2] = {kf[0], kf[1]}, bk1[2] = {kf[2], kf[3]};
+        const uint32_t bv0[2] = {vf[0], vf[1]}, bv1[2] = {vf[2], vf[3]};
+        mma<T>(s[2 * np], aq, bk0);
+        mma<T>(s[2 * np + 1], aq, bk1);
+        mma<T>(dp[2 * np], ad, bv0);
+        mma<T>(dp[2 * np + 1], ad, bv1);
       }
     }
+    // dS = P (dP - delta), P = exp(S * scale - lse), zero where masked (diagonal and last tiles).
+    const bool need_mask = k0 + BK - 1 > warp_row0 || k0 + BK > seq || warp_row0 + 16 > seq;
 #pragma unroll
-    for (int nt = 0; nt < BK / 8; ++nt) {
+    for (int n = 0; n < BK / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int64_t key = k0 + nt * 8 + 2 * t4 + (e & 1);
-        const int64_t row = e < 2 ? row_a : row_b;
-        float p = exp2f(s[nt][e] * scale_log2 - (e < 2 ? lse_a : lse_b));
-        if (key > row || key >= seq || row >= seq) p = 0.0f;
-        s[nt][e] = p * (dp[nt][e] - (e < 2 ? delta_a : delta_b));  // dS
+        float p = exp2f(fmaf(s[n][e], scale_log2, -(e < 2 ? lse_a : lse_b)));
+        if (need_mask) {
+          const int64_t key = k0 + n * 8 + 2 * t4 + (e & 1), row = e < 2 ? row_a : row_b;
+          if (key > row || key >= seq || row >= seq) p = 0.0f;
+        }
+        s[n][e] = p * (dp[n][e] - (e < 2 ? delta_a : delta_b));
       }
     }
+    // dQ += dS K: K (row-major [key][d]) gives the B fragments through ldmatrix.x4.trans.
 #pragma unroll
     for (int kc = 0; kc < BK / 16; ++kc) {
       const uint32_t a[4] = {pack2<T>(s[2 * kc][0], s[2 * kc][1]),
@@ -522,10 +656,12 @@ __global__ void __launch_bounds__(kBlockThreads)
                              pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
                              pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
 #pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        uint32_t bb[2];
-        load_b(kt, LDT, dt * 8, kc * 16, bb);
-        mma<T>(dq_acc[dt], a, bb);
+      for (int dp2 = 0; dp2 < D / 16; ++dp2) {
+        uint32_t kf[4];
+        ldsm_x4_trans(kf, kst + (kc * 16 + (lm & 1) * 8 + lr) * LD + dp2 * 16 + (lm >> 1) * 8);
+        const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+        mma<T>(dq_acc[2 * dp2], a, b0);
+        mma<T>(dq_acc[2 * dp2 + 1], a, b1);
       }
     }
   }
@@ -723,7 +859,7 @@ void tc_forward(const AttentionDims& d, const void* q, const void* k, const void
   allow_smem(kernel, Tiles::kSmem);
   const dim3 grid(ceil_div(d.seq, Tiles::kRows), static_cast<unsigned>(d.heads_q),
                   static_cast<unsigned>(d.batch));
-  kernel<<<grid, kBlockThreads, Tiles::kSmem, stream>>>(
+  kernel<<<grid, Tiles::kThreads, Tiles::kSmem, stream>>>(
       static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k),
       static_cast<const uint16_t*>(v), static_cast<uint16_t*>(out), lse,
       static_cast<int>(d.heads_q), static_cast<int>(d.heads_q / d.heads_kv), d.seq,
@@ -747,7 +883,7 @@ void tc_backward(const AttentionDims& d, const void* q, const void* k, const voi
     allow_smem(kernel, Tiles::kSmem);
     const dim3 grid(ceil_div(d.seq, Tiles::kKeys), static_cast<unsigned>(d.heads_kv),
                     static_cast<unsigned>(d.batch));
-    kernel<<<grid, kBlockThreads, Tiles::kSmem, stream>>>(
+    kernel<<<grid, Tiles::kThreads, Tiles::kSmem, stream>>>(
         q16, k16, v16, do16, lse, delta, static_cast<uint16_t*>(dk), static_cast<uint16_t*>(dv),
         heads_q, group, d.seq, d.scale * kLog2e, d.scale);
     ST_CHECK_LAUNCH();
@@ -758,9 +894,9 @@ void tc_backward(const AttentionDims& d, const void* q, const void* k, const voi
     allow_smem(kernel, Tiles::kSmem);
     const dim3 grid(ceil_div(d.seq, Tiles::kRows), static_cast<unsigned>(d.heads_q),
                     static_cast<unsigned>(d.batch));
-    kernel<<<grid, kBlockThreads, Tiles::kSmem, stream>>>(q16, k16, v16, do16, lse, delta,
-                                                          static_cast<uint16_t*>(dq), heads_q,
-                                                          group, d.seq, d.scale * kLog2e, d.scale);
+    kernel<<<grid, Tiles::kThreads, Tiles::kSmem, stream>>>(
+        q16, k16, v16, do16, lse, delta, static_cast<uint16_t*>(dq), heads_q, group, d.seq,
+        d.scale * kLog2e, d.scale);
     ST_CHECK_LAUNCH();
   }
 }
