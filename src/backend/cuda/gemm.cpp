@@ -9,6 +9,8 @@
 #include <cublasLt.h>
 
 #include <array>
+#include <memory>
+#include <type_traits>
 
 #include "cuda_backend.h"
 #include "shardtrain/core/error.h"
@@ -165,11 +167,15 @@ void CublasLtGemm::run(int device, cudaStream_t stream, const Problem& p) {
     plan->b = make_layout(in, second_rows, second_cols, second_rows, p.batch, p.stride_a);
     plan->c = make_layout(out, p.n, p.m, p.n, p.batch, p.stride_c);
 
-    cublasLtMatmulPreference_t pref = nullptr;
-    ST_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    // Owned for this block only; released on every path, errors included.
+    cublasLtMatmulPreference_t raw_pref = nullptr;
+    ST_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&raw_pref));
+    const std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>,
+                          decltype(&cublasLtMatmulPreferenceDestroy)>
+        pref(raw_pref, &cublasLtMatmulPreferenceDestroy);
     const uint64_t max_ws = ws_bytes;
     ST_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_ws, sizeof(max_ws)));
+        pref.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_ws, sizeof(max_ws)));
     const std::array<std::pair<cublasLtMatmulPreferenceAttributes_t, int64_t>, 4> aligns = {
         {{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_first},
          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_second},
@@ -177,14 +183,20 @@ void CublasLtGemm::run(int device, cudaStream_t stream, const Problem& p) {
          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_c}}};
     for (const auto& [attr, alignment] : aligns) {
       const uint32_t bytes = static_cast<uint32_t>(alignment);
-      ST_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &bytes, sizeof(bytes)));
+      ST_CUBLAS_CHECK(
+          cublasLtMatmulPreferenceSetAttribute(pref.get(), attr, &bytes, sizeof(bytes)));
     }
+    // Split-K may add its partial products in the output type (bf16/fp16) unless told not to:
+    // only fp32 (compute-type) reductions keep the one rounding per output element that the
+    // accumulation promises. Algorithms without split-K are not affected by the mask.
+    const uint32_t reductions = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    ST_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        pref.get(), CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions, sizeof(reductions)));
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
         static_cast<cublasLtHandle_t>(handle(device)), plan->desc, plan->a, plan->b, plan->c,
-        plan->c, pref, 1, &result, &found);
-    cublasLtMatmulPreferenceDestroy(pref);
+        plan->c, pref.get(), 1, &result, &found);
     ST_CHECK(status == CUBLAS_STATUS_SUCCESS && found > 0,
              "cuBLASLt has no algorithm for gemm m=", p.m, " n=", p.n, " k=", p.k,
              " batch=", p.batch, " (", dtype_name(p.in_type), " -> ", dtype_name(p.out_type),
