@@ -38,11 +38,30 @@ namespace {
 // Collectives of one rank finish in microseconds; a minute means something hangs.
 constexpr double kTimeoutS = 60.0;
 
+// The one-rank NCCL group, shared by every test that uses it.
+std::unique_ptr<dist::ProcessGroup>& nccl_group_slot() {
+  static std::unique_ptr<dist::ProcessGroup> group;
+  return group;
+}
+
+// Destroys the group when the tests are over, inside main, while the CUDA runtime and NCCL are
+// fully alive. Left to static destruction after main returns, ncclCommDestroy and
+// cudaStreamDestroy would run in an unspecified order with the CUDA runtime's and NCCL's own
+// teardown (the reason the backend never destroys its allocators, src/backend/cuda/register.cpp);
+// a crash there fails the executable after every test passed, and a hang there runs into ctest's
+// default 1500 s timeout, since the cuda tests set none.
+class DestroyNcclGroup : public ::testing::Environment {
+ public:
+  void TearDown() override { nccl_group_slot().reset(); }
+};
+[[maybe_unused]] ::testing::Environment* const kDestroyNcclGroup =
+    ::testing::AddGlobalTestEnvironment(new DestroyNcclGroup);
+
 // The one-rank NCCL group on cuda:0 (no MPI: make_single_rank_nccl_group makes its unique id
 // locally), made on first use and kept for every test; null, with the reason in `why`, in builds
 // without NCCL.
 dist::ProcessGroup* single_rank_nccl_group(std::string& why) {
-  static std::unique_ptr<dist::ProcessGroup> group;
+  std::unique_ptr<dist::ProcessGroup>& group = nccl_group_slot();
   if (!dist::nccl_available()) {
     why = "this build has no NCCL (dist::nccl_available() is false)";
     return nullptr;
