@@ -32,8 +32,8 @@
 #   launch/gpu-verify.sh tests|kernels|train|all     # or bundle/gpu-verify.sh; docs/benchmarks.md
 #
 # The bundle is kept under 60 MiB so that it ships quickly to a fresh node. When the plain copy is
-# larger, files over 1 MiB are stored xz-compressed (NAME.xz) and env.sh expands them in place
-# the first time it is sourced: a bundle used here is then larger (it says so), and is rebuilt
+# larger, the test executables are stored as one solid archive (tests.tar.xz) and other files
+# over 1 MiB xz-compressed (NAME.xz); env.sh expands them in place the first time it is sourced: a bundle used here is then larger (it says so), and is rebuilt
 # with this script before it is carried anywhere with a size limit.
 set -euo pipefail
 
@@ -115,9 +115,16 @@ size_of() { du -sb "$1" | cut -f1; }
 compressed=0
 if (($(size_of "$out") > limit)); then
   compressed=1
+  # The test executables share most of their bytes (each links the same static libraries and
+  # device code): one solid archive stores those once, where per-file compression stores them
+  # in every file. Single-threaded, so that xz does not cut the stream into independent blocks.
+  if [[ -d "$out/tests" ]] && [[ -n "$(ls -A "$out/tests")" ]]; then
+    tar -C "$out" -cf - tests | xz -9 -T1 >"$out/tests.tar.xz"
+    rm -rf "$out/tests"
+  fi
   while IFS= read -r f; do
     xz -9 -T0 "$f"
-  done < <(find "$out/bin" "$out/tests" "$out/lib" -type f -size +1M)
+  done < <(find "$out/bin" "$out/lib" -type f -size +1M)
 fi
 size=$(size_of "$out")
 
@@ -127,7 +134,16 @@ cat >"$out/env.sh" <<'ENV'
 # files that were stored compressed.
 bundle_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bundle_expanded=0
-for packed in "$bundle_dir"/bin/*.xz "$bundle_dir"/tests/*.xz "$bundle_dir"/lib/*.xz; do
+if [ -e "$bundle_dir/tests.tar.xz" ]; then
+  bundle_expanded=1
+  if command -v xz >/dev/null 2>&1; then
+    xz -dc "$bundle_dir/tests.tar.xz" | tar -C "$bundle_dir" -xf -
+  else
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' \
+      "$bundle_dir/tests.tar.xz" "$bundle_dir"
+  fi && rm -f "$bundle_dir/tests.tar.xz"
+fi
+for packed in "$bundle_dir"/bin/*.xz "$bundle_dir"/lib/*.xz; do
   [ -e "$packed" ] || continue
   bundle_expanded=1
   if command -v xz >/dev/null 2>&1; then
@@ -237,7 +253,7 @@ chmod +x "$out/run-tests.sh"
 
 size=$(size_of "$out")
 echo "bundle: $out ($((size / 1024 / 1024)) MiB; ${#tests[@]} test executables, ${#copied[@]} libraries$(
-  ((compressed)) && echo ", large files xz-compressed"))"
+  ((compressed)) && echo ", tests and large files xz-compressed"))"
 if ((size > limit)); then
   echo "bundle: larger than $((limit / 1024 / 1024)) MiB; build with fewer CUDA architectures" \
     "(BUNDLE_CUDA_ARCHS) or fewer tests" >&2
