@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <map>
 
+#include "pretend_rank.h"
 #include "shardtrain/autograd/engine.h"
 #include "shardtrain/autograd/node.h"
 #include "shardtrain/backend/backend.h"
@@ -24,33 +25,23 @@ constexpr uint64_t kSeed = 29;
 // Rank `rank` of a world of `size`, in one process. Collectives see only this rank's data: a
 // gather leaves the other ranks' blocks zero, a reduce-scatter keeps this rank's block. The
 // numbers computed with it are not a real job's, but every buffer has its real size.
-class SimulatedRank : public dist::ProcessGroup {
+class SimulatedRank : public shardtrain::testing::PretendRank {
  public:
-  SimulatedRank(int rank, int size) : rank_(rank), size_(size) {}
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
-  std::string backend_name() const override { return "simulated"; }
+  using PretendRank::PretendRank;
   dist::WorkPtr all_gather(const Tensor& input, Tensor& output) override {
     check_all_gather(input, output);
     backend_for(output.device()).fill(output, 0.0f);
-    output.view({output.numel()}).slice_rows(rank_ * input.numel(), input.numel()).copy_from(input);
+    output.view({output.numel()})
+        .slice_rows(rank() * input.numel(), input.numel())
+        .copy_from(input);
     return dist::completed_work();
   }
   dist::WorkPtr reduce_scatter(const Tensor& input, Tensor& output) override {
     check_reduce_scatter(input, output);
     output.copy_from(
-        input.view({input.numel()}).slice_rows(rank_ * output.numel(), output.numel()));
+        input.view({input.numel()}).slice_rows(rank() * output.numel(), output.numel()));
     return dist::completed_work();
   }
-  dist::WorkPtr all_reduce(Tensor&, dist::ReduceOp) override { return dist::completed_work(); }
-  dist::WorkPtr broadcast(Tensor&, int) override { return dist::completed_work(); }
-  void barrier() override {}
-  void all_reduce_host(std::vector<double>&, dist::ReduceOp) override {}
-  void all_reduce_host(std::vector<int64_t>&, dist::ReduceOp) override {}
-  using ProcessGroup::all_reduce_host;
-
- private:
-  int rank_, size_;
 };
 
 // Element counts chosen so that parameters straddle shard boundaries and units do not split

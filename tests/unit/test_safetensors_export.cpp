@@ -16,6 +16,7 @@
 
 #include "expect_error.h"
 #include "files.h"
+#include "pretend_rank.h"
 #include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/io/hf_model.h"
 #include "shardtrain/io/safetensors.h"
@@ -60,18 +61,15 @@ void export_full_model(const nn::LlamaConfig& config, const std::string& dir,
 // Rank `rank` of a world of `size` whose all-gathers return the whole unit, as a real job's
 // would: the other ranks' blocks come from the full initialisation (`units`, the padded flat
 // parameter of each unit), and this rank's block is checked against it bit for bit.
-class GatheringRank : public dist::ProcessGroup {
+class GatheringRank : public shardtrain::testing::PretendRank {
  public:
-  GatheringRank(int rank, int size) : rank_(rank), size_(size) {}
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
-  std::string backend_name() const override { return "gathering"; }
+  using PretendRank::PretendRank;
   dist::WorkPtr all_gather(const Tensor& input, Tensor& output) override {
     check_all_gather(input, output);
     const float* mine = input.data<float>();
     for (const std::vector<float>& flat : units) {
       if (static_cast<int64_t>(flat.size()) != output.numel()) continue;
-      if (std::memcmp(mine, flat.data() + rank_ * input.numel(), input.nbytes()) != 0) continue;
+      if (std::memcmp(mine, flat.data() + rank() * input.numel(), input.nbytes()) != 0) continue;
       std::memcpy(output.data_ptr(), flat.data(), output.nbytes());
       ++gathers;
       return dist::completed_work();
@@ -79,19 +77,9 @@ class GatheringRank : public dist::ProcessGroup {
     ADD_FAILURE() << "all_gather of " << input.describe() << ": no unit has this rank's block";
     return dist::completed_work();
   }
-  dist::WorkPtr reduce_scatter(const Tensor&, Tensor&) override { return dist::completed_work(); }
-  dist::WorkPtr all_reduce(Tensor&, dist::ReduceOp) override { return dist::completed_work(); }
-  dist::WorkPtr broadcast(Tensor&, int) override { return dist::completed_work(); }
-  void barrier() override {}
-  void all_reduce_host(std::vector<double>&, dist::ReduceOp) override {}
-  void all_reduce_host(std::vector<int64_t>&, dist::ReduceOp) override {}
-  using ProcessGroup::all_reduce_host;
 
   std::vector<std::vector<float>> units;
   int gathers = 0;
-
- private:
-  int rank_, size_;
 };
 
 // The padded flat parameter of every unit of `sharded`, from the full initialisation.
