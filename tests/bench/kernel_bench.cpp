@@ -223,6 +223,48 @@ void bench_adamw(Bench& b) {
   });
 }
 
+// One optimizer step over a whole model's tensors: llama-125m's 111 parameter tensors (the
+// embedding and head, per layer 4 attention, 3 MLP and 2 norm weights, the final norm; 134M
+// parameters, bf16 gradients), one launch per tensor against the multi-tensor list. Same bytes;
+// the difference is launch overhead.
+void bench_adamw_model(Bench& b) {
+  const int64_t vocab = 32000, h = 768, f = 2048, layers = 12;
+  std::vector<Shape> shapes = {{vocab, h}, {vocab, h}, {h}};
+  for (int64_t l = 0; l < layers; ++l)
+    for (const Shape& s :
+         std::vector<Shape>{{h, h}, {h, h}, {h, h}, {h, h}, {f, h}, {f, h}, {h, f}, {h}, {h}})
+      shapes.push_back(s);
+  std::vector<Tensor> p, g, m, v;
+  double bytes = 0;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    p.push_back(randn_on(shapes[i], DType::F32, b.dev(), 30 + i));
+    g.push_back(randn_on(shapes[i], DType::BF16, b.dev(), 400 + i));
+    m.push_back(zeros(shapes[i], DType::F32, b.dev()));
+    v.push_back(zeros(shapes[i], DType::F32, b.dev()));
+    bytes += static_cast<double>(numel(shapes[i])) * (3.0 * 4 * 2 + 2);
+  }
+  std::vector<Backend::AdamWTensor> list;
+  for (size_t i = 0; i < shapes.size(); ++i) list.push_back({&p[i], &g[i], &m[i], &v[i], true});
+  const std::string shape = std::to_string(shapes.size()) + " tensors, llama-125m";
+  int64_t step = 0;
+  b.run("adamw_per_tensor_model", shape, bytes, 0, [&] {
+    const Backend::AdamWArgs args{1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, ++step};
+    for (size_t i = 0; i < shapes.size(); ++i) b.backend().adamw(p[i], g[i], m[i], v[i], args);
+  });
+  b.run("adamw_multi_tensor_model", shape, bytes, 0, [&] {
+    b.backend().adamw_multi(list, {1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, ++step});
+  });
+  std::vector<const Tensor*> grads;
+  for (const Tensor& t : g) grads.push_back(&t);
+  double grad_bytes = 0;
+  for (const Tensor& t : g) grad_bytes += static_cast<double>(t.nbytes());
+  b.run("grad_norm_per_tensor_model", shape, grad_bytes, 0, [&] {
+    for (const Tensor& t : g) (void)b.backend().sum_squares(t);
+  });
+  b.run("grad_norm_multi_model", shape, grad_bytes, 0,
+        [&] { (void)b.backend().sum_squares_multi(grads); });
+}
+
 void bench_elementwise(Bench& b) {
   const int64_t n = int64_t{64} << 20;
   Tensor gte = randn_on({n}, DType::BF16, b.dev(), 13),
@@ -268,6 +310,7 @@ int main(int argc, char** argv) {
     bench_rmsnorm(b);
     bench_cross_entropy(b);
     bench_adamw(b);
+    bench_adamw_model(b);
     bench_elementwise(b);
     if (!o.json.empty()) {
       nlohmann::json j;
