@@ -189,6 +189,22 @@ dist::DistOptions dist_options_for(const std::string& sharding, int world_size) 
   return options;
 }
 
+// A Llama built deferred and sharded with `strategy`, each rank initialising its shard from
+// `seed`, as the trainer builds one.
+struct SeededShardedLlama {
+  SeededShardedLlama(const nn::LlamaConfig& config, dist::DistEnv& env, const std::string& strategy,
+                     uint64_t seed)
+      : model(config, Device::cpu(), nn::ParameterStorage::Deferred),
+        sharded(model, env, options_for(strategy), fsdp::seeded_init(model, seed)) {}
+  static fsdp::FsdpOptions options_for(const std::string& strategy) {
+    fsdp::FsdpOptions options;
+    options.strategy = fsdp::parse_sharding_strategy(strategy);
+    return options;
+  }
+  nn::LlamaModel model;
+  fsdp::ShardedModel sharded;
+};
+
 class ShardedExport : public ::testing::TestWithParam<std::string> {};
 
 // Deferred shards initialised from a seed hold exactly the full initialisation's values, so the
@@ -199,11 +215,8 @@ TEST_P(ShardedExport, EqualsTheUnshardedExportOfTheSameWeightsHoldingOneUnitAtAT
   dist::DistEnv env(dist_options_for(GetParam(), dist::job_world_size()));
   SharedDir dir(env.world());
   const nn::LlamaConfig config = test::tiny_config(4);
-
-  nn::LlamaModel model(config, Device::cpu(), nn::ParameterStorage::Deferred);
-  fsdp::FsdpOptions options;
-  options.strategy = fsdp::parse_sharding_strategy(GetParam());
-  fsdp::ShardedModel sharded(model, env, options, fsdp::seeded_init(model, kSeed));
+  SeededShardedLlama seeded(config, env, GetParam(), kSeed);
+  fsdp::ShardedModel& sharded = seeded.sharded;
   int64_t largest_unit = 0, full_model = 0;
   for (int u = 0; u < sharded.num_units(); ++u) {
     // The gathered flat parameter, rounded to the allocators' 64 bytes.
@@ -266,11 +279,8 @@ TEST_P(ShardedExport, TrainerExportEqualsTheUnshardedExportOfTheFinalCheckpoint)
 TEST_P(ShardedExport, AFailureOnRankZeroFailsEveryRank) {
   dist::DistEnv env(dist_options_for(GetParam(), dist::job_world_size()));
   SharedDir dir(env.world());
-  const nn::LlamaConfig config = test::tiny_config(4);
-  nn::LlamaModel model(config, Device::cpu(), nn::ParameterStorage::Deferred);
-  fsdp::FsdpOptions options;
-  options.strategy = fsdp::parse_sharding_strategy(GetParam());
-  fsdp::ShardedModel sharded(model, env, options, fsdp::seeded_init(model, 3));
+  SeededShardedLlama seeded(test::tiny_config(4), env, GetParam(), 3);
+  fsdp::ShardedModel& sharded = seeded.sharded;
   const bool rank0 = env.rank() == 0;
 
   if (rank0) std::ofstream(dir / "blocked") << "a file where the export directory would go";

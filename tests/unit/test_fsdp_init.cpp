@@ -16,6 +16,7 @@
 #include "shardtrain/io/safetensors.h"
 #include "shardtrain/ops/ops.h"
 #include "temp_dir.h"
+#include "uneven_llama.h"
 
 namespace shardtrain::fsdp {
 namespace {
@@ -47,17 +48,7 @@ class SimulatedRank : public shardtrain::testing::PretendRank {
 // Element counts chosen so that parameters straddle shard boundaries and units do not split
 // evenly over 5, 7 or 8 ranks (padding): 1284 elements per layer, 900 in the root (untied).
 nn::LlamaConfig small_config(bool tied = false) {
-  nn::LlamaConfig c;
-  c.vocab_size = 37;
-  c.hidden_size = 12;
-  c.intermediate_size = 23;
-  c.num_layers = 2;
-  c.num_heads = 2;
-  c.num_kv_heads = 1;
-  c.max_seq_len = 8;
-  c.init_std = 0.3f;
-  c.tie_embeddings = tied;
-  return c;
+  return shardtrain::testing::uneven_llama_config(2, tied);
 }
 
 using Values = std::map<std::string, std::vector<float>>;

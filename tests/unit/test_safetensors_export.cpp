@@ -21,6 +21,7 @@
 #include "shardtrain/io/hf_model.h"
 #include "shardtrain/io/safetensors.h"
 #include "temp_dir.h"
+#include "uneven_llama.h"
 
 namespace shardtrain::fsdp {
 namespace {
@@ -37,17 +38,7 @@ constexpr uint64_t kSeed = 41;
 // Sizes that do not split evenly over 3 or 4 ranks (padding), with parameters from 12 to 444
 // elements, so that a few kilobytes per shard file give several files.
 nn::LlamaConfig small_config(bool tied) {
-  nn::LlamaConfig c;
-  c.vocab_size = 37;
-  c.hidden_size = 12;
-  c.intermediate_size = 23;
-  c.num_layers = 3;
-  c.num_heads = 2;
-  c.num_kv_heads = 1;
-  c.max_seq_len = 8;
-  c.init_std = 0.3f;
-  c.tie_embeddings = tied;
-  return c;
+  return shardtrain::testing::uneven_llama_config(3, tied);
 }
 
 // The reference: the full model, initialised the usual way, exported the usual way.
