@@ -1,7 +1,7 @@
-// AdamW on fp32 parameters and moments with a gradient of any float dtype: one tensor per launch
-// (adamw), or a list of tensors in a few launches (adamw_multi, the multi-tensor apply of fused
-// optimizers: a model's hundreds of small launches become a handful). Four elements per thread
-// per step when every operand allows 16-byte (f32) accesses.
+// AdamW on fp32 parameters and moments with a gradient of any float dtype, for a list of tensors
+// in a few launches (the multi-tensor apply of fused optimizers: a model's hundreds of small
+// launches become a handful; a single tensor is a list of one). Four elements per thread per
+// step when every operand allows 16-byte (f32) accesses.
 // Per-element arithmetic follows the CPU backend operation for operation, each product, sum and
 // quotient rounded on its own (the _rn intrinsics keep nvcc from contracting them into fused
 // multiply-adds), so both backends produce the same bits.
@@ -21,35 +21,6 @@ __device__ __forceinline__ void adamw_element(float& p, float g, float& m, float
   // p = p decay - step_size (m / (sqrt(v) / sqrt(bc2) + eps))
   const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), c.bias2_sqrt), c.eps);
   p = __fsub_rn(__fmul_rn(p, c.decay), __fmul_rn(c.step_size, __fdiv_rn(mi, denom)));
-}
-
-// Elements [0, n) of one tensor, thread `first` of `stride` threads taking every stride-th vector
-// of N elements, then the scalar tail.
-template <int N, typename TG>
-__device__ __forceinline__ void adamw_range(float* param, const TG* grad, float* m, float* v,
-                                            int64_t n, int64_t first, int64_t stride,
-                                            const AdamWConstants& c) {
-  for (int64_t i = first; i < n / N; i += stride) {
-    float p[N], g[N], mm[N], vv[N];
-    load_vec<float, N>(param + i * N, p);
-    load_vec<TG, N>(grad + i * N, g);
-    load_vec<float, N>(m + i * N, mm);
-    load_vec<float, N>(v + i * N, vv);
-#pragma unroll
-    for (int k = 0; k < N; ++k) adamw_element(p[k], g[k], mm[k], vv[k], c);
-    store_vec<float, N>(param + i * N, p);
-    store_vec<float, N>(m + i * N, mm);
-    store_vec<float, N>(v + i * N, vv);
-  }
-  for (int64_t i = n / N * N + first; i < n; i += stride)
-    adamw_element(param[i], to_float(grad[i]), m[i], v[i], c);
-}
-
-template <int N, typename TG>
-__global__ void adamw_kernel(float* param, const TG* grad, float* m, float* v, int64_t n,
-                             AdamWConstants c) {
-  adamw_range<N>(param, grad, m, v, n, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
-                 static_cast<int64_t>(gridDim.x) * blockDim.x, c);
 }
 
 // The tensors of one multi-tensor launch, passed by value in the kernel's arguments (under the
@@ -79,8 +50,24 @@ __global__ void adamw_multi_kernel(const AdamWList<TG> list, AdamWConstants c) {
   const int64_t lo = (block - list.first_block[t]) * kChunkElems;
   const int64_t len = min(kChunkElems, list.n[t] - lo);
   c.decay = list.decay[t];
-  adamw_range<N>(list.param[t] + lo, list.grad[t] + lo, list.m[t] + lo, list.v[t] + lo, len,
-                 threadIdx.x, blockDim.x, c);
+  float* param = list.param[t] + lo;
+  const TG* grad = list.grad[t] + lo;
+  float* m = list.m[t] + lo;
+  float* v = list.v[t] + lo;
+  for (int64_t i = threadIdx.x; i < len / N; i += blockDim.x) {
+    float p[N], g[N], mm[N], vv[N];
+    load_vec<float, N>(param + i * N, p);
+    load_vec<TG, N>(grad + i * N, g);
+    load_vec<float, N>(m + i * N, mm);
+    load_vec<float, N>(v + i * N, vv);
+#pragma unroll
+    for (int k = 0; k < N; ++k) adamw_element(p[k], g[k], mm[k], vv[k], c);
+    store_vec<float, N>(param + i * N, p);
+    store_vec<float, N>(m + i * N, mm);
+    store_vec<float, N>(v + i * N, vv);
+  }
+  for (int64_t i = len / N * N + threadIdx.x; i < len; i += blockDim.x)
+    adamw_element(param[i], to_float(grad[i]), m[i], v[i], c);
 }
 
 template <typename TG>
@@ -135,19 +122,6 @@ void adamw_multi(const AdamWTensorRef* tensors, int64_t count, const AdamWConsta
     launch_adamw_lists<bf16>(tensors, count, vectorized, c, stream);
     launch_adamw_lists<f16>(tensors, count, vectorized, c, stream);
   }
-}
-
-void adamw(float* param, const void* grad, DType tg, float* m, float* v, int64_t n,
-           const AdamWConstants& c, cudaStream_t stream) {
-  if (n <= 0) return;
-  ST_DISPATCH_FLOAT(tg, TG, {
-    const TG* g = static_cast<const TG*>(grad);
-    if (adamw_vectorizable(param, g, m, v))
-      adamw_kernel<4><<<grid_for(n / 4 + 1), kThreads, 0, stream>>>(param, g, m, v, n, c);
-    else
-      adamw_kernel<1><<<grid_for(n), kThreads, 0, stream>>>(param, g, m, v, n, c);
-    ST_CHECK_LAUNCH();
-  });
 }
 
 }  // namespace shardtrain::kernels

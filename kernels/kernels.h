@@ -112,14 +112,14 @@ double sum(const void* x, DType type, int64_t n, bool squares, Scratch& scratch,
 // out[i] = sum of squares of tensors[i], each exactly what sum(..., squares) returns for it, with
 // one synchronisation for the whole list (a model's gradient norm waits once, not per tensor).
 void sum_squares_multi(const TensorSpan* tensors, int64_t count, double* out, Scratch& scratch,
-                      cudaStream_t stream);
+                       cudaStream_t stream);
 // x *= inv_scale; true when an element was inf or nan before scaling. Synchronises.
 bool unscale_and_check(void* x, DType type, int64_t n, float inv_scale, Scratch& scratch,
                        cudaStream_t stream);
 // The same for every tensor of the list, with one synchronisation: true when any had an inf
 // or nan.
 bool unscale_and_check_multi(const TensorSpan* tensors, int64_t count, float inv_scale,
-                            Scratch& scratch, cudaStream_t stream);
+                             Scratch& scratch, cudaStream_t stream);
 
 // ---- adamw.cu -------------------------------------------------------------------------------
 // Per-element constants of one AdamW step, formed on the host as the CPU backend does.
@@ -131,9 +131,7 @@ struct AdamWConstants {
   float bias2_sqrt;  // sqrt(1 - beta2^step)
   float eps;
 };
-void adamw(float* param, const void* grad, DType tg, float* m, float* v, int64_t n,
-           const AdamWConstants& c, cudaStream_t stream);
-// One tensor of a multi-tensor AdamW step.
+// One tensor of an AdamW step.
 struct AdamWTensorRef {
   float* param;
   const void* grad;
@@ -143,9 +141,10 @@ struct AdamWTensorRef {
   int64_t n;
   float decay;  // this tensor's 1 - lr * weight_decay (constants.decay is not used)
 };
-// The per-tensor adamw() on every tensor of the list, bit for bit, in a few launches: tensors
-// are grouped by gradient dtype and vector alignment, and each launch takes up to 48 tensors
-// (their pointers travel in the kernel's arguments), one block per chunk of 32768 elements.
+// AdamW on every tensor of the list in a few launches: tensors are grouped by gradient dtype
+// and vector alignment, and each launch takes up to 48 tensors (their pointers travel in the
+// kernel's arguments), one block per chunk of 32768 elements. Each element's arithmetic is the
+// CPU backend's, rounded operation by operation, so the results are its bits.
 void adamw_multi(const AdamWTensorRef* tensors, int64_t count, const AdamWConstants& c,
                  cudaStream_t stream);
 

@@ -442,11 +442,7 @@ void require_adamw_operands(const Tensor& param, const Tensor& grad, const Tenso
 
 void CudaBackend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
                         const AdamWArgs& args) {
-  Call call({&param, &grad, &m, &v}, "adamw");
-  require_adamw_operands(param, grad, m, v);
-  kernels::adamw(static_cast<float*>(param.data_ptr()), grad.data_ptr(), grad.dtype(),
-                 static_cast<float*>(m.data_ptr()), static_cast<float*>(v.data_ptr()),
-                 param.numel(), adamw_constants(args), call.stream);
+  adamw_multi({{&param, &grad, &m, &v, true}}, args);  // a list of one
 }
 
 void CudaBackend::adamw_multi(const std::vector<AdamWTensor>& tensors, const AdamWArgs& args) {
