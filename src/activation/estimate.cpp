@@ -132,11 +132,15 @@ ActivationEstimate activation_bytes_model(const std::string& strategy,
   const int64_t L = m.layers, t = m.batch * m.seq;
   const int64_t scalar = 64;              // the loss (an f32 [1]), or backward's seed
   const int64_t inputs = 2 * r64(8 * t);  // int64 ids and targets
+  ST_CHECK_AS(ConfigError, m.loss_chunk >= 0, "activation estimate: loss_chunk must be >= 0");
   const int64_t logits = r64(t * m.vocab * m.dtype_bytes);
   // The head keeps the last layer's output, the final norm's output and rstd, and the logits;
-  // while the loss is computed, a per-row f32 loss vector and the scalar exist as well.
-  const int64_t head_saved = 2 * s.X + s.R + logits;
-  const int64_t head_peak = head_saved + r64(4 * t) + scalar;
+  // while the loss is computed, a per-row f32 loss vector and the scalar exist as well. A
+  // chunked loss keeps no logits: one chunk's exist while its losses are computed.
+  const int64_t head_saved = 2 * s.X + s.R + (m.loss_chunk > 0 ? 0 : logits);
+  const int64_t head_peak =
+      head_saved + r64(4 * t) +
+      (m.loss_chunk > 0 ? r64(std::min(m.loss_chunk, t) * m.vocab * m.dtype_bytes) : scalar);
   const int64_t sl = s.saved_total();
   const int64_t work = s.forward_working_set();
 

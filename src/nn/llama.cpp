@@ -227,22 +227,21 @@ Tensor LlamaModel::run_layer(int i, const Tensor& x) {
   return fn(x);
 }
 
-Tensor LlamaModel::forward_unwrapped(const Tensor& ids) {
+Tensor LlamaModel::final_hidden(const Tensor& ids) {
   ST_CHECK_SHAPE(ids.dim() == 2 && ids.dtype() == DType::I64,
                  "model input must be int64 token ids [batch, seq], got ", ids.describe());
   ST_CHECK_SHAPE(ids.size(1) <= config_.max_seq_len, "sequence length ", ids.size(1),
                  " exceeds model.max_seq_len ", config_.max_seq_len);
   Tensor x = embed_tokens.forward(ids);  // [B, S, H]
   for (int i = 0; i < num_layers(); ++i) x = run_layer(i, x);
-  x = ops::reshape(norm.forward(x), {ids.numel(), config_.hidden_size});
-  return lm_head ? lm_head->forward(x) : ops::linear(x, embed_tokens.weight);
+  return ops::reshape(norm.forward(x), {ids.numel(), config_.hidden_size});
 }
 
-Tensor LlamaModel::forward(const Tensor& ids) {
+Tensor LlamaModel::run_wrapped(const TensorFn& body, const Tensor& ids) {
   ST_CHECK(!has_deferred_parameters(),
            "the model's parameters are deferred (built without storage): initialise them with "
            "init_weights, or shard the model with fsdp::ShardedModel, before running it");
-  TensorFn fn = [this](const Tensor& in) { return forward_unwrapped(in); };
+  TensorFn fn = body;
   for (auto it = model_wrappers_.rbegin(); it != model_wrappers_.rend(); ++it) {
     TensorFn inner = fn;
     const ModelWrapper& w = *it;
@@ -251,11 +250,37 @@ Tensor LlamaModel::forward(const Tensor& ids) {
   return fn(ids);
 }
 
+Tensor LlamaModel::forward(const Tensor& ids) {
+  return run_wrapped(
+      [this](const Tensor& in) {
+        Tensor x = final_hidden(in);
+        return lm_head ? lm_head->forward(x) : ops::linear(x, embed_tokens.weight);
+      },
+      ids);
+}
+
+void LlamaModel::set_loss_chunk_rows(int64_t rows) {
+  ST_CHECK_AS(ConfigError, rows >= 0,
+              "activation.loss_chunk_tokens: must be 0 (whole logits) or a positive number of "
+              "tokens, got ",
+              rows);
+  loss_chunk_rows_ = rows;
+}
+
 Tensor LlamaModel::loss_sum(const Tensor& ids, const Tensor& targets, int64_t* counted) {
   ST_CHECK_SHAPE(targets.shape() == ids.shape(), "targets ", targets.describe(),
                  " do not match input ids ", ids.describe());
-  Tensor logits = forward(ids);
-  return ops::cross_entropy_sum(logits, targets.view({targets.numel()}), counted);
+  Tensor flat_targets = targets.view({targets.numel()});
+  if (loss_chunk_rows_ == 0) return ops::cross_entropy_sum(forward(ids), flat_targets, counted);
+  // The head and the loss as one op that never holds all the logits. The head's weight is read
+  // inside the wrappers, where it is the gathered (FSDP) or compute-dtype copy.
+  return run_wrapped(
+      [&](const Tensor& in) {
+        Tensor x = final_hidden(in);
+        const Tensor& w = lm_head ? lm_head->weight : embed_tokens.weight;
+        return ops::linear_cross_entropy_sum(x, w, flat_targets, loss_chunk_rows_, counted);
+      },
+      ids);
 }
 
 }  // namespace shardtrain::nn

@@ -504,6 +504,9 @@ const std::vector<Key>& schema() {
       Key("activation.attention", &C::activation, &ActivationConfig::attention)
           .one_of({"plain", "fused"})
           .help("fused never stores the attention matrix"),
+      Key("activation.loss_chunk_tokens", &C::activation, &ActivationConfig::loss_chunk_tokens)
+          .at_least(0)
+          .help("tokens per chunk of the fused head + loss (recomputed logits); 0 = whole logits"),
 
       Key("dist.backend", &C::dist, &DistConfig::backend)
           .one_of({"auto", "mpi", "nccl"})

@@ -166,6 +166,7 @@ MemoryModelInput MemoryModelInput::from_config(const Config& config, int world_s
   in.reduce_dtype = config.precision.reduce_dtype;
   in.activation_strategy = config.activation.strategy;
   in.attention = config.activation.attention;
+  in.loss_chunk_tokens = config.activation.loss_chunk_tokens;
   in.offload_min_bytes = config.activation.offload_min_bytes;
   in.reentrant = config.activation.checkpoint_impl == "reentrant";
   in.world_size = world_size;
@@ -256,6 +257,7 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   shape.layers = L;
   shape.dtype_bytes = e;
   shape.attention_impl = ops::parse_attention_impl(in.attention);
+  shape.loss_chunk = in.loss_chunk_tokens;
   const activation::ActivationEstimate act =
       activation::activation_bytes_model(strategy, shape, in.reentrant, in.offload_min_bytes);
   p.host_activation_bytes = act.host_bytes;
@@ -309,6 +311,10 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   }
   const int64_t inputs = 2 * r64(8 * T);  // ids and targets
   const int64_t logits = r64(T * V * e);
+  // The logits the head's backward holds at once: all of them, or one chunk of a chunked loss
+  // (recomputed there; the forward saved none).
+  const bool chunked_loss = in.loss_chunk_tokens > 0;
+  const int64_t head_logits = chunked_loss ? r64(std::min(in.loss_chunk_tokens, T) * V * e) : logits;
   // Layer starts of the segments sqrt_segment keeps the input of.
   std::vector<std::pair<int, int>> segments;
   if (strategy == "sqrt_segment")
@@ -355,16 +361,19 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   {
     Moment m{"loss gradient"};
     m.activations = after_forward;
-    m.workspace = logits;  // d(loss)/d(logits), same shape and dtype as the logits
+    // d(loss)/d(logits), same shape and dtype as the logits; a chunked loss has none yet.
+    m.workspace = chunked_loss ? 0 : logits;
     m.gradients = acc_grads;
     m.copies = copies_after_forward;
     moments.push_back(m);
   }
   {
     Moment m{"backward of the output projection"};
-    m.activations = after_forward - logits;
-    // The incoming gradient, d(input) and d(weight) (in the compute dtype, then its fp32 cast).
-    m.workspace = logits + r64(T * H * e) + (mb.head_grad > 0 ? r64(e * V * H) : 0) +
+    m.activations = after_forward - (chunked_loss ? 0 : logits);
+    // The incoming gradient (a chunked loss: one chunk's), d(input) and d(weight) (in the
+    // compute dtype and in fp32: a cast after the unfused product, the chunks' fp32 sum before
+    // the chunked one's rounding).
+    m.workspace = head_logits + r64(T * H * e) + (mb.head_grad > 0 ? r64(e * V * H) : 0) +
                   (e != 4 && mb.head_grad > 0 ? mb.head_grad : 0);
     m.gradients = acc_grads;
     m.copies = copies_after_forward;
@@ -478,6 +487,7 @@ StepCost predict_step_cost(const MemoryModelInput& in) {
     cost.recompute_flops = static_cast<double>(L) * layer_fwd * tokens;
   else if (s == "selective")
     cost.recompute_flops = static_cast<double>(L) * 4.0 * S * H * tokens;
+  if (in.loss_chunk_tokens > 0) cost.recompute_flops += 2.0 * c.vocab_size * H * tokens;
 
   const MemoryPrediction p = predict_memory(in);
   const int64_t micro = in.micro_batches_per_step;

@@ -101,6 +101,7 @@ Runtime::Runtime(const Config& config) : config_(config), device_(training_devic
       model_->init_weights(static_cast<uint64_t>(config_.train.seed));
   }
   model_->set_attention_impl(ops::parse_attention_impl(config_.activation.attention));
+  model_->set_loss_chunk_rows(config_.activation.loss_chunk_tokens);
 
   if (config_.lora.enabled) {
     // QLoRA: adapters on the target projections, every other weight frozen (the base quantized

@@ -33,6 +33,7 @@ struct Case {
   // Built deferred, each rank creating only its shards from the seed; false: built in full,
   // initialised, then sharded by copying.
   bool deferred = true;
+  int64_t loss_chunk = 0;  // rows per chunk of the fused head + loss; 0 = whole logits
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
@@ -94,6 +95,7 @@ TEST_P(FsdpMatchesSingleProcess, LossGradientsAndOneStep) {
       cfg, Device::cpu(),
       c.deferred ? nn::ParameterStorage::Deferred : nn::ParameterStorage::Allocated);
   if (!c.deferred) model.init_weights(kInitSeed);
+  model.set_loss_chunk_rows(c.loss_chunk);  // the reference materialises the logits
   if (c.activation != "none") {
     // Installed first, so that the strategy's wrapper runs outside the sharding's: a recompute
     // runs the unit's forward again during backward.
@@ -190,7 +192,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"full_shard_copied_from_full_model", ShardingStrategy::FullShard, true,
                            true, 0, false, "none", false, 2, false},
                       Case{"hybrid_shard_copied_from_full_model", ShardingStrategy::HybridShard,
-                           true, true, 2, false, "none", false, 2, false}),
+                           true, true, 2, false, "none", false, 2, false},
+                      Case{"full_shard_chunked_loss", ShardingStrategy::FullShard, true, true, 0,
+                           false, "none", false, 2, true, 5},
+                      Case{"full_shard_tied_chunked_loss_checkpoint", ShardingStrategy::FullShard,
+                           true, true, 0, true, "per_layer", false, 2, true, 7}),
     [](const auto& info) { return info.param.name; });
 
 // ---- memory -----------------------------------------------------------------------------------

@@ -257,6 +257,43 @@ TEST(Estimate, FormulaHoldsOnAnotherShape) {
   }
 }
 
+// A chunked loss (the head fused with the cross-entropy) under every strategy: no logits are
+// kept, the measured bytes follow the formula, and the gradients are those of the whole-logits
+// loss up to the regrouped sums over the chunks' rows.
+TEST(Estimate, ChunkedLossKeepsNoLogits) {
+  const nn::LlamaConfig c = memory_config();
+  const Batch batch = make_batch(kBatch, kSeq, c.vocab_size, 7);
+  const int64_t chunk = 100;  // 256 rows: chunks of 100, 100 and 56
+  ActivationModelShape shape = shape_of(c, kBatch, kSeq, ops::AttentionImpl::Fused);
+  const StepResult whole = run_step(*make_model(c, ops::AttentionImpl::Fused), batch);
+  const int64_t logits = kBatch * kSeq * c.vocab_size * 4;
+  EXPECT_EQ(whole.after_forward, activation_bytes_model("none", shape).after_forward);
+  shape.loss_chunk = chunk;
+  for (const std::string& strategy : activation_strategies()) {
+    SCOPED_TRACE(strategy);
+    auto model = make_model(c, ops::AttentionImpl::Fused);
+    model->set_loss_chunk_rows(chunk);
+    apply_activation_strategy(*model, {strategy, nullptr, false, 0});
+    const StepResult r = run_step(*model, batch);
+    ActivationEstimate e = activation_bytes_model(strategy, shape);
+    EXPECT_EQ(r.after_forward, e.after_forward);
+    expect_near_fraction(r.forward_peak, e.forward_peak, 0.05, strategy + " forward peak");
+    expect_near_fraction(r.peak, e.peak, 0.05, strategy + " peak");
+    if (strategy == "none") {
+      EXPECT_EQ(r.after_forward, whole.after_forward - logits);
+      EXPECT_LT(r.peak, whole.peak - logits / 2);
+    }
+    EXPECT_NEAR(r.loss, whole.loss, 1e-6 * std::fabs(whole.loss));
+    for (const auto& [name, g] : whole.grads) {
+      const std::vector<float>& h = r.grads.at(name);
+      float largest = 0;
+      for (float v : g) largest = std::max(largest, std::fabs(v));
+      for (size_t i = 0; i < g.size(); ++i)
+        ASSERT_NEAR(h[i], g[i], 1e-5f * largest) << name << " element " << i;
+    }
+  }
+}
+
 TEST(Offload, ForwardLeavesOnlyTheHeadOnTheDevice) {
   const nn::LlamaConfig c = memory_config();
   const Batch batch = make_batch(kBatch, kSeq, c.vocab_size, 5);

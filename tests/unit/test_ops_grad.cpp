@@ -109,6 +109,98 @@ TEST(OpsGrad, CrossEntropy) {
   EXPECT_EQ(counted, 5);
 }
 
+TEST(OpsGrad, LinearCrossEntropy) {
+  Generator gen(14);
+  Tensor targets = from_ints({2, -100, 0, 4, -100, 1, 3}, {7});
+  for (int64_t chunk : {1, 3, 7, 100}) {  // one row, ragged chunks, exactly all, more than all
+    int64_t counted = 0;
+    gradcheck(
+        [&](const std::vector<Tensor>& t) {
+          return ops::linear_cross_entropy_sum(t[0], t[1], targets, chunk, &counted);
+        },
+        {param({7, 6}, gen), param({5, 6}, gen)});
+    EXPECT_EQ(counted, 5) << "chunk " << chunk;
+  }
+}
+
+// The fused head + loss against linear then cross_entropy_sum: the loss and both gradients.
+void expect_fused_loss_matches(DType dtype, int64_t chunk, double rtol, bool bitwise) {
+  SCOPED_TRACE(std::string(dtype_name(dtype)) + " chunk " + std::to_string(chunk));
+  Generator gen(15);
+  const int64_t rows = 37, hidden = 24, vocab = 50;
+  Tensor x0 = randn({rows, hidden}, gen).to(dtype), w0 = randn({vocab, hidden}, gen).to(dtype);
+  std::vector<int64_t> ids(static_cast<size_t>(rows));
+  for (int64_t i = 0; i < rows; ++i) ids[static_cast<size_t>(i)] = i % 5 == 3 ? -100 : (i * 7) % vocab;
+  Tensor targets = from_ints(ids, {rows});
+  auto run = [&](bool fused) {
+    Tensor x = x0.clone(), w = w0.clone();
+    autograd::set_requires_grad(x);
+    autograd::set_requires_grad(w);
+    Tensor loss = fused ? ops::linear_cross_entropy_sum(x, w, targets, chunk)
+                        : ops::cross_entropy_sum(ops::linear(x, w), targets);
+    // A loss-scale-like upstream gradient, so a backward that dropped it would show.
+    autograd::backward(ops::scale(loss, 0.37f));
+    return std::vector<std::vector<float>>{loss.to_float_vector(),
+                                           autograd::grad(x).to_float_vector(),
+                                           autograd::grad(w).to_float_vector()};
+  };
+  std::vector<std::vector<float>> a = run(false), b = run(true);
+  const char* what[] = {"loss", "d(x)", "d(w)"};
+  for (size_t k = 0; k < a.size(); ++k) {
+    ASSERT_EQ(a[k].size(), b[k].size());
+    double scale = 0;
+    for (float v : a[k]) scale = std::max(scale, std::fabs(static_cast<double>(v)));
+    for (size_t i = 0; i < a[k].size(); ++i) {
+      if (bitwise)
+        ASSERT_EQ(a[k][i], b[k][i]) << what[k] << " element " << i;
+      else
+        ASSERT_NEAR(a[k][i], b[k][i], rtol * scale) << what[k] << " element " << i;
+    }
+  }
+}
+
+TEST(OpsGrad, LinearCrossEntropyMatchesUnfused) {
+  // One chunk over all rows runs the unfused ops' arithmetic exactly.
+  expect_fused_loss_matches(DType::F32, 37, 0, true);
+  expect_fused_loss_matches(DType::BF16, 64, 0, true);
+  // Chunks regroup the sums over rows (the loss, d(w)): rounding-level differences only.
+  expect_fused_loss_matches(DType::F32, 8, 1e-5, false);
+  expect_fused_loss_matches(DType::F32, 5, 1e-5, false);
+  // d(w) sums its chunks in fp32 and rounds once, so bf16 stays within one rounding.
+  expect_fused_loss_matches(DType::BF16, 8, 1e-2, false);
+}
+
+TEST(OpsGrad, LinearCrossEntropyFrozenWeight) {
+  // A frozen head (QLoRA): only the input gets a gradient, the same one as unfused.
+  Generator gen(16);
+  Tensor x = param({9, 4}, gen), w = randn({6, 4}, gen);
+  Tensor targets = from_ints({0, 1, 2, 3, 4, 5, 0, -100, 2}, {9});
+  autograd::backward(ops::linear_cross_entropy_sum(x, w, targets, 4));
+  std::vector<float> fused = autograd::grad(x).to_float_vector();
+  Tensor x2 = x.detach();
+  autograd::set_requires_grad(x2);
+  autograd::backward(ops::cross_entropy_sum(ops::linear(x2, w), targets));
+  std::vector<float> plain = autograd::grad(x2).to_float_vector();
+  ASSERT_EQ(fused.size(), plain.size());
+  for (size_t i = 0; i < fused.size(); ++i) EXPECT_NEAR(fused[i], plain[i], 1e-6f) << i;
+  EXPECT_FALSE(autograd::grad(w).defined());
+}
+
+TEST(OpsGrad, LinearCrossEntropyErrors) {
+  Generator gen(17);
+  Tensor x = randn({3, 4}, gen), w = randn({5, 4}, gen);
+  EXPECT_THROW(ops::linear_cross_entropy_sum(x, randn({5, 3}, gen), from_ints({0, 1, 2}, {3}), 2),
+               ShapeError);
+  EXPECT_THROW(ops::linear_cross_entropy_sum(x, w, from_ints({0, 1}, {2}), 2), ShapeError);
+  EXPECT_THROW(ops::linear_cross_entropy_sum(x, w, from_ints({0, 1, 2}, {3}), 0), ShapeError);
+  try {
+    ops::linear_cross_entropy_sum(x, w, from_ints({0, 9, 2}, {3}), 2);
+    FAIL() << "expected an error";
+  } catch (const ShapeError& e) {
+    EXPECT_NE(std::string(e.what()).find("target 9 at row 1"), std::string::npos) << e.what();
+  }
+}
+
 TEST(OpsGrad, CrossEntropyRejectsBadTarget) {
   Generator gen(11);
   Tensor logits = randn({2, 5}, gen);

@@ -36,12 +36,15 @@ struct ActivationModelShape {
   int64_t layers = 2;
   int64_t dtype_bytes = 4;
   ops::AttentionImpl attention_impl = ops::AttentionImpl::Plain;
+  // Rows per chunk of the fused head + loss (LlamaModel::set_loss_chunk_rows); 0 = the logits
+  // are materialised whole and saved for backward.
+  int64_t loss_chunk = 0;
 };
 
 // One step (LlamaModel::loss_sum, then autograd::backward on the loss) with the strategy applied
 // to every layer. Included: the input ids and targets (the embedding and the loss keep them), the
 // embedding output, every layer's saved tensors, the head's (final-norm input and output, its
-// rstd, the logits), the loss and the temporaries of the moment each peak happens; in backward
+// rstd, the logits unless the loss is chunked), the loss and the temporaries of the moment each peak happens; in backward
 // the re-run of a region, restored and prefetched tensors, and the loss scalar and seed gradient.
 // Not included: parameters, gradients and Workspace (backward's transient gradients, kernel
 // scratch), which other categories count.

@@ -98,6 +98,10 @@ class LlamaModel : public Module {
   Tensor forward(const Tensor& ids);
   // Summed cross-entropy over counted targets (-100 ignored); `counted` gets their number.
   Tensor loss_sum(const Tensor& ids, const Tensor& targets, int64_t* counted = nullptr);
+  // With rows > 0, loss_sum fuses the head with the loss (ops::linear_cross_entropy_sum) and
+  // never holds more than `rows` tokens' logits; 0 (the default) materialises them all.
+  void set_loss_chunk_rows(int64_t rows);
+  int64_t loss_chunk_rows() const { return loss_chunk_rows_; }
 
   // Normal(0, init_std) for projections and embeddings, ones for norms; deterministic per seed
   // and independent of the device. Allocates deferred parameters first. Covers the parameters
@@ -131,7 +135,8 @@ class LlamaModel : public Module {
   std::unique_ptr<Linear> lm_head;  // null when tied to embed_tokens
 
  private:
-  Tensor forward_unwrapped(const Tensor& ids);
+  Tensor final_hidden(const Tensor& ids);  // the final norm's output [B*S, H]
+  Tensor run_wrapped(const TensorFn& body, const Tensor& ids);  // body inside model_wrappers_
   Tensor run_layer(int i, const Tensor& x);
   LlamaConfig config_;
   Device device_;
@@ -146,6 +151,7 @@ class LlamaModel : public Module {
   std::vector<LayerWrapper> layer_wrappers_;
   std::vector<AttentionCoreWrapper> core_wrappers_;
   std::vector<ModelWrapper> model_wrappers_;
+  int64_t loss_chunk_rows_ = 0;
 };
 
 }  // namespace shardtrain::nn

@@ -53,6 +53,13 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, AttentionImp
 // Returns an f32 scalar [1]; `counted` (if given) receives the number of counted rows.
 Tensor cross_entropy_sum(const Tensor& logits, const Tensor& targets, int64_t* counted = nullptr);
 int64_t count_targets(const Tensor& targets);  // rows whose target is not -100
+// cross_entropy_sum(linear(x, w), targets) without the [N, V] logits: x [N, H], w [V, H].
+// The logits exist one chunk of `chunk_rows` rows at a time, in forward and again (recomputed)
+// in backward, which saves only x, w and the targets: one more [N, H] x [H, V] product per step
+// buys back the logits and their gradient. One chunk covering every row computes exactly what
+// the unfused pair computes.
+Tensor linear_cross_entropy_sum(const Tensor& x, const Tensor& w, const Tensor& targets,
+                                int64_t chunk_rows, int64_t* counted = nullptr);
 
 // ---- reductions (no gradient) -----------------------------------------------------------------
 double sum(const Tensor& x);

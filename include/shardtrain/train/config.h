@@ -148,6 +148,9 @@ struct ActivationConfig {
   std::string checkpoint_impl = "non_reentrant";  // non_reentrant | reentrant
   int64_t offload_min_bytes = 0;    // activations smaller than this stay on the device
   std::string attention = "plain";  // plain | fused
+  // Tokens per chunk of the fused head + cross-entropy (the logits never exist for more tokens
+  // than this); 0 = the head's logits are materialised whole.
+  int64_t loss_chunk_tokens = 0;
 
   // Parses `layers` (throws ConfigError) and tests `layer` against it.
   bool applies_to_layer(int64_t layer, int64_t num_layers) const;

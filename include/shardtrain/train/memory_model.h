@@ -33,6 +33,7 @@ struct MemoryModelInput {
   std::string reduce_dtype = "fp32";   // precision.reduce_dtype (FSDP gradient reduction)
   std::string activation_strategy = "none";
   std::string attention = "plain";  // plain | fused
+  int64_t loss_chunk_tokens = 0;    // activation.loss_chunk_tokens; 0 = whole logits
   int64_t offload_min_bytes = 0;
   bool reentrant = false;
   int world_size = 1;
@@ -91,7 +92,7 @@ MemoryPrediction predict_memory(const MemoryModelInput& input);
 // What a step costs beyond plain fp32 training on one rank.
 struct StepCost {
   double step_flops = 0;       // forward + backward (3x forward) over the step's tokens, per rank
-  double recompute_flops = 0;  // extra forward work of checkpoint re-runs
+  double recompute_flops = 0;  // extra forward work: checkpoint re-runs, a chunked loss's logits
   double recompute_fraction() const { return step_flops > 0 ? recompute_flops / step_flops : 0; }
   int64_t pcie_bytes = 0;  // device <-> host per step: offloaded activations, optimizer offload
   int64_t link_bytes = 0;  // sent by one rank per step: all-gathers, reduce-scatters, all-reduces
