@@ -134,7 +134,7 @@ double sum(const void* x, DType type, int64_t n, bool squares, Scratch& scratch,
 }
 
 void sum_squares_multi(const TensorSpan* tensors, int64_t count, double* out, Scratch& scratch,
-                      cudaStream_t stream) {
+                       cudaStream_t stream) {
   if (count <= 0) return;
   // One partial buffer serves every tensor: the stream runs each final sum before the next
   // tensor's partial sums overwrite it.
@@ -153,7 +153,7 @@ bool unscale_and_check(void* x, DType type, int64_t n, float inv_scale, Scratch&
 }
 
 bool unscale_and_check_multi(const TensorSpan* tensors, int64_t count, float inv_scale,
-                            Scratch& scratch, cudaStream_t stream) {
+                             Scratch& scratch, cudaStream_t stream) {
   int64_t elements = 0;
   for (int64_t i = 0; i < count; ++i) elements += std::max<int64_t>(tensors[i].n, 0);
   if (elements == 0) return false;

@@ -32,7 +32,7 @@ Command plan_command() {
   c.summary = "predict per-rank memory along the scale-up recipe and pick the first that fits";
   c.description =
       "Predicts the per-rank peak device memory of --config's model and batch shape for each\n"
-      "step of the recipe (fp32 eager, bf16, fused attention, per_layer checkpointing,\n"
+      "step of the recipe (fp32 eager, bf16, fused kernels, per_layer checkpointing,\n"
       "offload_checkpoint, full_shard over --world-size ranks, optimizer offload), says which\n"
       "fit --device-memory and names the first that does with its cost: recomputed FLOPs and\n"
       "bytes moved over PCIe and links per step. --measure trains a few steps of every row that\n"

@@ -314,7 +314,8 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   // The logits the head's backward holds at once: all of them, or one chunk of a chunked loss
   // (recomputed there; the forward saved none).
   const bool chunked_loss = in.loss_chunk_tokens > 0;
-  const int64_t head_logits = chunked_loss ? r64(std::min(in.loss_chunk_tokens, T) * V * e) : logits;
+  const int64_t head_logits =
+      chunked_loss ? r64(std::min(in.loss_chunk_tokens, T) * V * e) : logits;
   // Layer starts of the segments sqrt_segment keeps the input of.
   std::vector<std::pair<int, int>> segments;
   if (strategy == "sqrt_segment")

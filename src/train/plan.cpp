@@ -11,6 +11,7 @@
 #include "shardtrain/core/units.h"
 #include "shardtrain/dist/env.h"
 #include "shardtrain/train/bench.h"
+#include "shardtrain/train/runtime.h"
 
 namespace shardtrain::train {
 
@@ -20,6 +21,20 @@ std::string pct(double fraction) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f%%", 100.0 * fraction);
   return buf;
+}
+
+// Rows per chunk of the fused head + loss that the recipe sets: the power of two at or above
+// tokens x hidden / vocab, so that one chunk's logits are about the size of one [tokens, hidden]
+// activation (the logits of all tokens are vocab / hidden times that). A micro-batch of fewer
+// tokens than that is one chunk: the loss is still fused, with nothing to recompute in pieces.
+int64_t fused_loss_chunk(const Config& c) {
+  const nn::LlamaConfig m = llama_config_from(c.model);
+  const int64_t tokens = c.train.micro_batch * c.train.seq_len;
+  const int64_t rows =
+      std::max<int64_t>(1, (tokens * m.hidden_size + m.vocab_size - 1) / m.vocab_size);
+  int64_t chunk = 1;
+  while (chunk < rows) chunk *= 2;
+  return chunk;
 }
 
 // The recipe, cumulative: each step edits the configuration the previous one left.
@@ -47,8 +62,11 @@ const std::vector<RecipeStep>& recipe_steps() {
          c.precision.compute = "bf16";
          c.precision.param_dtype = "";
        }},
-      {"fused attention", "activation.attention=fused",
-       [](Config& c) { c.activation.attention = "fused"; }},
+      {"fused kernels", "activation.attention=fused activation.loss_chunk_tokens=<chunk>",
+       [](Config& c) {
+         c.activation.attention = "fused";
+         c.activation.loss_chunk_tokens = fused_loss_chunk(c);
+       }},
       {"per_layer checkpointing", "activation.strategy=per_layer",
        [](Config& c) { c.activation.strategy = "per_layer"; }},
       {"offload_checkpoint", "activation.strategy=offload_checkpoint",
@@ -92,6 +110,8 @@ Plan make_plan(const Config& config, int64_t device_bytes, int world_size) {
       row.name = "full_shard over " + std::to_string(world_size) +
                  (world_size == 1 ? " rank (nothing to shard)" : " ranks");
     row.change = step.change;
+    if (const size_t at = row.change.find("<chunk>"); at != std::string::npos)
+      row.change.replace(at, 7, std::to_string(c.activation.loss_chunk_tokens));
     row.config = c;
     row.input = MemoryModelInput::from_config(c, world_size);
     row.predicted = predict_memory(row.input);

@@ -130,7 +130,8 @@ void expect_fused_loss_matches(DType dtype, int64_t chunk, double rtol, bool bit
   const int64_t rows = 37, hidden = 24, vocab = 50;
   Tensor x0 = randn({rows, hidden}, gen).to(dtype), w0 = randn({vocab, hidden}, gen).to(dtype);
   std::vector<int64_t> ids(static_cast<size_t>(rows));
-  for (int64_t i = 0; i < rows; ++i) ids[static_cast<size_t>(i)] = i % 5 == 3 ? -100 : (i * 7) % vocab;
+  for (int64_t i = 0; i < rows; ++i)
+    ids[static_cast<size_t>(i)] = i % 5 == 3 ? -100 : (i * 7) % vocab;
   Tensor targets = from_ints(ids, {rows});
   auto run = [&](bool fused) {
     Tensor x = x0.clone(), w = w0.clone();
