@@ -111,6 +111,7 @@ class Backend {
   virtual void cross_entropy_forward(const Tensor& logits, const Tensor& targets,
                                      Tensor& losses) = 0;
   // dlogits[i, :] = grad_scale * (softmax(logits[i]) - onehot(t_i)), 0 rows for ignored targets.
+  // dlogits may be logits itself (the chunked loss overwrites each chunk's logits).
   virtual void cross_entropy_backward(const Tensor& logits, const Tensor& targets, float grad_scale,
                                       Tensor& dlogits) = 0;
 
