@@ -425,8 +425,12 @@ BenchReport run_bench(const Config& config, const BenchOptions& options) {
     s << "hidden " << m.hidden_size << ", " << m.num_layers << " layers, " << m.num_heads
       << " heads (" << m.effective_num_kv_heads() << " kv), vocab " << m.vocab_size << "; seq "
       << config.train.seq_len << ", micro-batch " << config.train.micro_batch << ", attention "
-      << config.activation.attention << "; " << options.warmup_steps << " warm-up + "
-      << options.measured_steps << " measured steps";
+      << config.activation.attention << ", loss "
+      << (config.activation.loss_chunk_tokens > 0
+              ? "in chunks of " + std::to_string(config.activation.loss_chunk_tokens) + " tokens"
+              : std::string("over whole logits"))
+      << "; " << options.warmup_steps << " warm-up + " << options.measured_steps
+      << " measured steps";
     report.config_summary = s.str();
   }
 

@@ -23,9 +23,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "shardtrain/autograd/engine.h"
+#include "shardtrain/autograd/node.h"
 #include "shardtrain/backend/backend.h"
 #include "shardtrain/backend/cuda.h"
 #include "shardtrain/core/error.h"
+#include "shardtrain/ops/ops.h"
 
 namespace {
 
@@ -212,6 +215,33 @@ void bench_cross_entropy(Bench& b) {
         [&] { b.backend().cross_entropy_backward(logits, targets, 1.0f / N, dlogits); });
 }
 
+// The head and the loss of configs/llama-1b.yaml (hidden 2048, vocabulary 128256) over 4096
+// tokens, forward and backward: whole logits (linear, then cross_entropy_sum) against the chunked
+// fused op, which computes the head's product once more. The rate counts the 6 T V H FLOPs of
+// the three products both need, so the chunked row's rate drops by the recompute it pays.
+void bench_head_loss(Bench& b) {
+  const int64_t T = 4096, H = 2048, V = 128256;
+  Tensor x0 = randn_on({T, H}, DType::BF16, b.dev(), 11);
+  Tensor w0 = randn_on({V, H}, DType::BF16, b.dev(), 12, 0.02f);
+  std::vector<int64_t> t(static_cast<size_t>(T));
+  for (int64_t i = 0; i < T; ++i) t[static_cast<size_t>(i)] = (i * 7919) % V;
+  Tensor targets = from_ints(t, {T}, DType::I64, b.dev());
+  const double flops = 6.0 * static_cast<double>(T) * static_cast<double>(V) * H;
+  const std::string shape = "T=4096 H=2048 V=128256";
+  for (int64_t chunk : {int64_t{0}, int64_t{256}, int64_t{1024}}) {
+    auto step = [&] {
+      Tensor x = x0.detach(), w = w0.detach();
+      autograd::set_requires_grad(x);
+      autograd::set_requires_grad(w);
+      Tensor loss = chunk == 0 ? ops::cross_entropy_sum(ops::linear(x, w), targets)
+                               : ops::linear_cross_entropy_sum(x, w, targets, chunk);
+      autograd::backward(ops::scale(loss, 1.0f / static_cast<float>(T)));
+    };
+    b.run(chunk == 0 ? "head_loss_whole_bf16" : "head_loss_chunk" + std::to_string(chunk) + "_bf16",
+          shape, 0, flops, step);
+  }
+}
+
 void bench_adamw(Bench& b) {
   const int64_t n = 100'000'000;
   Tensor p = randn_on({n}, DType::F32, b.dev(), 11), g = randn_on({n}, DType::BF16, b.dev(), 12);
@@ -309,6 +339,7 @@ int main(int argc, char** argv) {
     for (const AttentionShape& shape : kAttentionShapes) bench_attention(b, shape);
     bench_rmsnorm(b);
     bench_cross_entropy(b);
+    bench_head_loss(b);
     bench_adamw(b);
     bench_adamw_model(b);
     bench_elementwise(b);
