@@ -14,7 +14,8 @@ struct CrossEntropyBackward : NamedNode<CrossEntropyBackward> {
     Tensor tl = logits.unpack();
     float upstream = g[0].item();
     Tensor dl = empty_like(tl);
-    backend_of(tl).cross_entropy_backward(tl, targets.unpack(), upstream, dl);
+    // The forward checked the targets on the host (cross_entropy_sum).
+    backend_of(tl).cross_entropy_backward(tl, targets.unpack(), upstream, dl, true);
     return {dl, Tensor()};
   }
   void release_saved() override {
@@ -49,14 +50,17 @@ struct LinearCrossEntropyBackward : NamedNode<LinearCrossEntropyBackward> {
     const int64_t rows = tx.size(0), hidden = tw.size(1), vocab = tw.size(0);
     Tensor dx, dw;
     if (x_needs_grad) dx = empty_like(tx);
-    if (w_needs_grad) dw = empty(tw.shape(), DType::F32, tw.device());
+    // With no rows the loop below never writes d(w), which is then zero.
+    if (w_needs_grad)
+      dw = rows == 0 ? zeros(tw.shape(), DType::F32, tw.device())
+                     : empty(tw.shape(), DType::F32, tw.device());
     Backend& backend = backend_of(tx);
     Tensor logits = empty({std::min(chunk_rows, rows), vocab}, tx.dtype(), tx.device());
     for (int64_t start = 0; start < rows; start += chunk_rows) {
       const int64_t n = std::min(chunk_rows, rows - start);
       Tensor dlogits = logits.slice_rows(0, n);
       chunk_logits(tx, tw, start, n, dlogits);
-      backend.cross_entropy_backward(dlogits, tt.slice_rows(start, n), upstream, dlogits);
+      backend.cross_entropy_backward(dlogits, tt.slice_rows(start, n), upstream, dlogits, true);
       if (x_needs_grad) {  // d(x) rows = d(logits) [n, V] @ w [V, H]
         GemmArgs args;
         args.m = n;
@@ -119,7 +123,7 @@ Tensor cross_entropy_sum(const Tensor& logits, const Tensor& targets, int64_t* c
   const int64_t n = checked_target_count(targets, logits.size(1));
   if (counted) *counted = n;
   Tensor losses = empty({logits.size(0)}, DType::F32, logits.device());
-  backend_of(logits).cross_entropy_forward(logits, targets, losses);
+  backend_of(logits).cross_entropy_forward(logits, targets, losses, true);
   Tensor out = scalar_on(backend_of(losses).sum(losses), logits.device());
   if (autograd::needs_graph({&logits})) {
     auto node = std::make_shared<CrossEntropyBackward>();
@@ -155,7 +159,7 @@ Tensor linear_cross_entropy_sum(const Tensor& x, const Tensor& w, const Tensor& 
       Tensor chunk = logits.slice_rows(0, len);
       chunk_logits(x, w, start, len, chunk);
       Tensor chunk_losses = losses.slice_rows(start, len);
-      backend.cross_entropy_forward(chunk, targets.slice_rows(start, len), chunk_losses);
+      backend.cross_entropy_forward(chunk, targets.slice_rows(start, len), chunk_losses, true);
     }
   }
   Tensor out = scalar_on(backend.sum(losses), x.device());

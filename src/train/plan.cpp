@@ -26,7 +26,8 @@ std::string pct(double fraction) {
 // Rows per chunk of the fused head + loss that the recipe sets: the power of two at or above
 // tokens x hidden / vocab, so that one chunk's logits are about the size of one [tokens, hidden]
 // activation (the logits of all tokens are vocab / hidden times that). A micro-batch of fewer
-// tokens than that is one chunk: the loss is still fused, with nothing to recompute in pieces.
+// tokens than that is one chunk: no saving, but the same recompute (the head's product again in
+// backward), which the cost model counts.
 int64_t fused_loss_chunk(const Config& c) {
   const nn::LlamaConfig m = llama_config_from(c.model);
   const int64_t tokens = c.train.micro_batch * c.train.seq_len;

@@ -187,6 +187,16 @@ TEST(OpsGrad, LinearCrossEntropyFrozenWeight) {
   EXPECT_FALSE(autograd::grad(w).defined());
 }
 
+TEST(OpsGrad, LinearCrossEntropyNoRows) {
+  // An empty batch: a zero loss and zero gradients, not whatever memory held.
+  Generator gen(18);
+  Tensor x = param({0, 4}, gen), w = param({6, 4}, gen);
+  Tensor loss = ops::linear_cross_entropy_sum(x, w, from_ints({}, {0}), 3);
+  EXPECT_EQ(loss.item(), 0.0f);
+  autograd::backward(loss);
+  for (float v : autograd::grad(w).to_float_vector()) ASSERT_EQ(v, 0.0f);
+}
+
 TEST(OpsGrad, LinearCrossEntropyErrors) {
   Generator gen(17);
   Tensor x = randn({3, 4}, gen), w = randn({5, 4}, gen);

@@ -263,7 +263,7 @@ TEST(Recipe, ApplyRecipeReturnsTheFirstRowThatFits) {
   EXPECT_EQ(roomy.train, c.train);
   EXPECT_NE(why.find("#1 fp32 eager"), std::string::npos) << why;
 
-  // A device just big enough for per_layer checkpointing (row 4) but not fused attention.
+  // A device just big enough for per_layer checkpointing (row 4) but not the fused kernels row.
   ASSERT_GT(plan.rows[2].predicted.peak, plan.rows[3].predicted.peak);
   int64_t device = plan.rows[3].predicted.peak;
   train::Config tight = train::apply_recipe(c, device, 1, &why);

@@ -108,12 +108,15 @@ class Backend {
 
   // Cross-entropy per row: logits [N, V], targets I64 [N] (-100 = ignored);
   // losses f32 [N] = logsumexp(logits[i]) - logits[i, t_i], 0 for ignored rows.
-  virtual void cross_entropy_forward(const Tensor& logits, const Tensor& targets,
-                                     Tensor& losses) = 0;
+  // Targets outside [0, V) raise ShapeError unless `targets_checked` says the caller has checked
+  // them already (on a GPU the check reads a flag back: one host wait per call, which a loss
+  // computed chunk by chunk would pay per chunk).
+  virtual void cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tensor& losses,
+                                     bool targets_checked = false) = 0;
   // dlogits[i, :] = grad_scale * (softmax(logits[i]) - onehot(t_i)), 0 rows for ignored targets.
   // dlogits may be logits itself (the chunked loss overwrites each chunk's logits).
   virtual void cross_entropy_backward(const Tensor& logits, const Tensor& targets, float grad_scale,
-                                      Tensor& dlogits) = 0;
+                                      Tensor& dlogits, bool targets_checked = false) = 0;
 
   // ---- quantized weights ----
   // NF4 with double-quantized block scales (layout and formula in backend/nf4_codebook.h: blocks

@@ -56,8 +56,9 @@ int64_t count_targets(const Tensor& targets);  // rows whose target is not -100
 // cross_entropy_sum(linear(x, w), targets) without the [N, V] logits: x [N, H], w [V, H].
 // The logits exist one chunk of `chunk_rows` rows at a time, in forward and again (recomputed)
 // in backward, which saves only x, w and the targets: one more [N, H] x [H, V] product per step
-// buys back the logits and their gradient. One chunk covering every row computes exactly what
-// the unfused pair computes.
+// buys back the logits and their gradient. One chunk covering every row runs the unfused pair's
+// arithmetic (bit for bit on the CPU backend; on a GPU the fp32 d(w) product may take another
+// cuBLASLt algorithm than the 16-bit one).
 Tensor linear_cross_entropy_sum(const Tensor& x, const Tensor& w, const Tensor& targets,
                                 int64_t chunk_rows, int64_t* counted = nullptr);
 

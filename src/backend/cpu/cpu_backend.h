@@ -57,9 +57,10 @@ class CpuBackend : public Backend {
   void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
                        Tensor& dup) override;
 
-  void cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tensor& losses) override;
+  void cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tensor& losses,
+                             bool targets_checked = false) override;
   void cross_entropy_backward(const Tensor& logits, const Tensor& targets, float grad_scale,
-                              Tensor& dlogits) override;
+                              Tensor& dlogits, bool targets_checked = false) override;
 
   void nf4_dequantize(const Tensor& codes, const Tensor& absmax_q, const Tensor& absmax_scale,
                       float offset, Tensor& out) override;

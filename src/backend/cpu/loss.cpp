@@ -40,10 +40,10 @@ float element(const Tensor& logits, int64_t index) {
 
 }  // namespace
 
-void CpuBackend::cross_entropy_forward(const Tensor& logits, const Tensor& targets,
-                                       Tensor& losses) {
+void CpuBackend::cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tensor& losses,
+                                       bool targets_checked) {
   const int64_t V = logits.size(-1), N = targets.numel();
-  cpu::check_indices(targets, V, kIgnoreIndex, "target token id");
+  if (!targets_checked) cpu::check_indices(targets, V, kIgnoreIndex, "target token id");
   const int64_t* t = targets.data<int64_t>();
   float* loss = losses.data<float>();
 #pragma omp parallel for schedule(static) if (N * V > cpu::kChunk)
@@ -59,9 +59,9 @@ void CpuBackend::cross_entropy_forward(const Tensor& logits, const Tensor& targe
 }
 
 void CpuBackend::cross_entropy_backward(const Tensor& logits, const Tensor& targets,
-                                        float grad_scale, Tensor& dlogits) {
+                                        float grad_scale, Tensor& dlogits, bool targets_checked) {
   const int64_t V = logits.size(-1), N = targets.numel();
-  cpu::check_indices(targets, V, kIgnoreIndex, "target token id");
+  if (!targets_checked) cpu::check_indices(targets, V, kIgnoreIndex, "target token id");
   const int64_t* t = targets.data<int64_t>();
 #pragma omp parallel for schedule(static) if (N * V > cpu::kChunk)
   for (int64_t i = 0; i < N; ++i) {

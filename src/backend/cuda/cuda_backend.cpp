@@ -330,22 +330,22 @@ void CudaBackend::swiglu_backward(const Tensor& dout, const Tensor& gate, const 
 
 // ---- cross-entropy --------------------------------------------------------------------------
 
-void CudaBackend::cross_entropy_forward(const Tensor& logits, const Tensor& targets,
-                                        Tensor& losses) {
+void CudaBackend::cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tensor& losses,
+                                        bool targets_checked) {
   Call call({&logits, &targets, &losses}, "cross_entropy_forward");
   require_f32(losses, "cross-entropy losses");
   const int64_t V = logits.size(-1), N = targets.numel();
-  check_indices(targets, V, kIgnoreIndex, "target token id", call);
+  if (!targets_checked) check_indices(targets, V, kIgnoreIndex, "target token id", call);
   kernels::cross_entropy_forward(logits.data_ptr(), logits.dtype(),
                                  static_cast<const int64_t*>(targets.data_ptr()),
                                  static_cast<float*>(losses.data_ptr()), N, V, call.stream);
 }
 
 void CudaBackend::cross_entropy_backward(const Tensor& logits, const Tensor& targets,
-                                         float grad_scale, Tensor& dlogits) {
+                                         float grad_scale, Tensor& dlogits, bool targets_checked) {
   Call call({&logits, &targets, &dlogits}, "cross_entropy_backward");
   const int64_t V = logits.size(-1), N = targets.numel();
-  check_indices(targets, V, kIgnoreIndex, "target token id", call);
+  if (!targets_checked) check_indices(targets, V, kIgnoreIndex, "target token id", call);
   StagedOutput o(dlogits, logits.dtype(), call);
   kernels::cross_entropy_backward(logits.data_ptr(), logits.dtype(),
                                   static_cast<const int64_t*>(targets.data_ptr()), grad_scale,
