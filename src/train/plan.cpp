@@ -267,4 +267,21 @@ Config apply_recipe(const Config& config, int64_t device_bytes, int world_size, 
   return r.config;  // recipe: manual, the choice made
 }
 
+std::string out_of_memory_advice(const Config& config, int64_t device_bytes, int world_size) {
+  try {
+    const MemoryPrediction own = predict_memory(MemoryModelInput::from_config(config, world_size));
+    const Plan plan = make_plan(config, device_bytes, world_size);
+    std::string out = "The memory model predicts a peak of " + format_bytes(own.peak) +
+                      " per rank for this configuration (at " + own.peak_moment + "). ";
+    if (plan.first_fit < 0) return out + "Along the scale-up recipe, " + plan.verdict() + ".";
+    const RecipeRow& r = plan.rows[static_cast<size_t>(plan.first_fit)];
+    return out + "The first step of the scale-up recipe that fits " + format_bytes(device_bytes) +
+           " is #" + std::to_string(plan.first_fit + 1) + " " + r.name + " (" + r.change +
+           " on top of the steps before it; predicted " + format_bytes(r.predicted.peak) +
+           "): `shardtrain plan` lists its settings, or set recipe: auto.";
+  } catch (const std::exception&) {
+    return "";
+  }
+}
+
 }  // namespace shardtrain::train

@@ -39,13 +39,21 @@ nlohmann::json memory_json(const MemoryStats& s) {
   return j;
 }
 
-Config resolve_recipe(const Config& requested) {
-  if (requested.recipe != "auto") return requested;
-  int64_t device_bytes = requested.train.device_memory_bytes();
-  Device device = training_device(requested);
+// The per-rank device memory a plan is made against: train.device_memory, else a GPU's total
+// memory; 0 for a device of no fixed size (the CPU without a cap).
+int64_t planning_capacity(const Config& config) {
+  int64_t device_bytes = config.train.device_memory_bytes();
 #ifdef SHARDTRAIN_HAVE_CUDA
+  const Device device = training_device(config);
   if (device_bytes == 0 && device.is_cuda()) device_bytes = cuda::total_memory(device.index);
 #endif
+  return device_bytes;
+}
+
+Config resolve_recipe(const Config& requested) {
+  if (requested.recipe != "auto") return requested;
+  const int64_t device_bytes = planning_capacity(requested);
+  const Device device = training_device(requested);
   ST_CHECK_AS(ConfigError, device_bytes > 0,
               "recipe: auto needs a device capacity to plan against: set train.device_memory "
               "(e.g. 24GiB); the ",
@@ -56,11 +64,28 @@ Config resolve_recipe(const Config& requested) {
   return chosen;
 }
 
+TrainSummary train_with(const Config& config);
+
 }  // namespace
 
 TrainSummary run_training(const Config& requested) {
   // recipe: auto walks the scale-up recipe and trains the first configuration that fits.
   const Config config = resolve_recipe(requested);
+  try {
+    return train_with(config);
+  } catch (const OutOfMemoryError& e) {
+    // The allocator says what did not fit; the planner adds which configuration would.
+    const int64_t capacity = planning_capacity(config);
+    const std::string advice =
+        capacity > 0 ? out_of_memory_advice(config, capacity, dist::job_world_size()) : "";
+    if (advice.empty()) throw;
+    throw OutOfMemoryError(std::string(e.what()) + "\n" + advice, e.requested_bytes());
+  }
+}
+
+namespace {
+
+TrainSummary train_with(const Config& config) {
   const TrainConfig& t = config.train;
   TrainSummary summary;
   // From here on SIGTERM/SIGUSR1 end the run after the current step, with a checkpoint.
@@ -226,5 +251,7 @@ TrainSummary run_training(const Config& requested) {
   }
   return summary;
 }
+
+}  // namespace
 
 }  // namespace shardtrain::train

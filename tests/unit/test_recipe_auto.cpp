@@ -53,6 +53,27 @@ TEST(RecipeAuto, PicksACheckpointingRowAndStaysUnderTheCapacity) {
   std::filesystem::remove_all(out);
 }
 
+TEST(RecipeAuto, OutOfMemoryNamesTheFirstRecipeStepThatFits) {
+  // recipe: manual at fp32 eager (about 93 MiB) on 40 MiB: the allocator's error, then the
+  // planner's advice: this configuration's predicted peak and the step that would fit.
+  std::string out = out_dir("oom");
+  train::Config c = tiny(out, "40MiB");
+  c.recipe = "manual";
+  try {
+    train::run_training(c);
+    FAIL() << "expected an OutOfMemoryError";
+  } catch (const OutOfMemoryError& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("out of memory on cpu"), std::string::npos) << m;
+    EXPECT_NE(m.find("The memory model predicts a peak of"), std::string::npos) << m;
+    const size_t at = m.find("The first step of the scale-up recipe that fits 40.00 MiB is #");
+    ASSERT_NE(at, std::string::npos) << m;
+    // The step it names is the one recipe: auto trains (the test above: not strategy none).
+    EXPECT_NE(m.find("activation.strategy=", at), std::string::npos) << m;
+  }
+  std::filesystem::remove_all(out);
+}
+
 TEST(RecipeAuto, NothingFitsGivesThePlanTable) {
   std::string out = out_dir("none");
   try {

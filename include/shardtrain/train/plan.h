@@ -73,11 +73,19 @@ void measure_plan(Plan& plan, int64_t warmup_steps = 1, int64_t measured_steps =
 // `recipe: auto`: the configuration of the first recipe row that fits `device_bytes` per rank
 // on `world_size` ranks. Keys the recipe does not own (model, data, batch shape, optimizer
 // hyper-parameters, ...) are kept from `config`; the recipe sets precision.compute (and clears
-// precision.param_dtype so it follows), activation.attention, activation.strategy,
-// dist.sharding and optim.offload. When `why` is given it receives one line naming the row,
-// its predicted peak and its cost. The result has recipe: manual (the choice is made, and its
-// config.yaml reproduces it). Throws ConfigError containing the plan table when no row fits.
+// precision.param_dtype so it follows), activation.attention, activation.loss_chunk_tokens,
+// activation.strategy, dist.sharding and optim.offload. When `why` is given it receives one line
+// naming the row, its predicted peak and its cost. The result has recipe: manual (the choice is
+// made, and its config.yaml reproduces it). Throws ConfigError containing the plan table when no
+// row fits.
 Config apply_recipe(const Config& config, int64_t device_bytes, int world_size,
                     std::string* why = nullptr);
+
+// What to do after `config` ran out of `device_bytes` per rank on `world_size` ranks: the memory
+// model's peak for the configuration as it is, and the first recipe step that fits (or what is
+// missing when none does); a recipe step includes the steps before it. Appended to the
+// out-of-memory error of a training run. Never throws: a config the memory model cannot read
+// gets an empty string.
+std::string out_of_memory_advice(const Config& config, int64_t device_bytes, int world_size);
 
 }  // namespace shardtrain::train
