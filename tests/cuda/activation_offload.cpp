@@ -4,13 +4,12 @@
 // is asked for.
 #include <gtest/gtest.h>
 
-#include <cstring>
-#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "cuda_test_util.h"
+#include "model_step.h"
 #include "shardtrain/activation/counters.h"
 #include "shardtrain/activation/offload.h"
 #include "shardtrain/autograd/engine.h"
@@ -191,9 +190,7 @@ Batch make_batch() {
       from_ints(testing::random_ids(n, vocab, 4), {kBatch, kSeq}, DType::I64, testing::cuda0())};
 }
 
-struct StepFigures {
-  std::map<std::string, std::vector<float>> grads;
-  float loss = 0;
+struct StepFigures : testing::LossAndGradients {
   int64_t activations_after_forward = 0;  // device
   int64_t activations_peak = 0;
   int64_t offloaded_after_forward = 0;  // host pool
@@ -203,7 +200,7 @@ struct StepFigures {
 };
 
 StepFigures run_step(nn::LlamaModel& model, const Batch& batch) {
-  for (auto& [name, p] : model.named_parameters()) autograd::set_grad(*p, Tensor());
+  testing::clear_gradients(model);
   activation::reset_activation_counters();
   Allocator& device = allocator_for(testing::cuda0());
   Allocator& host = allocator_for(Device::host());
@@ -222,24 +219,13 @@ StepFigures run_step(nn::LlamaModel& model, const Batch& batch) {
   f.offloaded_peak = host.stats().peak_of(MemoryCategory::Offloaded);
   f.offloaded_after_backward = host.stats().in_use_of(MemoryCategory::Offloaded);
   f.counters = activation::activation_counters();
-  for (auto& [name, p] : model.named_parameters()) {
-    const Tensor g = autograd::grad(*p);
-    EXPECT_TRUE(g.defined()) << name << " got no gradient";
-    if (g.defined()) f.grads[name] = g.to_float_vector();
-  }
+  f.grads = testing::gradients_of(model);
   return f;
 }
 
 void expect_same_gradients(const StepFigures& got, const StepFigures& want,
                            const std::string& what) {
-  ASSERT_EQ(got.grads.size(), want.grads.size()) << what;
-  for (const auto& [name, g] : got.grads) {
-    const std::vector<float>& w = want.grads.at(name);
-    ASSERT_EQ(g.size(), w.size()) << what << " " << name;
-    EXPECT_EQ(std::memcmp(g.data(), w.data(), g.size() * sizeof(float)), 0)
-        << what << ": the gradient of " << name << " differs from no offload";
-  }
-  EXPECT_EQ(std::memcmp(&got.loss, &want.loss, sizeof(float)), 0) << what << ": loss differs";
+  testing::expect_bitwise_equal_step(got, want, what, "no offload");
 }
 
 TEST(ActivationOffloadCuda, LlamaStepMatchesNoOffloadAndSynchronousCopies) {

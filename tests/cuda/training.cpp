@@ -5,13 +5,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstring>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "cuda_test_util.h"
+#include "model_step.h"
 #include "shardtrain/activation/counters.h"
 #include "shardtrain/activation/estimate.h"
 #include "shardtrain/activation/strategy.h"
@@ -20,6 +20,7 @@
 #include "shardtrain/autograd/node.h"
 #include "shardtrain/nn/llama.h"
 #include "shardtrain/train/runtime.h"
+#include "strategy_memory.h"
 
 namespace shardtrain {
 namespace {
@@ -142,21 +143,6 @@ TEST(TrainingCuda, Bf16AutocastLossesMatchTheCpuDevice) {
 
 // ---- one step of a model under each activation strategy ------------------------------------
 
-// The model of the CPU strategy tests (tests/unit/test_activation.cpp): scores dominate, so each
-// strategy's saving shows. Head dim 8: fused attention runs the exact fp32 CUDA-core kernels.
-nn::LlamaConfig memory_config() {
-  nn::LlamaConfig c;
-  c.vocab_size = 256;
-  c.hidden_size = 32;
-  c.intermediate_size = 64;
-  c.num_layers = 4;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.max_seq_len = 256;
-  return c;
-}
-constexpr int64_t kMemBatch = 1, kMemSeq = 256;
-
 // Head dim 64 and sequences of whole 64-row tiles: under bf16 the fused attention runs on tensor
 // cores (kernels/flash_attention.cu); three layers make two sqrt_segment segments.
 nn::LlamaConfig tensor_core_config() {
@@ -208,9 +194,7 @@ std::unique_ptr<nn::LlamaModel> make_model(const ModelOptions& o) {
   return model;
 }
 
-struct StepFigures {
-  std::map<std::string, std::vector<float>> grads;
-  float loss = 0;
+struct StepFigures : testing::LossAndGradients {
   int64_t baseline = 0;       // device activations before the forward (ids, targets)
   int64_t after_forward = 0;  // device activations when loss_sum returned
   int64_t forward_peak = 0;
@@ -222,7 +206,7 @@ struct StepFigures {
 
 // Forward and backward of the summed loss, measured as tests/unit/test_activation.cpp does.
 StepFigures run_step(nn::LlamaModel& model, const Tokens& batch) {
-  for (auto& [name, p] : model.named_parameters()) autograd::set_grad(*p, Tensor());
+  testing::clear_gradients(model);
   activation::reset_activation_counters();
   Allocator& dev = allocator_for(model.device());
   Allocator& host = allocator_for(Device::host());
@@ -242,63 +226,13 @@ StepFigures run_step(nn::LlamaModel& model, const Tokens& batch) {
   f.peak = dev.stats().peak_of(MemoryCategory::Activations);
   f.host_after_backward = host.stats().in_use_of(MemoryCategory::Offloaded) - host_before;
   f.counters = activation::activation_counters();
-  for (auto& [name, p] : model.named_parameters()) {
-    const Tensor g = autograd::grad(*p);
-    EXPECT_TRUE(g.defined()) << name << " got no gradient";
-    if (g.defined()) f.grads[name] = g.to_float_vector();
-  }
+  f.grads = testing::gradients_of(model);
   return f;
 }
 
 void expect_bitwise_equal(const StepFigures& got, const StepFigures& want,
                           const std::string& what) {
-  ASSERT_EQ(got.grads.size(), want.grads.size()) << what;
-  for (const auto& [name, g] : got.grads) {
-    const std::vector<float>& w = want.grads.at(name);
-    ASSERT_EQ(g.size(), w.size()) << what << " " << name;
-    EXPECT_EQ(std::memcmp(g.data(), w.data(), g.size() * sizeof(float)), 0)
-        << what << ": the gradient of " << name << " differs from strategy none";
-  }
-  EXPECT_EQ(std::memcmp(&got.loss, &want.loss, sizeof(float)), 0)
-      << what << ": loss " << got.loss << " vs " << want.loss;
-}
-
-void expect_near_fraction(int64_t measured, int64_t predicted, double tolerance,
-                          const std::string& what) {
-  const double rel =
-      std::abs(static_cast<double>(measured - predicted)) / static_cast<double>(predicted);
-  EXPECT_LE(rel, tolerance) << what << ": measured " << measured << " bytes, predicted "
-                            << predicted;
-}
-
-ActivationModelShape shape_of(const nn::LlamaConfig& c, int64_t batch, int64_t seq,
-                              ops::AttentionImpl impl) {
-  ActivationModelShape s;
-  s.batch = batch;
-  s.seq = seq;
-  s.hidden = c.hidden_size;
-  s.heads = c.num_heads;
-  s.kv_heads = c.num_kv_heads;
-  s.intermediate = c.intermediate_size;
-  s.vocab = c.vocab_size;
-  s.layers = c.num_layers;
-  s.dtype_bytes = 4;
-  s.attention_impl = impl;
-  return s;
-}
-
-struct Variant {
-  std::string strategy;
-  bool reentrant;
-  std::string name() const { return strategy + (reentrant ? " (reentrant)" : ""); }
-};
-
-const std::vector<Variant>& variants() {
-  static const std::vector<Variant> v = {
-      {"per_layer", false},   {"per_layer", true},           {"sqrt_segment", false},
-      {"sqrt_segment", true}, {"selective", false},          {"selective", true},
-      {"offload", false},     {"offload_checkpoint", false}, {"offload_checkpoint", true}};
-  return v;
+  testing::expect_bitwise_equal_step(got, want, what, "strategy none");
 }
 
 class StrategyCudaTest : public ::testing::TestWithParam<ops::AttentionImpl> {};
@@ -321,35 +255,32 @@ class StrategyCudaTest : public ::testing::TestWithParam<ops::AttentionImpl> {};
 TEST_P(StrategyCudaTest, GradientsAreThoseOfNoneAndMemoryReadsAsOnTheCpu) {
   REQUIRE_CUDA();
   const ops::AttentionImpl impl = GetParam();
-  const nn::LlamaConfig c = memory_config();
-  const Tokens gpu_batch = make_tokens(kMemBatch, kMemSeq, c.vocab_size, 99, testing::cuda0());
-  const Tokens cpu_batch = make_tokens(kMemBatch, kMemSeq, c.vocab_size, 99, Device::cpu());
-  const ActivationModelShape shape = shape_of(c, kMemBatch, kMemSeq, impl);
+  // The model of the CPU strategy tests: head dim 8, so fused attention runs the exact fp32
+  // CUDA-core kernels.
+  const nn::LlamaConfig c = testing::memory_config();
+  const int64_t batch = testing::kMemoryBatch, seq = testing::kMemorySeq;
+  const Tokens gpu_batch = make_tokens(batch, seq, c.vocab_size, 99, testing::cuda0());
+  const Tokens cpu_batch = make_tokens(batch, seq, c.vocab_size, 99, Device::cpu());
+  const ActivationModelShape shape = testing::shape_of(c, batch, seq, impl);
   const int64_t L = c.num_layers;
 
   auto none_model = make_model({c, testing::cuda0(), impl});
   const StepFigures none = run_step(*none_model, gpu_batch);
   none_model.reset();
-  EXPECT_EQ(none.counters.forward_reruns, 0);
-  EXPECT_EQ(none.baseline, 2 * 2048) << "only ids and targets should be alive before forward";
   const StepFigures none_cpu = run_step(*make_model({c, Device::cpu(), impl}), cpu_batch);
   EXPECT_EQ(none.after_forward, none_cpu.after_forward);
   EXPECT_EQ(none.forward_peak, none_cpu.forward_peak);
   EXPECT_EQ(none.peak, none_cpu.peak);
-  const ActivationEstimate none_estimate = activation::activation_bytes_model("none", shape);
-  EXPECT_EQ(none.after_forward, none_estimate.after_forward);
-  expect_near_fraction(none.peak, none_estimate.peak, 0.05, "none peak");
+  testing::expect_none_as_estimated(none, shape);
 
   std::map<std::string, int64_t> peaks{{"none", none.peak}};
-  for (const Variant& v : variants()) {
+  for (const testing::StrategyVariant& v : testing::strategy_variants()) {
     SCOPED_TRACE(v.name());
     auto model = make_model({c, testing::cuda0(), impl, v.strategy, v.reentrant});
     const StepFigures r = run_step(*model, gpu_batch);
     model.reset();
     expect_bitwise_equal(r, none, v.name());
-
-    const int64_t regions = v.strategy == "sqrt_segment" ? 2 : (v.strategy == "offload" ? 0 : L);
-    EXPECT_EQ(r.counters.forward_reruns, regions);
+    EXPECT_EQ(r.counters.forward_reruns, testing::rerun_regions(v.strategy, L));
 
     // The CPU device, same model and batch: the same figures to the byte.
     const StepFigures on_cpu =
@@ -363,22 +294,12 @@ TEST_P(StrategyCudaTest, GradientsAreThoseOfNoneAndMemoryReadsAsOnTheCpu) {
     EXPECT_EQ(r.counters.bytes_restored, r.counters.bytes_offloaded);
 
     // The formulas, with the CPU test's tolerance.
-    const ActivationEstimate e = activation::activation_bytes_model(v.strategy, shape, v.reentrant);
-    EXPECT_EQ(r.after_forward, e.after_forward);
-    expect_near_fraction(r.forward_peak, e.forward_peak, 0.05, v.name() + " forward peak");
-    expect_near_fraction(r.peak, e.peak, 0.05, v.name() + " peak");
-    EXPECT_EQ(r.host_after_forward, e.host_bytes);
-    EXPECT_EQ(r.host_after_backward, 0) << "offloaded copies must be freed by backward";
+    testing::expect_as_estimated(r, v, shape);
     if (!v.reentrant) peaks[v.strategy] = r.peak;
   }
 
   // What each strategy buys (the order the CPU test finds).
-  EXPECT_LT(peaks["offload_checkpoint"], peaks["per_layer"]);
-  EXPECT_LT(peaks["per_layer"], peaks["selective"]);
-  EXPECT_LT(peaks["selective"], peaks["none"]);
-  EXPECT_LT(peaks["per_layer"], peaks["sqrt_segment"]);
-  EXPECT_LT(peaks["sqrt_segment"], peaks["none"]);
-  EXPECT_LT(peaks["offload"], peaks["none"]);
+  testing::expect_strategy_peak_order(peaks);
 }
 
 INSTANTIATE_TEST_SUITE_P(Attention, StrategyCudaTest,
@@ -396,7 +317,7 @@ TEST(StrategyCuda, Bf16TensorCoreAttentionGradientsAreThoseOfNone) {
   ModelOptions base{c, testing::cuda0(), ops::AttentionImpl::Fused};
   base.compute = DType::BF16;
   const StepFigures none = run_step(*make_model(base), batch);
-  for (const Variant& v : variants()) {
+  for (const testing::StrategyVariant& v : testing::strategy_variants()) {
     SCOPED_TRACE(v.name());
     ModelOptions o = base;
     o.strategy = v.strategy;

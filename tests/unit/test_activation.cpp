@@ -6,6 +6,7 @@
 #include <cstring>
 #include <map>
 
+#include "model_step.h"
 #include "shardtrain/activation/checkpoint.h"
 #include "shardtrain/activation/counters.h"
 #include "shardtrain/activation/estimate.h"
@@ -15,41 +16,20 @@
 #include "shardtrain/autograd/grad_mode.h"
 #include "shardtrain/autograd/node.h"
 #include "shardtrain/nn/llama.h"
+#include "strategy_memory.h"
 
 using namespace shardtrain;
 using namespace shardtrain::activation;
 
 namespace {
 
-// Scores dominate: [B*heads, S, S] probabilities are 32x a [T, hidden] activation.
-nn::LlamaConfig memory_config() {
-  nn::LlamaConfig c;
-  c.vocab_size = 256;
-  c.hidden_size = 32;
-  c.intermediate_size = 64;
-  c.num_layers = 4;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.max_seq_len = 256;
-  return c;
-}
-constexpr int64_t kBatch = 1, kSeq = 256;
+using shardtrain::testing::expect_near_fraction;
+using shardtrain::testing::memory_config;
+using shardtrain::testing::shape_of;
 
-ActivationModelShape shape_of(const nn::LlamaConfig& c, int64_t batch, int64_t seq,
-                              ops::AttentionImpl impl) {
-  ActivationModelShape s;
-  s.batch = batch;
-  s.seq = seq;
-  s.hidden = c.hidden_size;
-  s.heads = c.num_heads;
-  s.kv_heads = c.num_kv_heads;
-  s.intermediate = c.intermediate_size;
-  s.vocab = c.vocab_size;
-  s.layers = c.num_layers;
-  s.dtype_bytes = 4;
-  s.attention_impl = impl;
-  return s;
-}
+// The batch of memory_config(): one sequence of 256 tokens.
+constexpr int64_t kBatch = shardtrain::testing::kMemoryBatch,
+                  kSeq = shardtrain::testing::kMemorySeq;
 
 std::unique_ptr<nn::LlamaModel> make_model(const nn::LlamaConfig& c, ops::AttentionImpl impl) {
   auto m = std::make_unique<nn::LlamaModel>(c, Device::cpu());
@@ -78,9 +58,7 @@ Batch make_batch(int64_t batch, int64_t seq, int64_t vocab, uint64_t seed) {
   return {from_ints(ids, {batch, seq}), from_ints(targets, {batch, seq})};
 }
 
-struct StepResult {
-  std::map<std::string, std::vector<float>> grads;
-  float loss = 0;
+struct StepResult : shardtrain::testing::LossAndGradients {
   int64_t baseline = 0;       // device activations in use before the forward (ids, targets)
   int64_t after_forward = 0;  // device activations in use when loss_sum returned
   int64_t host_after_forward = 0;
@@ -92,7 +70,7 @@ struct StepResult {
 };
 
 StepResult run_step(nn::LlamaModel& model, const Batch& b) {
-  for (auto& [name, p] : model.named_parameters()) autograd::set_grad(*p, Tensor());
+  shardtrain::testing::clear_gradients(model);
   reset_activation_counters();
   Allocator& dev = allocator_for(Device::cpu());
   Allocator& host = allocator_for(Device::host());
@@ -112,36 +90,13 @@ StepResult run_step(nn::LlamaModel& model, const Batch& b) {
   r.peak = dev.stats().peak_of(MemoryCategory::Activations);
   r.host_after_backward = host.stats().in_use_of(MemoryCategory::Offloaded);
   r.counters = activation_counters();
-  for (auto& [name, p] : model.named_parameters()) {
-    Tensor g = autograd::grad(*p);
-    EXPECT_TRUE(g.defined()) << name << " got no gradient";
-    if (g.defined()) r.grads[name] = g.to_float_vector();
-  }
+  r.grads = shardtrain::testing::gradients_of(model);
   return r;
 }
 
 void expect_bitwise_equal(const StepResult& a, const StepResult& b, const std::string& what) {
-  ASSERT_EQ(a.grads.size(), b.grads.size()) << what;
-  for (const auto& [name, ga] : a.grads) {
-    const std::vector<float>& gb = b.grads.at(name);
-    ASSERT_EQ(ga.size(), gb.size()) << what << " " << name;
-    EXPECT_EQ(std::memcmp(ga.data(), gb.data(), ga.size() * sizeof(float)), 0)
-        << what << ": gradient of " << name << " differs from strategy none";
-  }
-  EXPECT_EQ(std::memcmp(&a.loss, &b.loss, sizeof(float)), 0) << what << ": loss differs";
+  shardtrain::testing::expect_bitwise_equal_step(a, b, what, "strategy none");
 }
-
-void expect_near_fraction(int64_t measured, int64_t predicted, double tolerance,
-                          const std::string& what) {
-  double rel = std::abs(static_cast<double>(measured - predicted)) / static_cast<double>(predicted);
-  EXPECT_LE(rel, tolerance) << what << ": measured " << measured << " bytes, predicted "
-                            << predicted;
-}
-
-struct Variant {
-  std::string strategy;
-  bool reentrant;
-};
 
 }  // namespace
 
@@ -158,22 +113,14 @@ TEST_P(StrategyTest, GradientsCountsAndMemoryMatchNoneAndTheFormula) {
 
   auto reference_model = make_model(c, impl);
   const StepResult none = run_step(*reference_model, batch);
-  EXPECT_EQ(none.counters.forward_reruns, 0);
   EXPECT_EQ(none.counters.bytes_offloaded, 0);
-  EXPECT_EQ(none.baseline, 2 * 2048) << "only ids and targets should be alive before forward";
+  shardtrain::testing::expect_none_as_estimated(none, shape);
 
   std::map<std::string, int64_t> peaks;
   peaks["none"] = none.peak;
-  ActivationEstimate none_estimate = activation_bytes_model("none", shape);
-  EXPECT_EQ(none.after_forward, none_estimate.after_forward);
-  expect_near_fraction(none.peak, none_estimate.peak, 0.05, "none");
 
-  const std::vector<Variant> variants = {
-      {"per_layer", false},   {"per_layer", true},           {"sqrt_segment", false},
-      {"sqrt_segment", true}, {"selective", false},          {"selective", true},
-      {"offload", false},     {"offload_checkpoint", false}, {"offload_checkpoint", true}};
-  for (const Variant& v : variants) {
-    std::string what = v.strategy + (v.reentrant ? " (reentrant)" : "");
+  for (const shardtrain::testing::StrategyVariant& v : shardtrain::testing::strategy_variants()) {
+    const std::string what = v.name();
     SCOPED_TRACE(what);
     auto model = make_model(c, impl);
     ActivationOptions options;
@@ -184,7 +131,7 @@ TEST_P(StrategyTest, GradientsCountsAndMemoryMatchNoneAndTheFormula) {
     expect_bitwise_equal(r, none, what);
 
     // Re-runs: one per region per backward.
-    int64_t regions = v.strategy == "sqrt_segment" ? 2 : (v.strategy == "offload" ? 0 : L);
+    const int64_t regions = shardtrain::testing::rerun_regions(v.strategy, L);
     EXPECT_EQ(r.counters.forward_reruns, regions);
     if (regions > 0) {
       EXPECT_GT(r.counters.recompute_seconds, 0.0);
@@ -199,23 +146,12 @@ TEST_P(StrategyTest, GradientsCountsAndMemoryMatchNoneAndTheFormula) {
       EXPECT_EQ(r.nodes_run, none.nodes_run);
     }
 
-    ActivationEstimate e = activation_bytes_model(v.strategy, shape, v.reentrant);
     EXPECT_EQ(r.baseline, none.baseline);
-    EXPECT_EQ(r.after_forward, e.after_forward);
-    expect_near_fraction(r.forward_peak, e.forward_peak, 0.05, what + " forward peak");
-    expect_near_fraction(r.peak, e.peak, 0.05, what + " peak");
-    EXPECT_EQ(r.host_after_forward, e.host_bytes);
-    EXPECT_EQ(r.host_after_backward, 0) << "offloaded copies must be freed by backward";
+    shardtrain::testing::expect_as_estimated(r, v, shape);
     if (!v.reentrant) peaks[v.strategy] = r.peak;
   }
 
-  // What each strategy buys when the scores dominate.
-  EXPECT_LT(peaks["offload_checkpoint"], peaks["per_layer"]);
-  EXPECT_LT(peaks["per_layer"], peaks["selective"]);
-  EXPECT_LT(peaks["selective"], peaks["none"]);
-  EXPECT_LT(peaks["per_layer"], peaks["sqrt_segment"]);
-  EXPECT_LT(peaks["sqrt_segment"], peaks["none"]);
-  EXPECT_LT(peaks["offload"], peaks["none"]);
+  shardtrain::testing::expect_strategy_peak_order(peaks);
 }
 
 INSTANTIATE_TEST_SUITE_P(Attention, StrategyTest,

@@ -4,14 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstring>
 #include <string>
 #include <vector>
 
+#include "offload_optimizer.h"
 #include "shardtrain/autograd/node.h"
 #include "shardtrain/backend/backend.h"
-#include "shardtrain/data/batch.h"
-#include "shardtrain/io/safetensors.h"
 #include "shardtrain/optim/cpu_adam.h"
 #include "shardtrain/optim/offload.h"
 #include "shardtrain/train/runtime.h"
@@ -21,25 +19,12 @@ namespace {
 
 using optim::CpuAdamKernel;
 
-const std::string kGolden = std::string(SHARDTRAIN_TEST_DATA) + "/golden/llama-tiny-gqa";
-
-int64_t rounded(int64_t bytes) {
-  return (bytes + 63) / 64 * 64;
-}  // the allocators' granularity
-
-// Bit patterns, so that -0.0 vs 0.0 and NaN payloads count as differences.
-std::vector<uint32_t> bits_of(const Tensor& t) {
-  std::vector<float> f = t.to_float_vector();
-  std::vector<uint32_t> out(f.size());
-  std::memcpy(out.data(), f.data(), f.size() * 4);
-  return out;
-}
-
-std::vector<uint32_t> bits_of(const std::vector<float>& f) {
-  std::vector<uint32_t> out(f.size());
-  std::memcpy(out.data(), f.data(), f.size() * 4);
-  return out;
-}
+using testing::bits_of;
+using testing::expect_bitwise_equal;
+using testing::ParamSet;
+using testing::rounded;
+using testing::set_random_grads;
+using testing::StateBytes;
 
 std::vector<float> random_floats(int64_t n, uint64_t seed, float scale) {
   Generator gen(seed);
@@ -191,51 +176,8 @@ TEST(CpuAdam, Bf16MomentsMatchOnTheFirstStepThenDriftByRoundingOnly) {
 // ---- OffloadedAdamW against AdamW
 // ----------------------------------------------------------------
 
-struct ParamSet {
-  std::vector<std::string> names;
-  std::vector<Tensor> tensors;
-  std::vector<optim::NamedParam> named() {
-    std::vector<optim::NamedParam> out;
-    for (size_t i = 0; i < names.size(); ++i) out.push_back({names[i], &tensors[i]});
-    return out;
-  }
-};
-
-// Several shapes, decayed ("proj") and not ("norm", "embed"), identical in both sets.
 ParamSet make_params(Device device, DType dtype = DType::F32) {
-  const std::vector<std::pair<std::string, Shape>> specs = {
-      {"layers.0.q_proj.weight", {33, 17}}, {"layers.0.input_norm.weight", {7}},
-      {"embed_tokens.weight", {5, 1003}},   {"layers.0.down_proj.weight", {4097}},
-      {"layers.0.bias_like", {1}},
-  };
-  ParamSet s;
-  uint64_t seed = 100;
-  CategoryScope scope(MemoryCategory::Parameters);
-  for (auto& [name, shape] : specs) {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    s.names.push_back(name);
-    s.tensors.push_back(from_floats(random_floats(n, seed++, 1.0f), shape, dtype, device));
-  }
-  return s;
-}
-
-void set_random_grads(ParamSet& s, uint64_t seed, size_t skip = SIZE_MAX) {
-  CategoryScope scope(MemoryCategory::Gradients);
-  for (size_t i = 0; i < s.tensors.size(); ++i) {
-    Tensor& p = s.tensors[i];
-    if (i == skip) {
-      autograd::set_grad(p, Tensor());
-      continue;
-    }
-    autograd::set_grad(p, from_floats(random_floats(p.numel(), seed * 31 + i, 1e-2f), p.shape(),
-                                      DType::F32, p.device()));
-  }
-}
-
-void expect_bitwise_equal(ParamSet& a, ParamSet& b) {
-  for (size_t i = 0; i < a.tensors.size(); ++i)
-    EXPECT_EQ(bits_of(a.tensors[i]), bits_of(b.tensors[i])) << a.names[i];
+  return testing::make_params(device, dtype);
 }
 
 class OffloadMatchesAdamW : public ::testing::TestWithParam<bool> {};  // moments on the device
@@ -244,43 +186,11 @@ TEST_P(OffloadMatchesAdamW, BitwiseOverThreeStepsWithAndWithoutWeightDecay) {
   for (bool decay_all : {false, true}) {
     for (float wd : {0.0f, 0.1f}) {
       SCOPED_TRACE("decay_all=" + std::to_string(decay_all) + " wd=" + std::to_string(wd));
-      ParamSet ref = make_params(Device::cpu()), off = make_params(Device::cpu());
       optim::AdamWOptions opts;
       opts.weight_decay = wd;
       opts.decay_all = decay_all;
-      optim::OffloadOptions offload;
-      offload.moments_on_device = GetParam();
-      offload.pipeline_chunk_elements = 1000;  // several pieces per large parameter
-      optim::AdamW adamw(ref.named(), opts);
-      optim::OffloadedAdamW offloaded(off.named(), opts, offload);
-      for (int step = 1; step <= 3; ++step) {
-        // Step 2 leaves one parameter without a gradient: it and its moments must not change.
-        const size_t skip = step == 2 ? 2 : SIZE_MAX;
-        set_random_grads(ref, static_cast<uint64_t>(step), skip);
-        set_random_grads(off, static_cast<uint64_t>(step), skip);
-        const float lr = 1e-2f * static_cast<float>(step);
-        adamw.step(lr);
-        offloaded.step(lr);
-        expect_bitwise_equal(ref, off);
-        EXPECT_EQ(offloaded.steps_taken(), step);
-      }
-      auto want = adamw.state(), got = offloaded.state();
-      ASSERT_EQ(got.size(), want.size());
-      for (size_t i = 0; i < want.size(); ++i) {
-        EXPECT_EQ(got[i].first, want[i].first);
-        EXPECT_EQ(got[i].second->device(), GetParam() ? Device::cpu() : Device::host());
-        EXPECT_EQ(bits_of(*got[i].second), bits_of(*want[i].second)) << want[i].first;
-      }
-      for (size_t i = 0; i < off.tensors.size(); ++i)  // the master is the parameter, exactly
-        EXPECT_EQ(bits_of(offloaded.master(i)), bits_of(off.tensors[i])) << off.names[i];
-      // Bytes over the link in the last step: 4 per gradient element down, 4 per weight up, and
-      // 8 + 8 more per element when the moments live on the device.
-      int64_t elems = 0;
-      for (const Tensor& t : off.tensors) elems += t.numel();
-      const optim::OffloadStepStats& s = offloaded.last_step_stats();
-      EXPECT_EQ(s.bytes_down, elems * (GetParam() ? 12 : 4));
-      EXPECT_EQ(s.bytes_up, elems * (GetParam() ? 12 : 4));
-      EXPECT_EQ(s.pieces, 1 + 1 + 6 + 5 + 1);  // ceil(numel / 1000) per parameter
+      ASSERT_NO_FATAL_FAILURE(
+          testing::expect_offloaded_adamw_matches_adamw(Device::cpu(), opts, GetParam()));
     }
   }
 }
@@ -291,24 +201,7 @@ INSTANTIATE_TEST_SUITE_P(Moments, OffloadMatchesAdamW, ::testing::Values(false, 
                          });
 
 TEST(OffloadedAdamW, Bf16ParametersGetTheRoundedFp32Master) {
-  ParamSet ref = make_params(Device::cpu());
-  ParamSet off = make_params(Device::cpu(), DType::BF16);
-  // The same starting values: the fp32 reference starts from the bf16 weights.
-  for (size_t i = 0; i < ref.tensors.size(); ++i) ref.tensors[i].copy_from(off.tensors[i]);
-  optim::AdamW adamw(ref.named(), {});
-  optim::OffloadedAdamW offloaded(off.named(), {}, {});
-  for (int step = 1; step <= 2; ++step) {
-    set_random_grads(ref, static_cast<uint64_t>(step));
-    set_random_grads(off, static_cast<uint64_t>(step));
-    adamw.step(1e-2f);
-    offloaded.step(1e-2f);
-  }
-  for (size_t i = 0; i < ref.tensors.size(); ++i) {
-    SCOPED_TRACE(ref.names[i]);
-    EXPECT_EQ(bits_of(offloaded.master(i)), bits_of(ref.tensors[i]));
-    EXPECT_EQ(off.tensors[i].dtype(), DType::BF16);
-    EXPECT_EQ(bits_of(off.tensors[i]), bits_of(ref.tensors[i].to(DType::BF16)));
-  }
+  testing::expect_bf16_weights_are_the_rounded_fp32_master(Device::cpu());
 }
 
 TEST(OffloadedAdamW, WeightsWrittenAfterConstructionOrOnReloadAreTheOnesUpdated) {
@@ -326,7 +219,7 @@ TEST(OffloadedAdamW, WeightsWrittenAfterConstructionOrOnReloadAreTheOnesUpdated)
   set_random_grads(off, 1);
   adamw.step(1e-2f);
   offloaded.step(1e-2f);
-  expect_bitwise_equal(ref, off);
+  expect_bitwise_equal(off, ref, "after the loaded weights");
   // Later writes are seen after reload_params() (and only then: the master is the truth).
   Backend& cpu = backend_for(Device::cpu());
   for (size_t i = 0; i < ref.tensors.size(); ++i) {
@@ -338,7 +231,7 @@ TEST(OffloadedAdamW, WeightsWrittenAfterConstructionOrOnReloadAreTheOnesUpdated)
   set_random_grads(off, 2);
   adamw.step(1e-2f);
   offloaded.step(1e-2f);
-  expect_bitwise_equal(ref, off);
+  expect_bitwise_equal(off, ref, "after reload_params()");
 }
 
 TEST(OffloadedAdamW, RejectsAnEmptyPipelinePiece) {
@@ -350,19 +243,13 @@ TEST(OffloadedAdamW, RejectsAnEmptyPipelinePiece) {
 
 // ---- memory -------------------------------------------------------------------------------------
 
-struct StateBytes {
-  int64_t device, host;
-};
-
 StateBytes optimizer_state_in_use() {
-  return {allocator_for(Device::cpu()).stats().in_use_of(MemoryCategory::OptimizerState),
-          allocator_for(Device::host()).stats().in_use_of(MemoryCategory::OptimizerState)};
+  return testing::optimizer_state_in_use(Device::cpu());
 }
 
 TEST(OffloadedAdamW, StateLivesInTheHostPoolTwelveBytesPerElement) {
   ParamSet off = make_params(Device::cpu());
-  int64_t per_tensor = 0;  // one fp32 tensor per parameter, each rounded to 64 bytes
-  for (const Tensor& t : off.tensors) per_tensor += rounded(4 * t.numel());
+  const int64_t per_tensor = testing::fp32_bytes_per_parameter(off.named());
   EXPECT_EQ(per_tensor, rounded(4 * 33 * 17) + rounded(4 * 7) + rounded(4 * 5 * 1003) +
                             rounded(4 * 4097) + rounded(4));
 
@@ -373,98 +260,41 @@ TEST(OffloadedAdamW, StateLivesInTheHostPoolTwelveBytesPerElement) {
     optim::OffloadOptions o;
     o.pipeline_chunk_elements = 1000;
     optim::OffloadedAdamW offloaded(off.named(), {}, o);
-    StateBytes now = optimizer_state_in_use();
-    EXPECT_EQ(now.device - before.device, 0);
-    EXPECT_EQ(now.host - before.host, 3 * per_tensor);  // master, exp_avg, exp_avg_sq
-
-    // Steps add no state. The first allocates the staging, three host Workspace slots of one
-    // piece (1000 fp32 elements), kept for later steps.
-    Allocator& host = allocator_for(Device::host());
-    const int64_t staging = 3 * rounded(4 * 1000);
-    set_random_grads(off, 1);
-    offloaded.step(1e-3f);
-    EXPECT_EQ(host.stats().in_use_of(MemoryCategory::Workspace) - workspace_before, staging);
-    host.reset_peak();
-    set_random_grads(off, 2);
-    offloaded.step(1e-3f);
-    EXPECT_EQ(host.stats().peak_of(MemoryCategory::Workspace) - workspace_before, staging);
-    EXPECT_EQ(host.stats().in_use_of(MemoryCategory::Workspace) - workspace_before, staging);
-    now = optimizer_state_in_use();
-    EXPECT_EQ(now.device - before.device, 0);
-    EXPECT_EQ(now.host - before.host, 3 * per_tensor);
+    // master, exp_avg, exp_avg_sq
+    testing::expect_state_added(Device::cpu(), before, 0, 3 * per_tensor);
+    // Steps add no state; the staging stays allocated for later steps.
+    testing::expect_two_steps_keep_one_staging(offloaded, off, workspace_before);
+    EXPECT_EQ(allocator_for(Device::host()).stats().in_use_of(MemoryCategory::Workspace) -
+                  workspace_before,
+              3 * rounded(4 * 1000));
+    testing::expect_state_added(Device::cpu(), before, 0, 3 * per_tensor);
   }
   EXPECT_EQ(allocator_for(Device::host()).stats().in_use_of(MemoryCategory::Workspace),
             workspace_before);
   EXPECT_EQ(optimizer_state_in_use().host, before.host);  // freed with the optimizer
-
-  {
-    optim::OffloadOptions o;
-    o.moments_on_device = true;
-    optim::OffloadedAdamW offloaded(off.named(), {}, o);
-    StateBytes now = optimizer_state_in_use();
-    EXPECT_EQ(now.device - before.device, 2 * per_tensor);  // the moments
-    EXPECT_EQ(now.host - before.host, per_tensor);          // the master
-  }
-  {
-    // The on-device optimizer for comparison: everything on the device.
-    optim::AdamW adamw(off.named(), {});
-    StateBytes now = optimizer_state_in_use();
-    EXPECT_EQ(now.device - before.device, 2 * per_tensor);
-    EXPECT_EQ(now.host - before.host, 0);
-  }
+  testing::expect_state_with_moments_on_the_device(off, Device::cpu(), before);
 }
 
 // ---- through Runtime
 // ------------------------------------------------------------------------------
 
 train::Config golden_config(const std::vector<std::string>& sets) {
-  std::vector<std::string> all = {"train.device=cpu", "model.from_hf=" + kGolden,
-                                  "optim.grad_clip=0", "optim.decay_norms_and_embeddings=true"};
-  all.insert(all.end(), sets.begin(), sets.end());
-  return train::Config::parse("{}", all, "golden");
-}
-
-std::vector<Batch> golden_batch() {
-  SafetensorsFile file = SafetensorsFile::open(kGolden + "/batch.safetensors");
-  Batch b;
-  b.input_ids = file.load("input_ids", Device::cpu(), DType::I64);
-  b.targets = file.load("targets", Device::cpu(), DType::I64);
-  b.num_target_tokens = count_target_tokens(b.targets);
-  return {b};
+  return testing::golden_config("cpu", sets);
 }
 
 TEST(OffloadedAdamW, RuntimeStepIsBitwiseEqualToTheOnDeviceOptimizer) {
   const StateBytes before = optimizer_state_in_use();
   train::Runtime offloaded(golden_config({"optim.offload=cpu"}));
   ASSERT_NE(dynamic_cast<optim::OffloadedAdamW*>(&offloaded.optimizer()), nullptr);
-  int64_t per_tensor = 0;
-  for (const optim::NamedParam& p : offloaded.trainable())
-    per_tensor += rounded(4 * p.param->numel());
-  StateBytes now = optimizer_state_in_use();
-  EXPECT_EQ(now.device - before.device, 0);
-  EXPECT_EQ(now.host - before.host, 3 * per_tensor);
+  const int64_t per_tensor = testing::fp32_bytes_per_parameter(offloaded.trainable());
+  testing::expect_state_added(Device::cpu(), before, 0, 3 * per_tensor);
 
   train::Runtime on_device(golden_config({}));
   ASSERT_NE(dynamic_cast<optim::AdamW*>(&on_device.optimizer()), nullptr);
-  now = optimizer_state_in_use();
-  EXPECT_EQ(now.device - before.device, 2 * per_tensor);
-  EXPECT_EQ(now.host - before.host, 3 * per_tensor);
+  testing::expect_state_added(Device::cpu(), before, 2 * per_tensor, 3 * per_tensor);
 
-  const std::vector<Batch> batch = golden_batch();
-  train::StepResult a = on_device.train_step(batch, 1e-2f);
-  train::StepResult b = offloaded.train_step(batch, 1e-2f);
-  EXPECT_EQ(a.loss, b.loss);
-  EXPECT_EQ(a.grad_norm, b.grad_norm);
-  auto pa = on_device.model().named_parameters(), pb = offloaded.model().named_parameters();
-  ASSERT_EQ(pa.size(), pb.size());
-  for (size_t i = 0; i < pa.size(); ++i)
-    EXPECT_EQ(bits_of(*pa[i].second), bits_of(*pb[i].second)) << pa[i].first;
-  auto sa = on_device.optimizer().state(), sb = offloaded.optimizer().state();
-  ASSERT_EQ(sa.size(), sb.size());
-  for (size_t i = 0; i < sa.size(); ++i) {
-    EXPECT_EQ(sa[i].first, sb[i].first);
-    EXPECT_EQ(bits_of(*sa[i].second), bits_of(*sb[i].second)) << sa[i].first;
-  }
+  ASSERT_NO_FATAL_FAILURE(testing::expect_runtime_steps_bitwise_equal(
+      on_device, offloaded, testing::golden_batch(), 1e-2f));
 }
 
 TEST(OffloadedAdamW, RuntimeRejectsOffloadWithSgd) {
