@@ -274,8 +274,10 @@ Tensor LlamaModel::loss_sum(const Tensor& ids, const Tensor& targets, int64_t* c
   if (loss_chunk_rows_ == 0) return ops::cross_entropy_sum(forward(ids), flat_targets, counted);
   // The head and the loss as one op that never holds all the logits. The head's weight is read
   // inside the wrappers, where it is the gathered (FSDP) or compute-dtype copy.
+  // The targets are captured by handle, not as a reference to this frame: a wrapper may keep
+  // the function beyond this call.
   return run_wrapped(
-      [&](const Tensor& in) {
+      [this, flat_targets, counted](const Tensor& in) {
         Tensor x = final_hidden(in);
         const Tensor& w = lm_head ? lm_head->weight : embed_tokens.weight;
         return ops::linear_cross_entropy_sum(x, w, flat_targets, loss_chunk_rows_, counted);
