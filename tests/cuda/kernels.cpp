@@ -321,6 +321,61 @@ TEST(CudaKernels, CrossEntropy) {
   EXPECT_THROW(gpu().cross_entropy_forward(logits, targets, losses), ShapeError);
 }
 
+// Operands of mixed dtypes: the kernels compute in fp32 then, so an fp32 output of 16-bit inputs
+// is rounded once, as on the CPU, and an fp32 operand is not rounded to 16 bits on the way in.
+// Rounding through bf16 would miss the fp32 tolerance below by about 100x.
+TEST(CudaKernels, MixedDtypesRoundOnceAsTheCpuBackendDoes) {
+  REQUIRE_CUDA();
+  constexpr DType lo = DType::BF16, hi = DType::F32;
+  const Shape s{6, 40};
+  const float rtol = tolerance(hi);
+  {
+    Tensor x = random_cpu(s, lo, 70), w = random_cpu({40}, hi, 71, 0.5f);
+    Tensor want = empty(s, hi), r_want = empty({6});
+    Tensor got = empty(s, hi, cuda0()), r_got = empty({6}, hi, cuda0());
+    cpu().rmsnorm_forward(x, w, 1e-5f, want, r_want);
+    gpu().rmsnorm_forward(x.to(cuda0()), w.to(cuda0()), 1e-5f, got, r_got);
+    expect_close(got, want, 1e-6f, rtol, "rmsnorm bf16 x -> f32 y");
+
+    Tensor dy = random_cpu(s, hi, 72);
+    Tensor dx_want = empty(s, hi), dw_want = zeros({40});
+    Tensor dx_got = empty(s, hi, cuda0()), dw_got = zeros({40}, hi, cuda0());
+    cpu().rmsnorm_backward(dy, x, w, r_want, dx_want, dw_want);
+    gpu().rmsnorm_backward(dy.to(cuda0()), x.to(cuda0()), w.to(cuda0()), r_want.to(cuda0()), dx_got,
+                           dw_got);
+    expect_close_scaled(dx_got, dx_want, 2 * rtol, "rmsnorm f32 dy, bf16 x -> f32 dx");
+  }
+  {
+    Tensor x = random_cpu({1, 6, 2, 20}, lo, 73);
+    Tensor want = empty({1, 6, 2, 20}, hi), got = empty({1, 6, 2, 20}, hi, cuda0());
+    cpu().rope(x, want, 10000.0f, 3, false);
+    gpu().rope(x.to(cuda0()), got, 10000.0f, 3, false);
+    expect_close(got, want, 2e-5f, rtol, "rope bf16 -> f32");
+  }
+  {
+    Tensor scores = random_cpu({2, 6, 6}, lo, 74, 3.0f);
+    Tensor want = empty({2, 6, 6}, hi), got = empty({2, 6, 6}, hi, cuda0());
+    cpu().causal_softmax(scores, 0.7f, want);
+    gpu().causal_softmax(scores.to(cuda0()), 0.7f, got);
+    expect_close(got, want, 1e-6f, rtol, "causal_softmax bf16 -> f32");
+  }
+  {
+    Tensor gate = random_cpu(s, lo, 75, 2.0f), up = random_cpu(s, hi, 76);
+    Tensor want = empty(s, hi), got = empty(s, hi, cuda0());
+    cpu().swiglu_forward(gate, up, want);
+    gpu().swiglu_forward(gate.to(cuda0()), up.to(cuda0()), got);
+    expect_close(got, want, 1e-6f, rtol, "swiglu bf16 gate, f32 up -> f32");
+  }
+  {
+    Tensor logits = random_cpu({5, 77}, lo, 77, 4.0f);
+    Tensor targets = from_ints(testing::random_ids(5, 77, 78), {5});
+    Tensor want = empty({5, 77}, hi), got = empty({5, 77}, hi, cuda0());
+    cpu().cross_entropy_backward(logits, targets, 0.25f, want);
+    gpu().cross_entropy_backward(logits.to(cuda0()), targets.to(cuda0()), 0.25f, got);
+    expect_close(got, want, 1e-6f, rtol, "cross_entropy_backward bf16 logits -> f32 dlogits");
+  }
+}
+
 TEST(CudaKernels, Reductions) {
   REQUIRE_CUDA();
   for (DType t : kFloatTypes) {

@@ -49,6 +49,17 @@ Tensor as_type(const Tensor& t, DType type, const Call& call) {
   return converted;
 }
 
+// The dtype a kernel computes in when its float operands differ: their common dtype, or fp32 when
+// they mix. A kernel reads its inputs and rounds into its output in this one dtype, so widening
+// the inputs is exact and an fp32 output of 16-bit inputs is rounded once, as the CPU backend
+// rounds it (not to 16 bits first).
+DType compute_type(std::initializer_list<DType> types) {
+  const DType first = *types.begin();
+  for (DType t : types)
+    if (t != first) return DType::F32;
+  return first;
+}
+
 // An output that a kernel writes as `type`: the output itself when it has that dtype, otherwise
 // a workspace tensor converted into the output by finish().
 class StagedOutput {
@@ -198,8 +209,10 @@ void CudaBackend::rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, T
   require_f32(rstd, "rmsnorm rstd");
   const int64_t H = w.numel();
   const int64_t N = H == 0 ? 0 : x.numel() / H;
-  StagedOutput yo(y, x.dtype(), call);
-  kernels::rmsnorm_forward(x.data_ptr(), x.dtype(), w.data_ptr(), w.dtype(), eps, yo.data(),
+  const DType t = compute_type({x.dtype(), y.dtype()});
+  const Tensor xt = as_type(x, t, call);
+  StagedOutput yo(y, t, call);
+  kernels::rmsnorm_forward(xt.data_ptr(), t, w.data_ptr(), w.dtype(), eps, yo.data(),
                            static_cast<float*>(rstd.data_ptr()), N, H, call.stream);
   yo.finish();
 }
@@ -211,9 +224,10 @@ void CudaBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tens
   require_f32(dw, "rmsnorm weight gradient");
   const int64_t H = w.numel();
   const int64_t N = H == 0 ? 0 : x.numel() / H;
-  const Tensor dy_t = as_type(dy, x.dtype(), call);
-  StagedOutput dxo(dx, x.dtype(), call);
-  kernels::rmsnorm_backward(dy_t.data_ptr(), x.data_ptr(), x.dtype(), w.data_ptr(), w.dtype(),
+  const DType t = compute_type({dy.dtype(), x.dtype(), dx.dtype()});
+  const Tensor dy_t = as_type(dy, t, call), xt = as_type(x, t, call);
+  StagedOutput dxo(dx, t, call);
+  kernels::rmsnorm_backward(dy_t.data_ptr(), xt.data_ptr(), t, w.data_ptr(), w.dtype(),
                             static_cast<const float*>(rstd.data_ptr()), dxo.data(),
                             static_cast<float*>(dw.data_ptr()), N, H, call.scratch, call.stream);
   dxo.finish();
@@ -224,9 +238,11 @@ void CudaBackend::rope(const Tensor& x, Tensor& out, float theta, int64_t positi
   Call call({&x, &out}, "rope");
   ST_CHECK_SHAPE(x.dim() == 4 && x.size(3) % 2 == 0, "rope needs x [B, S, H, D] with even D, got ",
                  x.describe());
-  StagedOutput o(out, x.dtype(), call);
-  kernels::rope(x.data_ptr(), o.data(), x.dtype(), x.size(0), x.size(1), x.size(2), x.size(3),
-                theta, position_offset, inverse, call.stream);
+  const DType t = compute_type({x.dtype(), out.dtype()});
+  const Tensor xt = as_type(x, t, call);
+  StagedOutput o(out, t, call);
+  kernels::rope(xt.data_ptr(), o.data(), t, x.size(0), x.size(1), x.size(2), x.size(3), theta,
+                position_offset, inverse, call.stream);
   o.finish();
 }
 
@@ -234,9 +250,10 @@ void CudaBackend::causal_softmax(const Tensor& scores, float scale, Tensor& prob
   Call call({&scores, &probs}, "causal_softmax");
   const int64_t Sk = scores.size(-1), Sq = scores.size(-2);
   const int64_t rows = Sk == 0 ? 0 : scores.numel() / Sk;
-  StagedOutput o(probs, scores.dtype(), call);
-  kernels::causal_softmax(scores.data_ptr(), o.data(), scores.dtype(), rows, Sq, Sk, scale,
-                          call.stream);
+  const DType t = compute_type({scores.dtype(), probs.dtype()});
+  const Tensor st = as_type(scores, t, call);
+  StagedOutput o(probs, t, call);
+  kernels::causal_softmax(st.data_ptr(), o.data(), t, rows, Sq, Sk, scale, call.stream);
   o.finish();
 }
 
@@ -245,10 +262,11 @@ void CudaBackend::causal_softmax_backward(const Tensor& probs, const Tensor& dpr
   Call call({&probs, &dprobs, &dscores}, "causal_softmax_backward");
   const int64_t Sk = probs.size(-1);
   const int64_t rows = Sk == 0 ? 0 : probs.numel() / Sk;
-  const Tensor dp = as_type(dprobs, probs.dtype(), call);
-  StagedOutput o(dscores, probs.dtype(), call);
-  kernels::causal_softmax_backward(probs.data_ptr(), dp.data_ptr(), o.data(), probs.dtype(), rows,
-                                   Sk, scale, call.stream);
+  const DType t = compute_type({probs.dtype(), dprobs.dtype(), dscores.dtype()});
+  const Tensor pt = as_type(probs, t, call), dp = as_type(dprobs, t, call);
+  StagedOutput o(dscores, t, call);
+  kernels::causal_softmax_backward(pt.data_ptr(), dp.data_ptr(), o.data(), t, rows, Sk, scale,
+                                   call.stream);
   o.finish();
 }
 
@@ -273,10 +291,10 @@ void CudaBackend::attention_forward(const Tensor& q, const Tensor& k, const Tens
   require_f32(lse, "attention lse");
   const kernels::AttentionDims d = attention_dims(q, k, scale);
   if (d.batch * d.heads_q * d.seq == 0) return;
-  const DType t = q.dtype();
-  const Tensor kt = as_type(k, t, call), vt = as_type(v, t, call);
+  const DType t = compute_type({q.dtype(), k.dtype(), v.dtype(), out.dtype()});
+  const Tensor qt = as_type(q, t, call), kt = as_type(k, t, call), vt = as_type(v, t, call);
   StagedOutput o(out, t, call);
-  kernels::attention_forward(d, q.data_ptr(), kt.data_ptr(), vt.data_ptr(), t, o.data(),
+  kernels::attention_forward(d, qt.data_ptr(), kt.data_ptr(), vt.data_ptr(), t, o.data(),
                              static_cast<float*>(lse.data_ptr()), call.stream);
   o.finish();
 }
@@ -293,11 +311,12 @@ void CudaBackend::attention_backward(const Tensor& q, const Tensor& k, const Ten
     fill(dv, 0.0f);
     return;
   }
-  const DType t = q.dtype();
-  const Tensor kt = as_type(k, t, call), vt = as_type(v, t, call);
+  const DType t = compute_type({q.dtype(), k.dtype(), v.dtype(), out.dtype(), dout.dtype(),
+                                dq.dtype(), dk.dtype(), dv.dtype()});
+  const Tensor qt = as_type(q, t, call), kt = as_type(k, t, call), vt = as_type(v, t, call);
   const Tensor ot = as_type(out, t, call), dot = as_type(dout, t, call);
   StagedOutput dqo(dq, t, call), dko(dk, t, call), dvo(dv, t, call);
-  kernels::attention_backward(d, q.data_ptr(), kt.data_ptr(), vt.data_ptr(), ot.data_ptr(),
+  kernels::attention_backward(d, qt.data_ptr(), kt.data_ptr(), vt.data_ptr(), ot.data_ptr(),
                               static_cast<const float*>(lse.data_ptr()), dot.data_ptr(), t,
                               dqo.data(), dko.data(), dvo.data(), call.scratch, call.stream);
   dqo.finish();
@@ -309,20 +328,21 @@ void CudaBackend::attention_backward(const Tensor& q, const Tensor& k, const Ten
 
 void CudaBackend::swiglu_forward(const Tensor& gate, const Tensor& up, Tensor& out) {
   Call call({&gate, &up, &out}, "swiglu_forward");
-  const DType t = gate.dtype();
-  const Tensor u = as_type(up, t, call);
+  const DType t = compute_type({gate.dtype(), up.dtype(), out.dtype()});
+  const Tensor g = as_type(gate, t, call), u = as_type(up, t, call);
   StagedOutput o(out, t, call);
-  kernels::swiglu_forward(gate.data_ptr(), u.data_ptr(), o.data(), t, out.numel(), call.stream);
+  kernels::swiglu_forward(g.data_ptr(), u.data_ptr(), o.data(), t, out.numel(), call.stream);
   o.finish();
 }
 
 void CudaBackend::swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up,
                                   Tensor& dgate, Tensor& dup) {
   Call call({&dout, &gate, &up, &dgate, &dup}, "swiglu_backward");
-  const DType t = gate.dtype();
-  const Tensor d = as_type(dout, t, call), u = as_type(up, t, call);
+  const DType t =
+      compute_type({dout.dtype(), gate.dtype(), up.dtype(), dgate.dtype(), dup.dtype()});
+  const Tensor d = as_type(dout, t, call), g = as_type(gate, t, call), u = as_type(up, t, call);
   StagedOutput dg(dgate, t, call), du(dup, t, call);
-  kernels::swiglu_backward(d.data_ptr(), gate.data_ptr(), u.data_ptr(), dg.data(), du.data(), t,
+  kernels::swiglu_backward(d.data_ptr(), g.data_ptr(), u.data_ptr(), dg.data(), du.data(), t,
                            gate.numel(), call.stream);
   dg.finish();
   du.finish();
@@ -346,10 +366,11 @@ void CudaBackend::cross_entropy_backward(const Tensor& logits, const Tensor& tar
   Call call({&logits, &targets, &dlogits}, "cross_entropy_backward");
   const int64_t V = logits.size(-1), N = targets.numel();
   if (!targets_checked) check_indices(targets, V, kIgnoreIndex, "target token id", call);
-  StagedOutput o(dlogits, logits.dtype(), call);
-  kernels::cross_entropy_backward(logits.data_ptr(), logits.dtype(),
-                                  static_cast<const int64_t*>(targets.data_ptr()), grad_scale,
-                                  o.data(), N, V, call.stream);
+  const DType t = compute_type({logits.dtype(), dlogits.dtype()});
+  const Tensor lt = as_type(logits, t, call);
+  StagedOutput o(dlogits, t, call);
+  kernels::cross_entropy_backward(lt.data_ptr(), t, static_cast<const int64_t*>(targets.data_ptr()),
+                                  grad_scale, o.data(), N, V, call.stream);
   o.finish();
 }
 
@@ -432,6 +453,10 @@ void require_adamw_operands(const Tensor& param, const Tensor& grad, const Tenso
   require_f32(param, "AdamW parameter");
   require_f32(m, "AdamW first moment");
   require_f32(v, "AdamW second moment");
+  // The kernel is built for these gradient dtypes; any other would be left out of the update.
+  ST_CHECK_SHAPE(grad.dtype() == DType::F32 || grad.dtype() == DType::BF16 ||
+                     grad.dtype() == DType::F16,
+                 "CUDA adamw: the gradient must be f32, bf16 or f16, got ", grad.describe());
   ST_CHECK_SHAPE(
       grad.numel() == param.numel() && m.numel() == param.numel() && v.numel() == param.numel(),
       "CUDA adamw: parameter ", param.describe(), ", gradient ", grad.describe(), " and moments ",
