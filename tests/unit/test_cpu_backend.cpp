@@ -224,6 +224,55 @@ TEST(CpuBackend, GemmWithZeroBetaOverwritesNanAndLeavesGapsAlone) {
   }
 }
 
+TEST(CpuBackend, GemmRejectsMatricesOutsideTheirTensorsAndOverlappingOutputs) {
+  GemmArgs g;
+  g.m = 2;
+  g.n = 3;
+  g.k = 4;
+  g.batch = 2;
+  g.stride_a = 8;
+  g.stride_b = 12;
+  g.stride_c = 6;
+  Tensor a = random({16}, DType::F32, 7), b = random({24}, DType::F32, 8);
+  Tensor c = zeros({12});
+  cpu().gemm(g, a, b, c);  // exactly fits
+  auto rejects = [&](GemmArgs bad, const std::string& words) {
+    try {
+      cpu().gemm(bad, a, b, c);
+      ADD_FAILURE() << "accepted: " << words;
+    } catch (const ShapeError& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  GemmArgs bad = g;
+  bad.offset_a = 1;  // A's second matrix runs one element past its end
+  rejects(bad, "need 17 elements of A");
+  bad = g;
+  bad.stride_b = 13;
+  rejects(bad, "need 25 elements of B");
+  bad = g;
+  bad.offset_c = 1;
+  rejects(bad, "need 13 elements of C");
+  bad = g;
+  bad.stride_c = 0;  // both products would write the same C
+  rejects(bad, "overlap");
+  bad = g;
+  bad.stride_c = 5;
+  rejects(bad, "overlap");
+  bad = g;
+  bad.offset_b = -1;
+  rejects(bad, "negative offset");
+  bad = g;
+  bad.k = -1;
+  rejects(bad, "negative size");
+  // With nothing to multiply (k = 0) only C is touched, so A and B may be empty.
+  bad = g;
+  bad.k = 0;
+  Tensor none = empty({0});
+  cpu().gemm(bad, none, none, c);
+  for (float v : c.to_float_vector()) EXPECT_EQ(v, 0.0f);
+}
+
 // ---- elementwise ----------------------------------------------------------------------------
 
 TEST(CpuBackend, FillAndCast) {

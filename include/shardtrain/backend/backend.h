@@ -31,6 +31,11 @@ struct GemmArgs {
   int64_t offset_a = 0, offset_b = 0, offset_c = 0;
 };
 
+// Throws ShapeError unless `g` describes products that stay inside a, b and c and write disjoint
+// C matrices. Both backends call it before touching memory: a wrong stride or offset from a
+// caller is an error message, not a read or write past a tensor.
+void check_gemm_args(const GemmArgs& g, const Tensor& a, const Tensor& b, const Tensor& c);
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -40,6 +45,8 @@ class Backend {
   // ---- dense linear algebra ----
   // Row-major: op(A) is m x k, op(B) is k x n, C is m x n; A is stored m x k (k x m if trans_a),
   // B is stored k x n (n x k if trans_b). A, B, C may have different float dtypes.
+  // Every matrix of the batch must lie inside its tensor, and the C matrices must not overlap
+  // (stride_c >= m * n when batch > 1): check_gemm_args says which bound is broken.
   virtual void gemm(const GemmArgs& args, const Tensor& a, const Tensor& b, Tensor& c) = 0;
 
   // ---- elementwise ----

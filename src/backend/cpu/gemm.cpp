@@ -25,6 +25,7 @@ void scale_c(float* c, int64_t n, float beta) {
 }  // namespace
 
 void CpuBackend::gemm(const GemmArgs& g, const Tensor& a, const Tensor& b, Tensor& c) {
+  check_gemm_args(g, a, b, c);
   if (g.m <= 0 || g.n <= 0 || g.batch <= 0) return;
   const int64_t a_elems = g.m * g.k, b_elems = g.k * g.n, c_elems = g.m * g.n;
   const int64_t c_span = batch_span(g.batch, g.stride_c, c_elems);
