@@ -146,6 +146,37 @@ TEST(CudaAllocator, RecordStreamDefersReuse) {
   EXPECT_THROW(cuda::record_stream(reinterpret_cast<void*>(16), side.view()), Error);
 }
 
+// The driver may give a destroyed stream's handle to the next stream created, so nothing may
+// stay keyed by it: the cuBLASLt workspace made for the stream is freed with it, and a free that
+// was to wait for the stream's use no longer records an event on a dead handle.
+TEST(CudaAllocator, ADestroyedStreamLeavesNoWorkspaceOrPendingFreeBehind) {
+  REQUIRE_CUDA();
+  Allocator& alloc = allocator_for(cuda0());
+  Backend& gpu = backend_for(cuda0());
+  alloc.empty_cache();
+  const int64_t workspace_before = alloc.stats().in_use_of(MemoryCategory::Workspace);
+  Tensor t = empty({kMiB}, DType::F32, cuda0());
+  void* const ptr = t.data_ptr();
+  {
+    cuda::Stream side(0);
+    {
+      cuda::StreamGuard guard(side.view());
+      Tensor a = ones({64, 64}, DType::F32, cuda0()), c = empty({64, 64}, DType::F32, cuda0());
+      GemmArgs g;
+      g.m = g.n = g.k = 64;
+      gpu.gemm(g, a, a, c);  // the side stream's first product: a workspace of its own
+      gpu.fill(t, 1.0f);
+    }
+    cuda::record_stream(t.data_ptr(), side.view());
+    EXPECT_GT(alloc.stats().in_use_of(MemoryCategory::Workspace), workspace_before);
+  }
+  EXPECT_EQ(alloc.stats().in_use_of(MemoryCategory::Workspace), workspace_before)
+      << "the destroyed stream's cuBLASLt workspace is still held";
+  t = Tensor();  // its free no longer waits for the destroyed stream
+  Tensor again = empty({kMiB}, DType::F32, cuda0());
+  EXPECT_EQ(again.data_ptr(), ptr);
+}
+
 TEST(CudaAllocator, CapacityGivesOutOfMemoryWithTheLedgerMessage) {
   REQUIRE_CUDA();
   Allocator& alloc = allocator_for(cuda0());

@@ -1,7 +1,9 @@
 #include "allocators.h"
 
 #include <cstdio>
+#include <iterator>
 #include <utility>
+#include <vector>
 
 #include "shardtrain/core/error.h"
 
@@ -123,12 +125,23 @@ void CudaCachingAllocator::record_stream(const void* ptr, StreamView stream) {
   detail::BlockPool::BlockInfo info;
   ST_CHECK(pool_.find(ptr, &info), "record_stream: ", ptr,
            " is not memory allocated by the caching allocator of cuda:", device_);
+  ST_CHECK(stream.device() == device_, "record_stream: memory of cuda:", device_,
+           " cannot be ordered after a stream of cuda:", stream.device(),
+           " (events do not cross devices); use one device per process");
   if (info.stream == stream_key(stream)) return;
   auto& streams = extra_streams_[info.start];
   const auto handle = static_cast<cudaStream_t>(stream.handle());
   for (cudaStream_t s : streams)
     if (s == handle) return;
   streams.push_back(handle);
+}
+
+void CudaCachingAllocator::forget_stream(cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto it = extra_streams_.begin(); it != extra_streams_.end();) {
+    std::erase(it->second, stream);
+    it = it->second.empty() ? extra_streams_.erase(it) : std::next(it);
+  }
 }
 
 void CudaCachingAllocator::empty_cache() {

@@ -28,6 +28,10 @@ class CudaCachingAllocator final : public Allocator {
   void empty_cache() override;
   // See cuda::record_stream in the public header.
   void record_stream(const void* ptr, StreamView stream);
+  // `stream` is being destroyed and its work has finished (stream_retirement.h): pending frees
+  // stop waiting on it. Blocks cached for it stay cached, safe to hand to whichever stream
+  // gets the handle next; empty_cache or an out-of-memory retry returns them to the driver.
+  void forget_stream(cudaStream_t stream);
 
  protected:
   // Serves from the current stream's cached blocks, else cudaMalloc; when the driver refuses,

@@ -53,6 +53,8 @@ class CublasLtGemm {
     void* c;
   };
   void run(int device, cudaStream_t stream, const Problem& p);
+  // Frees the workspace of a stream being destroyed (its work has finished).
+  void forget_stream(int device, cudaStream_t stream);
 
  private:
   struct Plan;
@@ -72,6 +74,8 @@ class CudaBackend final : public Backend {
   void synchronize() override;
 
   void gemm(const GemmArgs& args, const Tensor& a, const Tensor& b, Tensor& c) override;
+  // Drops what is kept per stream (the cuBLASLt workspace) for a stream being destroyed.
+  void forget_stream(int device, cudaStream_t stream) { gemm_.forget_stream(device, stream); }
 
   void fill(Tensor& out, float value) override;
   void cast(const Tensor& src, Tensor& dst) override;

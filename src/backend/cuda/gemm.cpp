@@ -119,6 +119,11 @@ std::pair<void*, size_t> CublasLtGemm::workspace(int device, cudaStream_t stream
   return {it->second.get(), it->second.bytes()};
 }
 
+void CublasLtGemm::forget_stream(int device, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  workspaces_.erase(std::make_pair(device, stream));
+}
+
 void CublasLtGemm::run(int device, cudaStream_t stream, const Problem& p) {
   // Column-major operands: first = B (n x k after op), second = A (k x m after op).
   const cudaDataType_t in = cuda_type(p.in_type), out = cuda_type(p.out_type);
@@ -215,6 +220,7 @@ void CublasLtGemm::run(int device, cudaStream_t stream, const Problem& p) {
 // ---- Backend::gemm --------------------------------------------------------------------------
 
 void CudaBackend::gemm(const GemmArgs& g, const Tensor& a, const Tensor& b, Tensor& c) {
+  check_gemm_args(g, a, b, c);
   if (g.m <= 0 || g.n <= 0 || g.batch <= 0) return;
   const int device = c.device().index;
   ST_CHECK(a.device().is_cuda() && b.device().is_cuda() && c.device().is_cuda() &&
@@ -234,7 +240,6 @@ void CudaBackend::gemm(const GemmArgs& g, const Tensor& a, const Tensor& b, Tens
         kernels::fill(ci, c.dtype(), c_elems, 0.0f, stream);
       else
         kernels::scale(ci, c.dtype(), ci, c.dtype(), c_elems, g.beta, stream);
-      if (g.stride_c == 0) break;
     }
     return;
   }

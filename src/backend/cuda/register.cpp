@@ -9,6 +9,7 @@
 #include "allocators.h"
 #include "cuda_backend.h"
 #include "shardtrain/core/error.h"
+#include "stream_retirement.h"
 
 namespace shardtrain {
 
@@ -42,7 +43,12 @@ CudaCachingAllocator& device_allocator(int device) {
 }
 
 void record_stream(const void* ptr, StreamView stream) {
-  device_allocator(stream.device()).record_stream(ptr, stream);
+  // The allocator that owns the memory, which need not be the stream's device's.
+  cudaPointerAttributes attributes{};
+  ST_CUDA_CHECK(cudaPointerGetAttributes(&attributes, ptr));
+  ST_CHECK(attributes.type == cudaMemoryTypeDevice, "record_stream: ", ptr,
+           " is not device memory");
+  device_allocator(attributes.device).record_stream(ptr, stream);
 }
 
 }  // namespace cuda
@@ -72,7 +78,14 @@ void register_cuda_backend() {
   register_allocator(Device::host(), new cuda::PinnedHostAllocator(&allocator_for(Device::host())));
   register_cuda_copy(&cuda::copy_between_devices);
   register_device_cast(&cuda::cast_on_device);
-  register_backend(DeviceKind::CUDA, new cuda::CudaBackend());
+  auto* backend = new cuda::CudaBackend();
+  register_backend(DeviceKind::CUDA, backend);
+  // A destroyed stream's handle may come back for the next stream created: forget it.
+  cuda::add_stream_retired_hook([backend](int device, cudaStream_t stream) {
+    if (device >= 0 && device < cuda::kMaxDevices && cuda::g_allocators[device] != nullptr)
+      cuda::g_allocators[device]->forget_stream(stream);
+    backend->forget_stream(device, stream);
+  });
 }
 
 }  // namespace detail

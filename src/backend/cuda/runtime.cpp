@@ -4,11 +4,14 @@
 #include <array>
 #include <atomic>
 #include <cstdio>
+#include <mutex>
 #include <utility>
+#include <vector>
 
 #include "shardtrain/backend/cuda.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/core/units.h"
+#include "stream_retirement.h"
 
 namespace shardtrain::cuda {
 
@@ -35,6 +38,32 @@ void release_on_device(int device, Release release) {
                         cudaSetDevice(device) == cudaSuccess;
   release();
   if (switched) (void)cudaSetDevice(previous);
+}
+
+struct RetiredHooks {
+  std::mutex mutex;
+  std::vector<StreamRetiredHook> hooks;
+};
+RetiredHooks& retired_hooks() {
+  static RetiredHooks* hooks = new RetiredHooks();  // used until exit, never destroyed
+  return *hooks;
+}
+
+// Waits for the stream's work, tells the hooks, and gives the handle back to the driver.
+void destroy_stream(int device, void* handle) {
+  release_on_device(device, [&] {
+    const cudaError_t status = cudaStreamSynchronize(as_stream(handle));
+    if (status != cudaSuccess && status != cudaErrorCudartUnloading)
+      std::fprintf(stderr, "shardtrain: waiting for a stream before destroying it failed: %s\n",
+                   cudaGetErrorString(status));
+    std::vector<StreamRetiredHook> hooks;
+    {
+      std::lock_guard<std::mutex> lock(retired_hooks().mutex);
+      hooks = retired_hooks().hooks;
+    }
+    for (const StreamRetiredHook& hook : hooks) hook(device, as_stream(handle));
+    (void)cudaStreamDestroy(as_stream(handle));
+  });
 }
 
 int checked_device(int device) {
@@ -143,9 +172,13 @@ Stream::Stream(int device, int priority) : device_(device) {
   handle_ = stream;
 }
 
+void add_stream_retired_hook(StreamRetiredHook hook) {
+  std::lock_guard<std::mutex> lock(retired_hooks().mutex);
+  retired_hooks().hooks.push_back(std::move(hook));
+}
+
 Stream::~Stream() {
-  if (handle_ != nullptr)
-    release_on_device(device_, [&] { (void)cudaStreamDestroy(as_stream(handle_)); });
+  if (handle_ != nullptr) destroy_stream(device_, handle_);
 }
 
 Stream::Stream(Stream&& other) noexcept
@@ -153,8 +186,7 @@ Stream::Stream(Stream&& other) noexcept
 
 Stream& Stream::operator=(Stream&& other) noexcept {
   if (this != &other) {
-    if (handle_ != nullptr)
-      release_on_device(device_, [&] { (void)cudaStreamDestroy(as_stream(handle_)); });
+    if (handle_ != nullptr) destroy_stream(device_, handle_);
     handle_ = std::exchange(other.handle_, nullptr);
     device_ = other.device_;
   }
