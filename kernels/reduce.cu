@@ -68,7 +68,10 @@ __global__ void unscale_kernel(T* x, int64_t n, float inv_scale, int* found) {
 }
 
 // Enqueues the sum of x (or of its squares) into *result, using `partial` (kMaxSumBlocks
-// doubles) for the block partials; the grid depends only on n, so the result does too.
+// doubles) for the block partials. The grid depends only on n, and the split of elements among
+// threads on n and on whether x is 16-byte aligned (vector or scalar loads), so the same values
+// at an equally aligned address always give the same bits; a copy at another alignment may
+// differ in the last bits of the double.
 void enqueue_sum(const void* x, DType type, int64_t n, bool squares, double* partial,
                  double* result, cudaStream_t stream) {
   if (n <= 0) {
