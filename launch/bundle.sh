@@ -6,7 +6,8 @@
 #
 # Without BUILD_DIR it configures and builds build-bundle/ (Release, CUDA on, device code for
 # the architectures in $BUNDLE_CUDA_ARCHS, default 90 = H100/H200, compressed for size). With
-# BUILD_DIR it takes what is already built there. Either way it writes bundle/ (git-ignored):
+# BUILD_DIR it brings what it ships up to date there (an incremental build of those targets).
+# Either way it writes bundle/ (git-ignored):
 #
 #   bundle/bin/        shardtrain and shardtrain-kernel-bench (stripped)
 #   bundle/tests/      the GoogleTest executables unit_* and cuda_* (stripped); the MPI tests
@@ -24,6 +25,8 @@
 #   bundle/run-tests.sh  runs every test executable and prints a summary; exit 1 on failure
 #   bundle/link-build-paths.sh  makes the build machine's paths the tests were compiled with
 #                      (test data, configs, the CLI binary) point into the bundle where missing
+#   bundle/VERSION     the commit it was built from (+dirty when the tree had changes), the
+#                      date and the CUDA architectures
 #
 # On the GPU machine:
 #   source bundle/env.sh
@@ -49,6 +52,18 @@ fi
 if (($# == 1)); then
   build="$(cd "$1" && pwd)"
   [[ -f "$build/CMakeCache.txt" ]] || { echo "bundle: $build is not a CMake build directory" >&2; exit 2; }
+  # What is shipped must match the sources: bring those targets up to date (with Ninja, only
+  # them; otherwise the whole build).
+  if [[ -f "$build/build.ninja" ]]; then
+    all_targets="$(ninja -C "$build" -t targets all)"
+    targets=(shardtrain_bin)
+    [[ "$all_targets" == *$'\nshardtrain-kernel-bench:'* ]] && targets+=(shardtrain-kernel-bench)
+    while IFS= read -r t; do targets+=("$t"); done < <(
+      grep -oE '^tests/(unit|cuda)_[a-z_0-9]+' <<<"$all_targets" | sort -u)
+    cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
+  else
+    cmake --build "$build" -j "$(nproc)"
+  fi
 else
   build="$root/build-bundle"
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSHARDTRAIN_CUDA=ON \
@@ -80,6 +95,7 @@ for t in "${tests[@]}"; do strip --strip-unneeded -o "$out/tests/$(basename "$t"
 skip_library() {
   case "$(basename "$1")" in
     libc.so* | libm.so* | libpthread.so* | libdl.so* | librt.so* | ld-linux*.so* | \
+      libresolv.so* | libnsl.so* | libutil.so* | libanl.so* | \
       libcuda.so* | libcudart.so* | libcublas*.so* | libnccl*.so* | libnvidia*.so* | \
       linux-vdso.so*) return 0 ;;
   esac
@@ -87,6 +103,12 @@ skip_library() {
 }
 declare -A copied=() provided=()
 for e in "${executables[@]}" "${tests[@]}"; do
+  # A library the loader cannot find here would be missing there too.
+  missing="$(ldd "$e" | awk '/=> not found/ { print $1 }' | sort -u | tr '\n' ' ')"
+  if [[ -n "$missing" ]]; then
+    echo "bundle: $(basename "$e") needs libraries that are not found here: $missing" >&2
+    exit 1
+  fi
   while read -r name path; do
     [[ -n "$path" && -f "$path" ]] || continue
     if skip_library "$name"; then
@@ -106,6 +128,12 @@ cp -r "$root/tests/data" "$out/data"
 mkdir -p "$out/bench"
 cp "$root"/tests/bench/*.py "$out/bench/"
 cp "$root/launch/gpu-verify.sh" "$out/gpu-verify.sh"
+
+{
+  echo "commit: $(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)"
+  echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) from $build"
+  echo "cuda architectures: $(sed -n 's/^CMAKE_CUDA_ARCHITECTURES:[A-Z]*=//p' "$build/CMakeCache.txt")"
+} >"$out/VERSION"
 
 # Where the tests look for their data and the CLI binary (compiled-in absolute paths).
 source_dir="$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$build/CMakeCache.txt")"

@@ -91,6 +91,15 @@ Command bench_command() {
           "(no plots: no combination ran, or gnuplot is not on PATH or failed; see "
           "%s/*.log)\n",
           dir.c_str());
+    // A combination that failed (not one refused or out of memory) is a defect: say so in the
+    // exit status, so that scripts do not take the table for a pass.
+    int failed = 0;
+    for (const train::BenchRow& r : report.rows) failed += r.status == train::BenchStatus::Failed;
+    if (failed > 0) {
+      std::fprintf(stderr, "bench: %d of %zu combinations failed (see the table)\n", failed,
+                   report.rows.size());
+      return 1;
+    }
     return 0;
   };
   return c;

@@ -123,6 +123,8 @@ std::string_view bench_status_name(BenchStatus s) {
       return "oom";
     case BenchStatus::Unsupported:
       return "unsupported";
+    case BenchStatus::Failed:
+      return "failed";
   }
   return "?";
 }
@@ -232,8 +234,11 @@ BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t meas
     row.status = BenchStatus::OutOfMemory;
     row.message = e.what();
     row.oom_requested_bytes = e.requested_bytes();
-  } catch (const Error& e) {
+  } catch (const ConfigError& e) {
     row.status = BenchStatus::Unsupported;
+    row.message = e.what();
+  } catch (const Error& e) {
+    row.status = BenchStatus::Failed;
     row.message = e.what();
   }
   return row;
@@ -564,8 +569,9 @@ std::string markdown_rows(const std::vector<BenchRow>& rows, bool with_rank) {
     if (r.status == BenchStatus::OutOfMemory) {
       line += "OOM (" + fmt("%.2f", static_cast<double>(r.oom_requested_bytes) / kMiB) +
               " MiB requested) | - | - | - | - | - | - | - | - |";
-    } else if (r.status == BenchStatus::Unsupported) {
-      line += "unsupported: " + cell(r.message) + " | - | - | - | - | - | - | - | - |";
+    } else if (r.status == BenchStatus::Unsupported || r.status == BenchStatus::Failed) {
+      line += std::string(bench_status_name(r.status)) + ": " + cell(r.message) +
+              " | - | - | - | - | - | - | - | - |";
     } else {
       line += fmt("%.2f", static_cast<double>(r.peak_bytes) / kMiB) + " | " +
               (r.peak_vs_none >= 0 ? fmt("%.2fx", r.peak_vs_none) : "-") + " | " +

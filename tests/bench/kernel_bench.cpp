@@ -19,6 +19,7 @@
 #include <functional>
 #include <iostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -335,14 +336,31 @@ int main(int argc, char** argv) {
     std::printf("device: %s\niterations: %d (median reported), warmup %d\n\n", device.c_str(),
                 o.iters, o.warmup);
     Bench b(o);
-    bench_gemm(b);
-    for (const AttentionShape& shape : kAttentionShapes) bench_attention(b, shape);
-    bench_rmsnorm(b);
-    bench_cross_entropy(b);
-    bench_head_loss(b);
-    bench_adamw(b);
-    bench_adamw_model(b);
-    bench_elementwise(b);
+    // Each section on its own: a kernel that fails (none of them had run on a GPU before this
+    // bench) is reported and the others are still measured, and the JSON is written either way.
+    std::vector<std::pair<std::string, std::function<void()>>> sections = {
+        {"gemm", [&] { bench_gemm(b); }}};
+    for (const AttentionShape& shape : kAttentionShapes)
+      sections.emplace_back(
+          "attention B" + std::to_string(shape.batch) + " Hq" + std::to_string(shape.heads_q) +
+              " Hkv" + std::to_string(shape.heads_kv) + " D" + std::to_string(shape.head_dim),
+          [&b, &shape] { bench_attention(b, shape); });
+    sections.emplace_back("rmsnorm", [&] { bench_rmsnorm(b); });
+    sections.emplace_back("cross_entropy", [&] { bench_cross_entropy(b); });
+    sections.emplace_back("head_loss", [&] { bench_head_loss(b); });
+    sections.emplace_back("adamw", [&] { bench_adamw(b); });
+    sections.emplace_back("adamw_model", [&] { bench_adamw_model(b); });
+    sections.emplace_back("elementwise", [&] { bench_elementwise(b); });
+    std::vector<std::pair<std::string, std::string>> errors;
+    for (auto& [name, run] : sections) {
+      try {
+        run();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "shardtrain-kernel-bench: section %s failed: %s\n", name.c_str(),
+                     e.what());
+        errors.emplace_back(name, e.what());
+      }
+    }
     if (!o.json.empty()) {
       nlohmann::json j;
       j["device"] = device;
@@ -357,10 +375,18 @@ int main(int argc, char** argv) {
         if (!r.params.is_null()) entry["params"] = r.params;
         j["results"].push_back(entry);
       }
+      j["errors"] = nlohmann::json::array();
+      for (const auto& [name, message] : errors)
+        j["errors"].push_back({{"section", name}, {"message", message}});
       std::ofstream out(o.json);
       if (!out) throw ConfigError("cannot write --json file '" + o.json + "'");
       out << j.dump(2) << "\n";
       std::printf("\nwrote %s\n", o.json.c_str());
+    }
+    if (!errors.empty()) {
+      std::fprintf(stderr, "shardtrain-kernel-bench: %zu of %zu sections failed\n", errors.size(),
+                   sections.size());
+      return 1;
     }
     return 0;
   } catch (const std::exception& e) {

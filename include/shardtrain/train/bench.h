@@ -40,14 +40,17 @@ struct BenchOptions {
   std::function<void(const std::string&)> log;
 };
 
-enum class BenchStatus { Ok, OutOfMemory, Unsupported };
-std::string_view bench_status_name(BenchStatus s);  // "ok", "oom", "unsupported"
+// Unsupported: the configuration was refused (a ConfigError: a combination this build or device
+// does not run). Failed: any other error while it ran (a CUDA error, a shape error): a defect,
+// which makes `shardtrain bench` exit non-zero.
+enum class BenchStatus { Ok, OutOfMemory, Unsupported, Failed };
+std::string_view bench_status_name(BenchStatus s);  // "ok", "oom", "unsupported", "failed"
 
 // The figures of one combination on one rank.
 struct BenchRow {
   std::string strategy, precision;
   BenchStatus status = BenchStatus::Ok;
-  std::string message;              // the error's message (OOM, unsupported)
+  std::string message;              // the error's message (OOM, unsupported, failed)
   int64_t oom_requested_bytes = 0;  // the allocation that failed (OOM)
   int rank = 0;
 
@@ -141,8 +144,8 @@ double model_flops_utilization(double tokens_per_s, double flops_per_token, doub
 BenchReport run_bench(const Config& config, const BenchOptions& options);
 
 // Trains `config` as it is for warmup_steps + measured_steps steps on this process and returns
-// its figures (strategy and precision taken from the config). OutOfMemoryError and any other
-// shardtrain::Error are caught and reported in the row's status.
+// its figures (strategy and precision taken from the config). OutOfMemoryError, ConfigError and
+// any other shardtrain::Error are caught and reported in the row's status.
 BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t measured_steps);
 
 // Writes bench.csv, bench.json and, when gnuplot is on PATH, frontier.{png,svg} (peak memory
