@@ -53,6 +53,15 @@ if [[ ! -f "$bundle/env.sh" ]]; then
   echo "gpu-verify: no bundle at $bundle (build it with launch/bundle.sh)" >&2
   exit 2
 fi
+# One process, no launcher: a launcher's variables (left in a login environment, say) would make
+# the programs start MPI, which the bundle does not carry.
+launcher_vars="$(compgen -e | grep -E '^(OMPI_COMM_WORLD_|PMI_|PMIX_|SLURM_)' || true)"
+if [[ -n "$launcher_vars" ]]; then
+  echo "gpu-verify: unsetting launcher variables: $(echo $launcher_vars)" >&2
+  # shellcheck disable=SC2086
+  unset $launcher_vars
+fi
+
 # Python (PyTorch) runs with the library path it had: the bundle's libraries are for its own
 # programs, and its libstdc++ or libssl must not stand in for the ones PyTorch was built with.
 orig_ld_library_path="${LD_LIBRARY_PATH:-}"
