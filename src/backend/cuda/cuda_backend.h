@@ -59,11 +59,14 @@ class CublasLtGemm {
  private:
   struct Plan;
   void* handle(int device);
+  void* classic_handle(int device);  // cuBLAS, for what cuBLASLt has no algorithm for
+  void run_classic(int device, cudaStream_t stream, const Problem& p, void* ws, size_t ws_bytes);
   // The stream's persistent workspace (kWorkspaceBytes, or none when it cannot be allocated).
   std::pair<void*, size_t> workspace(int device, cudaStream_t stream);
 
   std::mutex mutex_;
   std::map<int, void*> handles_;
+  std::map<int, void*> classic_handles_;
   std::map<std::pair<int, cudaStream_t>, DataPtr> workspaces_;
   std::map<std::vector<int64_t>, std::unique_ptr<Plan>> plans_;
 };

@@ -6,9 +6,16 @@
 // Batches use cuBLASLt's strided-batch layout attributes (stride 0 broadcasts one matrix).
 // Compute is fp32 throughout (CUBLAS_COMPUTE_32F: no TF32 for f32 inputs, so results match the
 // CPU backend closely); 16-bit inputs run on tensor cores with fp32 accumulation.
+//
+// cuBLASLt may have no algorithm for operands it is promised little alignment (a 16-bit view
+// at an odd element offset, a leading dimension of an odd number of 16-bit elements). Those
+// products go through cuBLAS's cublasGemmStridedBatchedEx instead, which accepts any alignment,
+// with the same compute type and the same workspace.
 #include <cublasLt.h>
+#include <cublas_v2.h>
 
 #include <array>
+#include <limits>
 #include <memory>
 #include <type_traits>
 
@@ -79,6 +86,7 @@ struct CublasLtGemm::Plan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
   size_t workspace = 0;
+  bool classic = false;  // cuBLASLt had no algorithm: cublasGemmStridedBatchedEx runs it
 
   ~Plan() {
     if (a != nullptr) cublasLtMatrixLayoutDestroy(a);
@@ -93,6 +101,16 @@ CublasLtGemm::CublasLtGemm() = default;
 CublasLtGemm::~CublasLtGemm() {
   plans_.clear();
   for (auto& [device, h] : handles_) cublasLtDestroy(static_cast<cublasLtHandle_t>(h));
+  for (auto& [device, h] : classic_handles_) cublasDestroy(static_cast<cublasHandle_t>(h));
+}
+
+void* CublasLtGemm::classic_handle(int device) {
+  auto it = classic_handles_.find(device);
+  if (it != classic_handles_.end()) return it->second;
+  cublasHandle_t h = nullptr;
+  ST_CUBLAS_CHECK(cublasCreate(&h));
+  classic_handles_[device] = h;
+  return h;
 }
 
 void* CublasLtGemm::handle(int device) {
@@ -202,19 +220,50 @@ void CublasLtGemm::run(int device, cudaStream_t stream, const Problem& p) {
     const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
         static_cast<cublasLtHandle_t>(handle(device)), plan->desc, plan->a, plan->b, plan->c,
         plan->c, pref.get(), 1, &result, &found);
-    ST_CHECK(status == CUBLAS_STATUS_SUCCESS && found > 0,
-             "cuBLASLt has no algorithm for gemm m=", p.m, " n=", p.n, " k=", p.k,
-             " batch=", p.batch, " (", dtype_name(p.in_type), " -> ", dtype_name(p.out_type),
-             ", trans_a=", p.trans_a, ", trans_b=", p.trans_b,
-             "): ", cublasGetStatusString(status));
-    plan->algo = result.algo;
-    plan->workspace = result.workspaceSize;
+    if (status == CUBLAS_STATUS_SUCCESS && found > 0) {
+      plan->algo = result.algo;
+      plan->workspace = result.workspaceSize;
+    } else {
+      plan->classic = true;
+    }
     it = plans_.emplace(key, std::move(plan)).first;
   }
   const Plan& plan = *it->second;
-  ST_CUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle(device)), plan.desc, &p.alpha,
-                                 p.b, plan.a, p.a, plan.b, &p.beta, p.c, plan.c, p.c, plan.c,
-                                 &plan.algo, ws, plan.workspace, stream));
+  if (!plan.classic) {
+    ST_CUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle(device)), plan.desc,
+                                   &p.alpha, p.b, plan.a, p.a, plan.b, &p.beta, p.c, plan.c, p.c,
+                                   plan.c, &plan.algo, ws, plan.workspace, stream));
+    return;
+  }
+  run_classic(device, stream, p, ws, ws_bytes);
+}
+
+void CublasLtGemm::run_classic(int device, cudaStream_t stream, const Problem& p, void* ws,
+                               size_t ws_bytes) {
+  // The same column-major product: first = B, second = A, C^T of n x m.
+  const int64_t first_rows = p.trans_b ? p.k : p.n;
+  const int64_t second_rows = p.trans_a ? p.m : p.k;
+  constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
+  ST_CHECK(p.m <= kMaxInt && p.n <= kMaxInt && p.k <= kMaxInt && p.batch <= kMaxInt, "gemm m=", p.m,
+           " n=", p.n, " k=", p.k, " batch=", p.batch,
+           ": cuBLASLt has no algorithm for these operands' alignment, and cuBLAS takes sizes "
+           "below 2^31 only");
+  auto h = static_cast<cublasHandle_t>(classic_handle(device));
+  ST_CUBLAS_CHECK(cublasSetStream(h, stream));
+  ST_CUBLAS_CHECK(cublasSetWorkspace(h, ws, ws_bytes));
+  const cudaDataType_t in = cuda_type(p.in_type), out = cuda_type(p.out_type);
+  const cublasStatus_t status = cublasGemmStridedBatchedEx(
+      h, p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+      static_cast<int>(p.n), static_cast<int>(p.m), static_cast<int>(p.k), &p.alpha, p.b, in,
+      static_cast<int>(first_rows), p.stride_b, p.a, in, static_cast<int>(second_rows), p.stride_a,
+      &p.beta, p.c, out, static_cast<int>(p.n), p.stride_c, static_cast<int>(p.batch),
+      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  ST_CHECK(status == CUBLAS_STATUS_SUCCESS, "gemm m=", p.m, " n=", p.n, " k=", p.k,
+           " batch=", p.batch, " (", dtype_name(p.in_type), " -> ", dtype_name(p.out_type),
+           ", trans_a=", p.trans_a, ", trans_b=", p.trans_b,
+           "): cuBLASLt has no algorithm for these operands and cublasGemmStridedBatchedEx "
+           "failed: ",
+           cublasGetStatusString(status));
 }
 
 // ---- Backend::gemm --------------------------------------------------------------------------
