@@ -797,7 +797,12 @@ void validate_relations(const Config& c) {
 
 YAML::Node load_yaml(const std::string& text, const std::string& source) {
   try {
-    return YAML::Load(text);
+    std::vector<YAML::Node> documents = YAML::LoadAll(text);
+    if (documents.size() > 1)
+      throw ConfigError(source + " holds " + std::to_string(documents.size()) +
+                        " YAML documents (separated by '---'); a config is one document: merge "
+                        "them, or put each in a file of its own");
+    return documents.empty() ? YAML::Node() : documents.front();
   } catch (const YAML::ParserException& e) {
     throw ConfigError(source + ":" + std::to_string(e.mark.line + 1) + ":" +
                       std::to_string(e.mark.column + 1) + ": YAML syntax error: " + e.msg);
@@ -897,6 +902,21 @@ Parsed parse_tree(const std::string& text, const std::vector<std::string>& overr
   for (const Found& f : found) {
     assign(*f.key, f.value, f.origin, parsed.config);
     parsed.keys_given.insert(f.key->path);
+  }
+  // lora.base_model names the released weights the adapters are trained on: they are loaded
+  // as model.from_hf loads them (one directory, named once).
+  Config& c = parsed.config;
+  if (!c.lora.base_model.empty()) {
+    if (!c.lora.enabled)
+      throw ConfigError("lora.base_model ('" + c.lora.base_model +
+                        "') is the base of LoRA adapters, but lora.enabled is false: set "
+                        "lora.enabled=true, or load full weights with model.from_hf");
+    if (!c.model.from_hf.empty() && c.model.from_hf != c.lora.base_model)
+      throw ConfigError("model.from_hf ('" + c.model.from_hf + "') and lora.base_model ('" +
+                        c.lora.base_model +
+                        "') name different base models: set one of them (lora.base_model "
+                        "alone loads the base and records it in the adapter's config)");
+    c.model.from_hf = c.lora.base_model;
   }
   validate_relations(parsed.config);
   return parsed;

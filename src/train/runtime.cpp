@@ -1,6 +1,9 @@
 #include "shardtrain/train/runtime.h"
 
 #include <cmath>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include "shardtrain/activation/counters.h"
 #include "shardtrain/activation/strategy.h"
@@ -66,6 +69,60 @@ nn::LlamaConfig llama_config_from(const ModelConfig& m) {
   return c;
 }
 
+namespace {
+
+uint64_t fnv1a(const std::string& text) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char ch : text) h = (h ^ ch) * 1099511628211ull;
+  return h;
+}
+
+// Ranks that disagree on a shape, a batch size or the step count would exchange messages of
+// different sizes or wait at different places: a crash or a hang, long after start-up. Every
+// rank compares a hash of each line of its resolved config (Config::to_yaml: one key per line)
+// with the other ranks', and all of them stop, naming the keys that differ.
+void check_same_config_on_every_rank(const Config& config, dist::ProcessGroup& world) {
+  std::vector<std::string> keys;
+  std::vector<int64_t> hashes;
+  std::string section, line;
+  std::istringstream yaml(config.to_yaml());
+  while (std::getline(yaml, line)) {
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    if (line.rfind("  ", 0) != 0 && line.find_first_not_of(' ', colon + 1) == std::string::npos) {
+      section = line.substr(0, colon);  // "train:"
+      continue;
+    }
+    const size_t start = line.find_first_not_of(' ');
+    const std::string name = line.substr(start, colon - start);
+    keys.push_back(start > 0 ? section + "." + name : name);
+    // 62 bits, so that the hash and its negation are both representable.
+    hashes.push_back(static_cast<int64_t>(fnv1a(line) >> 2));
+  }
+  // The same build gives every rank the same keys; check the count before the vectors meet.
+  std::vector<int64_t> count = {static_cast<int64_t>(keys.size()),
+                                -static_cast<int64_t>(keys.size())};
+  world.all_reduce_host(count, dist::ReduceOp::Max);
+  ST_CHECK_AS(ConfigError, count[0] == -count[1],
+              "the ranks run different shardtrain builds (their configs have ", count[0], " and ",
+              -count[1], " keys): start every rank with the same binary");
+  // Max of h and of -h: the largest and the smallest value of each line over the ranks.
+  std::vector<int64_t> extremes = hashes;
+  for (int64_t h : hashes) extremes.push_back(-h);
+  world.all_reduce_host(extremes, dist::ReduceOp::Max);
+  std::vector<std::string> differing;
+  for (size_t i = 0; i < keys.size(); ++i)
+    if (extremes[i] != -extremes[keys.size() + i]) differing.push_back(keys[i]);
+  if (differing.empty()) return;
+  std::string list;
+  for (const std::string& k : differing) list += (list.empty() ? "" : ", ") + k;
+  throw ConfigError("the ranks were started with different configurations: " + list +
+                    (differing.size() == 1 ? " differs" : " differ") +
+                    " between ranks; give every rank the same --config file and --set flags");
+}
+
+}  // namespace
+
 Runtime::Runtime(const Config& config) : config_(config), device_(training_device(config)) {
 #ifdef SHARDTRAIN_HAVE_CUDA
   // This rank's GPU becomes the process's current device, so that nothing (a device guard
@@ -79,6 +136,7 @@ Runtime::Runtime(const Config& config) : config_(config), device_(training_devic
   dist_options.timeout_s = static_cast<double>(config_.dist.timeout_s);
   dist_options.device = device_;
   dist_ = std::make_unique<dist::DistEnv>(dist_options);
+  if (dist_->world_size() > 1) check_same_config_on_every_rank(config_, dist_->world());
 
   int64_t capacity = config_.train.device_memory_bytes();
   previous_capacity_ = allocator_for(device_).stats().capacity;

@@ -265,6 +265,37 @@ TEST(Config, RulesThatTieKeysTogether) {
   EXPECT_NO_THROW(Config::parse("model:\n  from_hf: /m\n  hidden_size: 100\n  num_heads: 3\n"));
 }
 
+TEST(Config, LoraBaseModelLoadsTheBaseWeights) {
+  Config c = Config::parse("", {"lora.enabled=true", "lora.base_model=/models/base"});
+  EXPECT_EQ(c.model.from_hf, "/models/base") << "the base is loaded as model.from_hf loads it";
+  c = Config::parse("", {"lora.enabled=true", "lora.base_model=/m", "model.from_hf=/m"});
+  EXPECT_EQ(c.model.from_hf, "/m");
+  try {
+    Config::parse("", {"lora.enabled=true", "lora.base_model=/a", "model.from_hf=/b"});
+    ADD_FAILURE() << "two different base models accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("name different base models"), std::string::npos)
+        << e.what();
+  }
+  try {
+    Config::parse("", {"lora.base_model=/a"});
+    ADD_FAILURE() << "a LoRA base without LoRA accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("lora.enabled is false"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Config, SeveralYamlDocumentsAreRejected) {
+  try {
+    Config::parse("train:\n  steps: 3\n---\ntrain:\n  steps: 5\n", {}, "two.yaml");
+    ADD_FAILURE() << "the second document would be ignored";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("two.yaml holds 2 YAML documents"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(Config::parse("---\ntrain:\n  steps: 3\n", {}, "one.yaml").train.steps, 3);
+}
+
 TEST(Config, SequencesPerStepDependOnTheRanks) {
   Config c = Config::parse("train:\n  micro_batch: 4\n");
   EXPECT_EQ(c.train.sequences_per_step(1), 4);
@@ -345,7 +376,7 @@ TEST(Config, ToYamlListsEveryKeyAndRoundTrips) {
   Config c = Config::parse(
       "", {"data.path=yes", "train.out_dir=runs/a b", "optim.lr=1.2345678e-4",
            "activation.layers=every:3", "train.resume=\"123\"", "checkpoint.every_minutes=2.5",
-           "lora.adapter_out=\"a\\nb\"", "lora.base_model=\"a\\\"q\""});
+           "lora.adapter_out=\"a\\nb\"", "lora.enabled=true", "lora.base_model=\"a\\\"q\""});
   EXPECT_EQ(c.data.path, "yes");
   EXPECT_EQ(c.train.resume, "123");
   EXPECT_EQ(c.lora.base_model, "a\"q");

@@ -1,0 +1,42 @@
+// Start-up of a job under mpirun: ranks started with different settings stop together at once,
+// each naming the keys that differ, instead of exchanging messages of different sizes later.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "shardtrain/dist/env.h"
+#include "shardtrain/train/runtime.h"
+#include "tiny_run.h"
+
+using namespace shardtrain;
+
+namespace {
+
+TEST(StartUp, RanksWithDifferentConfigsStopNamingTheKeys) {
+  const int rank = dist::job_rank();
+  // The last rank alone trains a different number of steps with a different micro-batch.
+  const bool odd_one = rank == dist::job_world_size() - 1;
+  std::vector<std::string> overrides = {"train.steps=5"};
+  if (odd_one) overrides = {"train.steps=6", "train.micro_batch=4"};
+  train::Config config =
+      train::Config::parse(shardtrain::testing::kTinyRunYaml, overrides, "start-up test");
+  try {
+    train::Runtime rt(config);
+    ADD_FAILURE() << "rank " << rank << " started although the ranks' configs differ";
+  } catch (const ConfigError& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("different configurations"), std::string::npos) << message;
+    EXPECT_NE(message.find("train.micro_batch"), std::string::npos) << message;
+    EXPECT_NE(message.find("train.steps"), std::string::npos) << message;
+    EXPECT_EQ(message.find("train.seq_len"), std::string::npos) << message;
+  }
+}
+
+TEST(StartUp, RanksWithTheSameConfigStart) {
+  train::Config config =
+      train::Config::parse(shardtrain::testing::kTinyRunYaml, {}, "start-up test");
+  train::Runtime rt(config);
+  EXPECT_EQ(rt.dist().world_size(), dist::job_world_size());
+}
+
+}  // namespace
