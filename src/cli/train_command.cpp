@@ -22,14 +22,35 @@ Command train_command() {
     train::Config config = config_from_args(args);
     train::TrainSummary s = train::run_training(config);
     if (dist::job_rank() != 0) return 0;  // under mpirun, rank 0 reports for the job
-    std::printf("trained %lld steps: loss %.4f -> %.4f", static_cast<long long>(s.steps),
-                s.first_loss, s.final_loss);
+    const int64_t run = s.steps - s.first_step;
+    if (run == 0) {
+      std::printf("nothing left to train: the run is at step %lld = train.steps\n",
+                  static_cast<long long>(s.steps));
+      if (!s.export_dir.empty()) std::printf("model: %s\n", s.export_dir.c_str());
+      return 0;
+    }
+    if (s.first_step > 0)
+      std::printf("trained steps %lld to %lld (resumed): loss %.4f -> %.4f",
+                  static_cast<long long>(s.first_step + 1), static_cast<long long>(s.steps),
+                  s.first_loss, s.final_loss);
+    else
+      std::printf("trained %lld steps: loss %.4f -> %.4f", static_cast<long long>(s.steps),
+                  s.first_loss, s.final_loss);
     if (s.final_eval_loss >= 0)
       std::printf(", eval loss %.4f (unigram entropy of the data %.4f nats)", s.final_eval_loss,
                   s.unigram_entropy_nats);
     std::printf(", %.0f tokens/s\nmetrics: %s\n", s.tokens_per_second, s.metrics_path.c_str());
     if (!s.export_dir.empty()) std::printf("model: %s\n", s.export_dir.c_str());
     if (!s.last_checkpoint.empty()) std::printf("checkpoint: %s\n", s.last_checkpoint.c_str());
+    if (s.skipped_steps > 0)
+      std::fprintf(stderr,
+                   "warning: %lld of %lld steps were skipped (fp16 gradients overflowed, so the "
+                   "loss scale was lowered and the update dropped)%s\n",
+                   static_cast<long long>(s.skipped_steps), static_cast<long long>(run),
+                   s.skipped_steps == run
+                       ? ": the weights never changed; lower precision.init_scale or use "
+                         "precision.compute=bf16"
+                       : "");
     if (s.stopped_early)
       std::printf("stopped early on a signal; continue with --set train.resume=auto\n");
     return 0;

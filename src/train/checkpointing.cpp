@@ -2,11 +2,14 @@
 // resume selection and stop signals (see include/shardtrain/train/checkpointing.h).
 #include "shardtrain/train/checkpointing.h"
 
+#include <yaml-cpp/yaml.h>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
 
 #include "shardtrain/autograd/grad_mode.h"
 #include "shardtrain/dist/env.h"
@@ -211,10 +214,63 @@ io::SaveRequest make_save_request(Runtime& rt, const std::string& dir, int64_t s
   return req;
 }
 
+namespace {
+
+// Whether a resolved-config key defines what the checkpoint's weights compute: the model's
+// shape and numerics, and the adapters'. Shapes alone do not tell (4 heads of 8 and 8 heads of 4
+// give the same tensors, and lora.alpha scales the adapters without changing one); where the
+// weights come from, their initialisation and the longest sequence do not matter here.
+bool defines_the_weights(const std::string& key) {
+  if (key == "model.from_hf" || key == "model.init_std" || key == "model.max_seq_len") return false;
+  return key.rfind("model.", 0) == 0 || key == "lora.enabled" || key == "lora.r" ||
+         key == "lora.alpha" || key == "lora.target_modules" || key == "lora.quantize_base";
+}
+
+// The keys of `defines_the_weights` whose values differ between a checkpoint's resolved config
+// and this run's, as "key: checkpoint X, this run Y". Both are Config::to_yaml text; a key only
+// one of them has (a config of another version) is not compared.
+std::vector<std::string> weight_settings_that_differ(const std::string& saved_yaml,
+                                                     const std::string& current_yaml) {
+  std::vector<std::string> out;
+  YAML::Node saved, current;
+  try {
+    saved = YAML::Load(saved_yaml);
+    current = YAML::Load(current_yaml);
+  } catch (const YAML::Exception&) {
+    return out;  // not comparable; the tensor checks below still apply
+  }
+  if (!saved.IsMap() || !current.IsMap()) return out;
+  for (const auto& section : current) {
+    if (!section.second.IsMap()) continue;
+    const std::string name = section.first.Scalar();
+    if (!saved[name] || !saved[name].IsMap()) continue;
+    for (const auto& entry : section.second) {
+      const std::string key = name + "." + entry.first.Scalar();
+      const YAML::Node before = saved[name][entry.first.Scalar()];
+      if (!defines_the_weights(key) || !before) continue;
+      const std::string was = YAML::Dump(before), now = YAML::Dump(entry.second);
+      if (was != now) out.push_back(key + ": checkpoint " + was + ", this run " + now);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 io::TrainingState load_checkpoint(Runtime& rt, const std::string& path) {
   const Config& config = rt.config();
   io::CheckpointReader reader(path);
   const io::TrainingState& state = reader.state();
+  const std::vector<std::string> differ =
+      weight_settings_that_differ(state.config_yaml, config.to_yaml());
+  if (!differ.empty()) {
+    std::string list;
+    for (const std::string& d : differ) list += (list.empty() ? "" : "; ") + d;
+    throw ConfigError(concat("train.resume: checkpoint '", path,
+                             "' was saved with other model settings (", list,
+                             "): resume with the settings it was saved with, or start a new run "
+                             "(train.resume=none, or another train.out_dir)"));
+  }
   if (!state.optimizer.empty() && state.optimizer != config.optim.name)
     throw FormatError(concat("checkpoint '", path, "' was saved with optimizer '", state.optimizer,
                              "' but optim.name is '", config.optim.name,

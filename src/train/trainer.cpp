@@ -153,8 +153,15 @@ TrainSummary train_with(const Config& config) {
   int64_t first_step = 0;
   if (std::optional<ResumePoint> resumed = checkpoints.resume()) {
     first_step = resumed->step;
+    ST_CHECK_AS(ConfigError, first_step <= t.steps, "train.resume: the checkpoint is at step ",
+                first_step, ", past train.steps (", t.steps,
+                "): raise train.steps to train further, or start a new run (train.resume=none)");
     train_sampler.restore(resumed->sampler);
   }
+  summary.first_step = first_step;
+  if (first_step == t.steps && first_step > 0)
+    progress.message("the checkpoint is at step " + std::to_string(first_step) +
+                     " = train.steps: nothing left to train");
   if (leader) open_metrics(metrics, summary.metrics_path, first_step);
 
   auto run_eval = [&](int64_t step) {
@@ -183,6 +190,7 @@ TrainSummary train_with(const Config& config) {
     total_seconds += seconds;
     if (step == first_step) summary.first_loss = r.loss;
     summary.final_loss = r.loss;
+    summary.skipped_steps += r.skipped ? 1 : 0;
     ST_CHECK(std::isfinite(r.loss) || r.skipped, "the loss became ", r.loss, " at step ", step,
              ": lower optim.lr, enable optim.grad_clip, or use fp32/bf16 instead of fp16");
     nlohmann::json j = {{"event", "step"},

@@ -388,14 +388,44 @@ TEST(CheckpointResume, AutoRefusesDamagedCheckpointsAndFallsBackToAnIntactOne) {
 TEST(CheckpointResume, ACheckpointOfAnotherModelIsAClearError) {
   TempDir tmp;
   train::run_training(tiny_config(tmp / "run", {"train.steps=1", "checkpoint.every_steps=1"}));
+  const std::string saved = "train.resume=" + std::string(tmp / "run/checkpoints/step-00000001.h5");
+  auto refused = [&](std::vector<std::string> settings, const std::vector<std::string>& named) {
+    settings.push_back("train.steps=2");
+    settings.push_back(saved);
+    try {
+      train::run_training(tiny_config(tmp / "other", settings));
+      ADD_FAILURE() << "resumed with " << settings.front();
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("other model settings"), std::string::npos) << e.what();
+      for (const std::string& key : named)
+        EXPECT_NE(std::string(e.what()).find(key), std::string::npos) << e.what();
+    }
+  };
+  refused({"model.hidden_size=64", "model.intermediate_size=96"},
+          {"model.hidden_size: checkpoint 32, this run 64", "model.intermediate_size"});
+  // The same tensor shapes: only the settings tell these apart.
+  refused({"model.num_heads=8", "model.num_kv_heads=4"},
+          {"model.num_heads: checkpoint 4, this run 8", "model.num_kv_heads"});
+  refused({"model.rope_theta=500000"}, {"model.rope_theta"});
+  // What does not define the weights may change.
+  train::TrainSummary s = train::run_training(
+      tiny_config(tmp / "longer", {"train.steps=2", "model.init_std=0.5", saved}));
+  EXPECT_EQ(s.first_step, 1);
+}
+
+TEST(CheckpointResume, ACheckpointAtOrPastTheLastStep) {
+  TempDir tmp;
+  train::run_training(tiny_config(tmp / "run", {"train.steps=2", "checkpoint.every_steps=2"}));
+  train::TrainSummary again =
+      train::run_training(tiny_config(tmp / "run", {"train.steps=2", "train.resume=auto"}));
+  EXPECT_EQ(again.first_step, 2);
+  EXPECT_EQ(again.steps, 2) << "nothing left to train";
   try {
-    train::run_training(tiny_config(
-        tmp / "other", {"train.steps=2", "model.hidden_size=64", "model.intermediate_size=96",
-                        "train.resume=" + (tmp / "run/checkpoints/step-00000001.h5")}));
-    ADD_FAILURE() << "a checkpoint of hidden size 32 loaded into hidden size 64";
-  } catch (const FormatError& e) {
-    EXPECT_NE(std::string(e.what()).find("[256, 32]"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("[256, 64]"), std::string::npos) << e.what();
+    train::run_training(tiny_config(tmp / "run", {"train.steps=1", "train.resume=auto"}));
+    ADD_FAILURE() << "resumed at step 2 of a 1-step run";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("at step 2, past train.steps (1)"), std::string::npos)
+        << e.what();
   }
 }
 

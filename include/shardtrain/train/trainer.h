@@ -7,7 +7,9 @@
 namespace shardtrain::train {
 
 struct TrainSummary {
-  int64_t steps = 0;
+  int64_t steps = 0;          // the step the run ended at
+  int64_t first_step = 0;     // the step it started from (> 0 when resumed from a checkpoint)
+  int64_t skipped_steps = 0;  // steps whose update fp16 loss scaling skipped (inf/nan gradients)
   double first_loss = 0, final_loss = 0;
   double final_eval_loss = -1;  // < 0: never evaluated
   double unigram_entropy_nats = 0;
