@@ -21,22 +21,6 @@ std::vector<std::string> split_list(const std::string& text) {
   return out;
 }
 
-double parse_peak(const std::string& text) {
-  size_t used = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != text.size() || !(value > 0) || !std::isfinite(value))
-    throw UsageError(
-        "--peak-tflops: expected a positive number of TFLOP/s (989.4 for an H100 "
-        "in bf16), got '" +
-        text + "'");
-  return value;
-}
-
 }  // namespace
 
 Command bench_command() {
@@ -75,7 +59,9 @@ Command bench_command() {
     o.precisions = split_list(args.get("precisions"));
     o.warmup_steps = args.get_int("warmup");
     o.measured_steps = args.get_int("steps");
-    if (args.has("peak-tflops")) o.peak_tflops = parse_peak(args.get("peak-tflops"));
+    if (args.has("peak-tflops"))
+      o.peak_tflops = args.get_number("peak-tflops", false,
+                                      "a positive number of TFLOP/s (989.4 for an H100 in bf16)");
     const bool leader = dist::job_rank() == 0;
     if (leader) o.log = [](const std::string& line) { std::cerr << line << "\n"; };
     train::BenchReport report = train::run_bench(config, o);

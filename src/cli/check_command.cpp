@@ -34,8 +34,10 @@ Command check_command() {
     o.model_dir = args.get("model");
     o.batch_file = args.get("batch");
     o.expected_file = args.get("expected");
-    if (args.has("rtol")) o.rtol = std::stod(args.get("rtol"));
-    if (args.has("atol")) o.atol = std::stod(args.get("atol"));
+    if (args.has("rtol"))
+      o.rtol = args.get_number("rtol", false, "a positive relative tolerance such as 1e-4");
+    if (args.has("atol"))
+      o.atol = args.get_number("atol", true, "an absolute tolerance >= 0 such as 1e-6");
     train::CheckReport report = train::run_check(config, o);
     if (report.leader) std::printf("%s", report.table().c_str());
     return report.ok() ? 0 : 1;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <iostream>
+#include <new>
 
 #include "shardtrain/cli/command.h"
 #include "shardtrain/core/suggest.h"
@@ -107,6 +108,16 @@ int run(const std::vector<std::string>& args) {
     // collective it will never join.
     if (dist::job_world_size() > 1) dist::abort_job(std::string("error: ") + e.what(), 1);
     std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  } catch (const std::bad_alloc&) {
+    // The host refused memory outside the allocators' ledgers (a model too large to build, a
+    // buffer sized from a huge config value): a resource problem, not a defect.
+    const std::string message =
+        "error: out of host memory (the C++ runtime could not allocate): the configuration "
+        "needs more memory than this machine has; `shardtrain plan --config ...` predicts what it "
+        "needs and which scale-up recipe step fits";
+    if (dist::job_world_size() > 1) dist::abort_job(message, 1);
+    std::cerr << message << "\n";
     return 1;
   } catch (const std::exception& e) {
     if (dist::job_world_size() > 1) dist::abort_job(std::string("internal error: ") + e.what(), 3);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <optional>
 
 #include "shardtrain/core/suggest.h"
@@ -30,6 +31,17 @@ long long Args::get_int(const std::string& name) const {
   auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
   if (ec != std::errc() || end != text.data() + text.size() || text.empty())
     throw UsageError("--" + name + " " + text + ": expected a whole number");
+  return v;
+}
+
+double Args::get_number(const std::string& name, bool zero_allowed,
+                        const std::string& expected) const {
+  const std::string text = get(name);
+  double v = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  const bool whole = ec == std::errc() && end == text.data() + text.size() && !text.empty();
+  if (!whole || !std::isfinite(v) || v < 0 || (v == 0 && !zero_allowed))
+    throw UsageError("--" + name + " " + text + ": expected " + expected);
   return v;
 }
 

@@ -88,6 +88,28 @@ TEST(CliArgs, MistakesAreUsageErrors) {
   EXPECT_THROW(a.get_int("count"), cli::UsageError);
 }
 
+TEST(CliArgs, NumbersAreReadWhole) {
+  auto number = [](const std::string& text, bool zero_allowed) {
+    cli::Args a = cli::parse_args(demo_command(), {"--input", "a", "--count", text});
+    return a.get_number("count", zero_allowed, "a count");
+  };
+  EXPECT_EQ(number("2.5", false), 2.5);
+  EXPECT_EQ(number("1e-4", false), 1e-4);
+  EXPECT_EQ(number("0", true), 0.0);
+  for (const char* bad : {"abc", "1e5x", "-1", "nan", "inf", "1e400", ""})
+    EXPECT_THROW(number(bad, true), cli::UsageError) << bad;
+  EXPECT_THROW(number("0", false), cli::UsageError);
+  try {
+    number("-3", false);
+  } catch (const cli::UsageError& e) {
+    EXPECT_CONTAINS(e.what(), "--count -3: expected a count");
+  }
+  // As the check command reads its tolerances: a bad one is a usage error (exit 2).
+  Result r = run({"check", "--model", "m", "--batch", "b", "--expected", "e", "--rtol", "abc"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "--rtol abc: expected a positive relative tolerance");
+}
+
 TEST(CliArgs, HelpListsEveryFlag) {
   std::string help = cli::command_help(demo_command());
   EXPECT_CONTAINS(help,

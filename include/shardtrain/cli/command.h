@@ -50,6 +50,9 @@ class Args {
   std::vector<std::string> all(const std::string& name) const;
   // get() read as a whole number; throws UsageError naming the flag otherwise.
   long long get_int(const std::string& name) const;
+  // get() read as a finite number that is positive (or, with zero_allowed, not negative); throws
+  // UsageError naming the flag and `expected` (what the number means) otherwise.
+  double get_number(const std::string& name, bool zero_allowed, const std::string& expected) const;
   const std::vector<std::string>& positional() const { return positional_; }
 
  private:
