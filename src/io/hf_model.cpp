@@ -1,10 +1,12 @@
 #include "shardtrain/io/hf_model.h"
 
+#include <cmath>
 #include <map>
 #include <optional>
 #include <vector>
 
 #include "shardtrain/autograd/grad_mode.h"
+#include "shardtrain/backend/backend.h"
 #include "shardtrain/io/safetensors.h"
 
 namespace shardtrain::io {
@@ -43,7 +45,15 @@ void load_hf_weights(nn::LlamaModel& model, const std::string& dir) {
   for (auto& [name, slot] : model.named_parameters()) expected[name] = slot->shape();
   check_hf_tensors(ckpt, expected, model.config().tie_embeddings, dir);
   model.materialize();  // a deferred model gets its storage here
-  for (auto& [name, slot] : model.named_parameters()) ckpt.load_into(name, *slot);
+  for (auto& [name, slot] : model.named_parameters()) {
+    ckpt.load_into(name, *slot);
+    // A NaN or infinity in the weights would surface steps later as a diverged loss; name the
+    // tensor now (the sum of squares of finite weights stays finite in double precision).
+    const double squares = backend_for(slot->device()).sum_squares(*slot);
+    if (!std::isfinite(squares))
+      throw FormatError("model weights in '" + dir + "': tensor '" + name +
+                        "' holds NaN or infinite values (a damaged or wrongly converted file)");
+  }
 }
 
 void load_hf_weights(fsdp::ShardedModel& model, const std::string& dir) {

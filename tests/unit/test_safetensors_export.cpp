@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <map>
 
 #include "expect_error.h"
@@ -213,3 +214,34 @@ TEST(ShardedExport, AFailedWritePublishesNothing) {
 
 }  // namespace
 }  // namespace shardtrain::fsdp
+
+namespace shardtrain::io {
+namespace {
+
+// Loading weights with a NaN or an infinity names the tensor at once, instead of a diverged loss
+// some steps later.
+TEST(HfWeights, NonFiniteValuesNameTheTensor) {
+  const nn::LlamaConfig config = shardtrain::testing::uneven_llama_config(3, false);
+  for (const float bad :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    shardtrain::testing::TempDir tmp("nonfinite");
+    nn::LlamaModel saved(config, Device::cpu());
+    saved.init_weights(5);
+    for (auto& [name, slot] : saved.named_parameters())
+      if (name == "model.norm.weight") slot->data<float>()[1] = bad;
+    save_hf_model(saved, tmp / "model");
+    nn::LlamaModel loaded(config, Device::cpu());
+    shardtrain::testing::expect_error<FormatError>(
+        [&] { load_hf_weights(loaded, tmp / "model"); },
+        {"tensor 'model.norm.weight' holds NaN or infinite values"});
+  }
+  shardtrain::testing::TempDir tmp("finite");
+  nn::LlamaModel saved(config, Device::cpu());
+  saved.init_weights(5);
+  save_hf_model(saved, tmp / "model");
+  nn::LlamaModel loaded(config, Device::cpu());
+  load_hf_weights(loaded, tmp / "model");  // finite weights load
+}
+
+}  // namespace
+}  // namespace shardtrain::io
