@@ -61,10 +61,12 @@ Sampler::Sampler(const TokenDataset& data, Split split, const SamplerConfig& con
   // Window k covers [begin + k*S, begin + k*S + S + 1): consecutive windows share one token.
   const int64_t length = end_ - begin_;
   num_windows_ = length >= 1 ? (length - 1) / config.seq_len : 0;
-  ST_CHECK_AS(ConfigError, num_windows_ >= 1, data.source(), ": the ", split_name, " split has ",
-              length, " tokens (of ", n, " with eval_fraction ", config.eval_fraction,
-              "), too few for one window of seq_len + 1 = ", config.seq_len + 1,
-              " tokens; use more data or a shorter seq_len");
+  ST_CHECK_AS(
+      ConfigError, num_windows_ >= 1, data.source(), ": the ", split_name, " split has ", length,
+      " tokens (of ", n, " with eval_fraction ", config.eval_fraction,
+      "), too few for one window of seq_len + 1 = ", config.seq_len + 1, " tokens; use more data",
+      split == Split::Eval ? ", a larger data.eval_fraction" : ", a smaller data.eval_fraction",
+      " or a shorter seq_len");
   build_order();
 }
 

@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 #include "expect_error.h"
+#include "files.h"
 #include "temp_dir.h"
 
 #include <algorithm>
@@ -178,7 +179,8 @@ TEST_F(DataTest, TooShortForOneWindow) {
   cfg.seq_len = 15;
   EXPECT_EQ(Sampler(ds, Split::Train, cfg).num_windows(), 1);
   cfg.eval_fraction = 0.5;  // 8 held-out tokens: too few for a window of 16
-  expect_error<ConfigError>([&] { Sampler(ds, Split::Eval, cfg); }, {p, "held-out", "8 tokens"});
+  expect_error<ConfigError>([&] { Sampler(ds, Split::Eval, cfg); },
+                            {p, "held-out", "8 tokens", "a larger data.eval_fraction"});
 }
 
 TEST_F(DataTest, TensorsThroughHdf5) {
@@ -425,6 +427,13 @@ TEST_F(DataTest, PrepareDataFromBuiltinAndFile) {
   expect_error<ConfigError>([&] { prepare_data("builtin", path("y.h5"), "wordpiece"); },
                             {"'wordpiece'"});
   EXPECT_FALSE(fs::exists(path("x.h5")));
+  // A token dataset is not text, and the input is never the file the output replaces.
+  const std::string before = shardtrain::testing::read_file_bytes(path("txt.h5"));
+  expect_error<ConfigError>([&] { prepare_data(path("txt.h5"), path("txt.h5")); },
+                            {"--input and --output are the same file"});
+  expect_error<ConfigError>([&] { prepare_data(path("txt.h5"), path("z.h5")); },
+                            {"is an HDF5 file"});
+  EXPECT_EQ(shardtrain::testing::read_file_bytes(path("txt.h5")), before);
 }
 
 }  // namespace

@@ -25,7 +25,9 @@ void check_indices(const Tensor& ids, int64_t limit, int64_t ignore, const char*
   for (int64_t i = 0; i < ids.numel(); ++i) {
     ST_CHECK_SHAPE((p[i] >= 0 && p[i] < limit) || p[i] == ignore, what, " ", p[i], " at position ",
                    i, " is outside [0, ", limit, ")",
-                   ": the data was tokenized with a vocabulary larger than the model's vocab_size");
+                   p[i] < 0 ? ": ids are never negative (the input was built wrongly)"
+                            : ": the data was tokenized with a vocabulary larger than the model's "
+                              "vocab_size");
   }
 }
 

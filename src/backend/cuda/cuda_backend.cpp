@@ -102,7 +102,8 @@ void check_indices(const Tensor& ids, int64_t limit, int64_t ignore, const char*
   ST_CUDA_CHECK(cudaStreamSynchronize(call.stream));
   throw ShapeError(shardtrain::detail::concat(
       what, " ", value, " at position ", bad, " is outside [0, ", limit, ")",
-      ": the data was tokenized with a vocabulary larger than the model's vocab_size"));
+      value < 0 ? ": ids are never negative (the input was built wrongly)"
+                : ": the data was tokenized with a vocabulary larger than the model's vocab_size"));
 }
 
 constexpr int64_t kNoIgnoredIndex = INT64_MIN;
@@ -454,9 +455,9 @@ void require_adamw_operands(const Tensor& param, const Tensor& grad, const Tenso
   require_f32(m, "AdamW first moment");
   require_f32(v, "AdamW second moment");
   // The kernel is built for these gradient dtypes; any other would be left out of the update.
-  ST_CHECK_SHAPE(grad.dtype() == DType::F32 || grad.dtype() == DType::BF16 ||
-                     grad.dtype() == DType::F16,
-                 "CUDA adamw: the gradient must be f32, bf16 or f16, got ", grad.describe());
+  ST_CHECK_SHAPE(
+      grad.dtype() == DType::F32 || grad.dtype() == DType::BF16 || grad.dtype() == DType::F16,
+      "CUDA adamw: the gradient must be f32, bf16 or f16, got ", grad.describe());
   ST_CHECK_SHAPE(
       grad.numel() == param.numel() && m.numel() == param.numel() && v.numel() == param.numel(),
       "CUDA adamw: parameter ", param.describe(), ", gradient ", grad.describe(), " and moments ",
