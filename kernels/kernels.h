@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "shardtrain/backend/rope.h"
 #include "shardtrain/core/dtype.h"
 
 namespace shardtrain::kernels {
@@ -79,9 +80,12 @@ void rmsnorm_backward(const void* dy, const void* x, DType type, const void* w, 
                       Scratch& scratch, cudaStream_t stream);
 
 // ---- rope.cu --------------------------------------------------------------------------------
-// x and out [B, S, H, D] of dtype `type`; out may alias x.
+// x and out [B, S, H, D] of dtype `type`; out may alias x. The inverse frequencies are
+// rope_inverse_frequencies(D, params) (backend/rope.h), formed on the host; with D > 1024 and
+// Llama-3 scaling they are copied to `scratch` first.
 void rope(const void* x, void* out, DType type, int64_t B, int64_t S, int64_t H, int64_t D,
-          float theta, int64_t position_offset, bool inverse, cudaStream_t stream);
+          const RopeParams& params, int64_t position_offset, bool inverse, Scratch& scratch,
+          cudaStream_t stream);
 
 // ---- softmax.cu -----------------------------------------------------------------------------
 // scores/probs [rows = N * Sq, Sk] of dtype `type`; probs may alias scores.

@@ -44,10 +44,9 @@ Tensor Attention::forward(const Tensor& x) {
   int64_t b = x.size(0), s = x.size(1), d = config_.head_dim();
   int64_t hq = config_.num_heads, hkv = config_.num_kv_heads;
   // [B, S, H*D] -> [B, S, H, D] -> rotary -> [B, H, S, D]
-  Tensor q = ops::swap_dims_12(
-      ops::rope(ops::reshape(q_proj->forward(x), {b, s, hq, d}), config_.rope_theta));
-  Tensor k = ops::swap_dims_12(
-      ops::rope(ops::reshape(k_proj->forward(x), {b, s, hkv, d}), config_.rope_theta));
+  const RopeParams rope = config_.rope_params();
+  Tensor q = ops::swap_dims_12(ops::rope(ops::reshape(q_proj->forward(x), {b, s, hq, d}), rope));
+  Tensor k = ops::swap_dims_12(ops::rope(ops::reshape(k_proj->forward(x), {b, s, hkv, d}), rope));
   Tensor v = ops::swap_dims_12(ops::reshape(v_proj->forward(x), {b, s, hkv, d}));
 
   ops::AttentionImpl impl_now = impl;

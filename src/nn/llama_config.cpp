@@ -23,6 +23,10 @@ void LlamaConfig::validate() const {
          " must be even for rotary embeddings");
   if (!(rms_norm_eps > 0)) fail("rms_norm_eps must be positive");
   if (!(rope_theta > 0)) fail("rope_theta must be positive");
+  if (rope_scaling) {
+    const std::string problem = llama3_rope_scaling_problem(*rope_scaling);
+    if (!problem.empty()) fail("rope_scaling: " + problem);
+  }
 }
 
 LlamaConfig LlamaConfig::from_hf_json(const std::string& path) {

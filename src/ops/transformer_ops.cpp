@@ -43,11 +43,11 @@ struct RmsNormBackward : NamedNode<RmsNormBackward> {
 
 struct RopeBackward : NamedNode<RopeBackward> {
   static constexpr const char* kName = "RopeBackward";
-  float theta = 10000.0f;
+  RopeParams params;
   int64_t offset = 0;
   std::vector<Tensor> apply(std::vector<Tensor> g) override {
     Tensor dx = empty_like(g[0]);
-    backend_of(g[0]).rope(g[0], dx, theta, offset, /*inverse=*/true);
+    backend_of(g[0]).rope(g[0], dx, params, offset, /*inverse=*/true);
     return {dx};
   }
 };
@@ -107,19 +107,25 @@ Tensor rms_norm(const Tensor& x, const Tensor& w, float eps) {
   return y;
 }
 
-Tensor rope(const Tensor& x, float theta, int64_t position_offset) {
+Tensor rope(const Tensor& x, const RopeParams& params, int64_t position_offset) {
   check_float(x, "rope", "input");
   ST_CHECK_SHAPE(x.dim() == 4 && x.size(3) % 2 == 0, "rope: expected [batch, seq, heads, dim] ",
                  "with an even dim, got ", x.describe());
   Tensor out = empty_like(x);
-  backend_of(x).rope(x, out, theta, position_offset, false);
+  backend_of(x).rope(x, out, params, position_offset, false);
   if (autograd::needs_graph({&x})) {
     auto node = std::make_shared<RopeBackward>();
-    node->theta = theta;
+    node->params = params;
     node->offset = position_offset;
     autograd::attach(node, {&x}, {&out});
   }
   return out;
+}
+
+Tensor rope(const Tensor& x, float theta, int64_t position_offset) {
+  RopeParams params;
+  params.theta = theta;
+  return rope(x, params, position_offset);
 }
 
 Tensor swiglu(const Tensor& gate, const Tensor& up) {

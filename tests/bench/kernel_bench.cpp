@@ -306,7 +306,7 @@ void bench_elementwise(Bench& b) {
   b.run("add_bf16", "64M", 3.0 * n * 2, 0, [&] { b.backend().add(gte, up, out, 1.0f, 1.0f); });
   Tensor x = randn_on({4, 2048, 32, 128}, DType::BF16, b.dev(), 15);
   b.run("rope_bf16", "4x2048x32x128", 2.0 * x.numel() * 2, 0,
-        [&] { b.backend().rope(x, x, 10000.0f, 0, false); });
+        [&] { b.backend().rope(x, x, RopeParams{10000.0f}, 0, false); });
   const int64_t V = 32000, H = 4096, N = 8192;
   Tensor table = randn_on({V, H}, DType::BF16, b.dev(), 16);
   std::vector<int64_t> ids(static_cast<size_t>(N));

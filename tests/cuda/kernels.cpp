@@ -228,8 +228,8 @@ TEST(CudaKernels, Rope) {
       for (bool inverse : {false, true}) {
         Tensor x = random_cpu(s, t, 30);
         Tensor want = empty(s, t), got = empty(s, t, cuda0());
-        cpu().rope(x, want, 10000.0f, 7, inverse);
-        gpu().rope(x.to(cuda0()), got, 10000.0f, 7, inverse);
+        cpu().rope(x, want, RopeParams{10000.0f}, 7, inverse);
+        gpu().rope(x.to(cuda0()), got, RopeParams{10000.0f}, 7, inverse);
         expect_close(got, want, 2e-5f, tolerance(t), label("rope", t, s));
       }
     }
@@ -240,16 +240,55 @@ TEST(CudaKernels, Rope) {
        {std::pair<Shape, int64_t>{Shape{1, 4, 2, 128}, 131000}, {Shape{1, 3, 1, 1030}, 7}}) {
     Tensor x = random_cpu(s, DType::F32, 32);
     Tensor want = empty(s), got = empty(s, DType::F32, cuda0());
-    cpu().rope(x, want, 500000.0f, offset, false);
-    gpu().rope(x.to(cuda0()), got, 500000.0f, offset, false);
+    cpu().rope(x, want, RopeParams{500000.0f}, offset, false);
+    gpu().rope(x.to(cuda0()), got, RopeParams{500000.0f}, offset, false);
     expect_close(got, want, 2e-5f, 2e-5f, label("rope far positions", DType::F32, s));
   }
   // In place, and forward then inverse is the identity.
   Tensor x = random_cpu({2, 9, 2, 32}, DType::F32, 31);
   Tensor g = x.to(cuda0());
-  gpu().rope(g, g, 500000.0f, 100, false);
-  gpu().rope(g, g, 500000.0f, 100, true);
+  gpu().rope(g, g, RopeParams{500000.0f}, 100, false);
+  gpu().rope(g, g, RopeParams{500000.0f}, 100, true);
   expect_close(g, x, 1e-5f, 1e-5f, "rope round trip");
+}
+
+TEST(CudaKernels, RopeWithLlama3Scaling) {
+  REQUIRE_CUDA();
+  // Llama-3.1 scaling on head dims 64 and 128 (frequencies in the kernel's parameters), and on
+  // 1030 and 2050, past the parameter table, where the host's frequencies are copied to the
+  // device: the same fp32 angles as the CPU's at near and far positions.
+  const Llama3RopeScaling llama31{8.0, 1.0, 4.0, 8192};
+  for (DType t : kFloatTypes) {
+    for (Shape s : {Shape{2, 17, 3, 64}, Shape{1, 300, 2, 128}, Shape{1, 3, 1, 1030}}) {
+      for (bool inverse : {false, true}) {
+        Tensor x = random_cpu(s, t, 33);
+        Tensor want = empty(s, t), got = empty(s, t, cuda0());
+        cpu().rope(x, want, RopeParams{500000.0f, llama31}, 7, inverse);
+        gpu().rope(x.to(cuda0()), got, RopeParams{500000.0f, llama31}, 7, inverse);
+        expect_close(got, want, 2e-5f, tolerance(t), label("scaled rope", t, s));
+      }
+    }
+  }
+  for (auto [s, offset] :
+       {std::pair<Shape, int64_t>{Shape{1, 4, 2, 128}, 131000}, {Shape{1, 3, 1, 2050}, 60000}}) {
+    Tensor x = random_cpu(s, DType::F32, 34);
+    Tensor want = empty(s), got = empty(s, DType::F32, cuda0());
+    cpu().rope(x, want, RopeParams{500000.0f, llama31}, offset, false);
+    gpu().rope(x.to(cuda0()), got, RopeParams{500000.0f, llama31}, offset, false);
+    expect_close(got, want, 2e-5f, 2e-5f, label("scaled rope far positions", DType::F32, s));
+  }
+  // In place, and forward then inverse is the identity, past the parameter table too.
+  for (Shape s : {Shape{2, 9, 2, 32}, Shape{1, 5, 2, 1030}}) {
+    Tensor x = random_cpu(s, DType::F32, 35);
+    Tensor g = x.to(cuda0());
+    gpu().rope(g, g, RopeParams{500000.0f, llama31}, 100, false);
+    gpu().rope(g, g, RopeParams{500000.0f, llama31}, 100, true);
+    expect_close(g, x, 1e-5f, 1e-5f, label("scaled rope round trip", DType::F32, s));
+  }
+  // Unusable scaling is an error, not a plain rotation.
+  Tensor x = random_cpu({1, 2, 1, 8}, DType::F32, 36).to(cuda0());
+  EXPECT_THROW(gpu().rope(x, x, RopeParams{1e4f, Llama3RopeScaling{8.0, 4.0, 1.0, 8}}, 0, false),
+               ConfigError);
 }
 
 TEST(CudaKernels, CausalSoftmax) {
@@ -348,8 +387,8 @@ TEST(CudaKernels, MixedDtypesRoundOnceAsTheCpuBackendDoes) {
   {
     Tensor x = random_cpu({1, 6, 2, 20}, lo, 73);
     Tensor want = empty({1, 6, 2, 20}, hi), got = empty({1, 6, 2, 20}, hi, cuda0());
-    cpu().rope(x, want, 10000.0f, 3, false);
-    gpu().rope(x.to(cuda0()), got, 10000.0f, 3, false);
+    cpu().rope(x, want, RopeParams{10000.0f}, 3, false);
+    gpu().rope(x.to(cuda0()), got, RopeParams{10000.0f}, 3, false);
     expect_close(got, want, 2e-5f, rtol, "rope bf16 -> f32");
   }
   {

@@ -513,7 +513,9 @@ TEST(CpuBackend, RmsNormBackwardOnWideRows) {
 
 // ---- rope -----------------------------------------------------------------------------------
 
-Vec rope_reference(const Vec& x, const Shape& s, double theta, int64_t offset, bool inverse) {
+// Rotation by angle (offset + p) * inv_freq[i] in double.
+Vec rope_reference(const Vec& x, const Shape& s, const Vec& inv_freq, int64_t offset,
+                   bool inverse) {
   const int64_t B = s[0], S = s[1], H = s[2], D = s[3], half = D / 2;
   Vec out(x.size());
   for (int64_t b = 0; b < B; ++b)
@@ -521,8 +523,7 @@ Vec rope_reference(const Vec& x, const Shape& s, double theta, int64_t offset, b
       for (int64_t h = 0; h < H; ++h) {
         const int64_t base = ((b * S + p) * H + h) * D;
         for (int64_t i = 0; i < half; ++i) {
-          const double angle = static_cast<double>(offset + p) *
-                               std::pow(theta, -2.0 * static_cast<double>(i) / D) *
+          const double angle = static_cast<double>(offset + p) * inv_freq[static_cast<size_t>(i)] *
                                (inverse ? -1.0 : 1.0);
           const double lo = x[base + i], hi = x[base + i + half];
           out[base + i] = lo * std::cos(angle) - hi * std::sin(angle);
@@ -532,6 +533,36 @@ Vec rope_reference(const Vec& x, const Shape& s, double theta, int64_t offset, b
   return out;
 }
 
+// theta^(-2i/D) in double.
+Vec plain_inv_freq(int64_t D, double theta) {
+  Vec f(static_cast<size_t>(D / 2));
+  for (size_t i = 0; i < f.size(); ++i) f[i] = std::pow(theta, -2.0 * static_cast<double>(i) / D);
+  return f;
+}
+
+// Llama-3 scaling of theta^(-2i/D) in double, written from the description of
+// _compute_llama3_parameters in Hugging Face transformers.
+Vec llama3_inv_freq(int64_t D, double theta, const Llama3RopeScaling& s) {
+  Vec f = plain_inv_freq(D, theta);
+  const double L = static_cast<double>(s.original_max_position_embeddings);
+  for (double& v : f) {
+    const double wavelen = 2 * M_PI / v;
+    if (wavelen < L / s.high_freq_factor) continue;
+    if (wavelen > L / s.low_freq_factor) {
+      v /= s.factor;
+      continue;
+    }
+    const double smooth =
+        (L / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+    v = (1 - smooth) * v / s.factor + smooth * v;
+  }
+  return f;
+}
+
+Vec rope_reference(const Vec& x, const Shape& s, double theta, int64_t offset, bool inverse) {
+  return rope_reference(x, s, plain_inv_freq(s[3], theta), offset, inverse);
+}
+
 TEST(CpuBackend, RopeRotatesHalvesAndInverts) {
   for (const Shape& shape : {Shape{2, 5, 3, 8}, Shape{1, 7, 2, 6}}) {
     for (DType t : kFloatTypes) {
@@ -539,18 +570,18 @@ TEST(CpuBackend, RopeRotatesHalvesAndInverts) {
       Tensor x = random(shape, t, 19);
       const Vec vx = values(x);
       Tensor out = empty(shape, t);
-      cpu().rope(x, out, 10000.0f, 3, false);
+      cpu().rope(x, out, RopeParams{10000.0f}, 3, false);
       expect_close(out, rope_reference(vx, shape, 10000.0, 3, false), tol_for(t), "rope");
-      cpu().rope(x, out, 500000.0f, 2, true);
+      cpu().rope(x, out, RopeParams{500000.0f}, 2, true);
       expect_close(out, rope_reference(vx, shape, 500000.0, 2, true), tol_for(t), "rope inverse");
       // In place gives the same result, and the inverse undoes the forward rotation.
       Tensor y = x.clone();
-      cpu().rope(y, y, 500000.0f, 2, true);
+      cpu().rope(y, y, RopeParams{500000.0f}, 2, true);
       EXPECT_TRUE(bitwise_equal(y, out));
       if (t == DType::F32) {
         Tensor z = x.clone();
-        cpu().rope(z, z, 10000.0f, 5, false);
-        cpu().rope(z, z, 10000.0f, 5, true);
+        cpu().rope(z, z, RopeParams{10000.0f}, 5, false);
+        cpu().rope(z, z, RopeParams{10000.0f}, 5, true);
         expect_close(z, vx, 1e-6, "rope round trip");
       }
     }
@@ -563,8 +594,166 @@ TEST(CpuBackend, RopeAtLargePositions) {
   const Shape shape{1, 3, 1, 64};
   Tensor x = random(shape, DType::F32, 20);
   Tensor out = empty(shape);
-  cpu().rope(x, out, 10000.0f, 4096, false);
+  cpu().rope(x, out, RopeParams{10000.0f}, 4096, false);
   expect_close(out, rope_reference(values(x), shape, 10000.0, 4096, false), 2e-3, "rope 4096");
+}
+
+TEST(CpuBackend, RopeWithLlama3Scaling) {
+  // Head dims 16 and 128 put frequencies in all three bands (kept, interpolated, divided).
+  const Llama3RopeScaling llama31{8.0, 1.0, 4.0, 8192};
+  const Llama3RopeScaling small{3.0, 0.5, 2.5, 100};
+  struct Case {
+    Shape shape;
+    float theta;
+    Llama3RopeScaling scaling;
+    int64_t offset;
+  };
+  for (const Case& c :
+       {Case{{2, 5, 3, 128}, 500000.0f, llama31, 3}, Case{{1, 7, 2, 16}, 10000.0f, small, 40}}) {
+    const RopeParams params{c.theta, c.scaling};
+    const Vec inv_freq = llama3_inv_freq(c.shape[3], c.theta, c.scaling);
+    for (DType t : kFloatTypes) {
+      SCOPED_TRACE(std::string(dtype_name(t)) + shape_str(c.shape));
+      Tensor x = random(c.shape, t, 21);
+      const Vec vx = values(x);
+      Tensor out = empty(c.shape, t);
+      cpu().rope(x, out, params, c.offset, false);
+      expect_close(out, rope_reference(vx, c.shape, inv_freq, c.offset, false), tol_for(t),
+                   "scaled rope");
+      if (t == DType::F32) {
+        // The scaling matters: the unscaled rotation is 100 tolerances away from this one.
+        const Vec plain =
+            rope_reference(vx, c.shape, static_cast<double>(c.theta), c.offset, false);
+        const Vec got = values(out);
+        double diff = 0;
+        for (size_t i = 0; i < got.size(); ++i) diff = std::max(diff, std::fabs(got[i] - plain[i]));
+        EXPECT_GT(diff, 1e-3);
+      }
+      cpu().rope(x, out, params, c.offset, true);
+      expect_close(out, rope_reference(vx, c.shape, inv_freq, c.offset, true), tol_for(t),
+                   "scaled rope inverse");
+      if (t == DType::F32) {
+        Tensor z = x.clone();
+        cpu().rope(z, z, params, c.offset, false);
+        cpu().rope(z, z, params, c.offset, true);
+        expect_close(z, vx, 1e-6, "scaled rope round trip");
+      }
+    }
+  }
+}
+
+// ---- rope frequencies -----------------------------------------------------------------------
+
+TEST(RopeFrequencies, PlainAreTheHostExpression) {
+  for (int64_t D : {2, 6, 64, 128, 2050})
+    for (float theta : {10000.0f, 500000.0f}) {
+      const std::vector<float> f = rope_inverse_frequencies(D, RopeParams{theta});
+      ASSERT_EQ(f.size(), static_cast<size_t>(D / 2));
+      for (int64_t i = 0; i < D / 2; ++i) {
+        const float want =
+            1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(D));
+        EXPECT_EQ(std::memcmp(&f[static_cast<size_t>(i)], &want, sizeof want), 0)
+            << "D " << D << " theta " << theta << " i " << i;
+      }
+    }
+}
+
+TEST(RopeFrequencies, Llama3MatchesTransformersFormula) {
+  // Computed in float64 by tests/unit/llama3_rope_reference.py (Python's math module only, the
+  // formula of transformers' _compute_llama3_parameters written out independently). The fp32
+  // results differ from them by the rounding of theta's exponent and of each operation: a few
+  // ulps, relative 5e-6 at most.
+  struct Case {
+    int64_t dim;
+    float theta;
+    Llama3RopeScaling scaling;
+    std::vector<double> want;
+  };
+  // clang-format off
+  const std::vector<Case> cases = {
+      {128, 500000.0f, {8.0, 1.0, 4.0, 8192},  // Llama-3.1-8B
+       {1, 0.81461723385654472, 0.66360123769608848, 0.54058100463576697, 0.44036660267178046,
+        0.35873022375128993, 0.29222782257301511, 0.2380538204803507, 0.19392274474868576,
+        0.15797280990904317, 0.12868737343265052, 0.10483095217796996, 0.085397100285765609,
+        0.069565949614160322, 0.056669621445291044, 0.04616405026546052, 0.037606030930863933,
+        0.030634520893224042, 0.024955408670558694, 0.020329105980970156, 0.016560440080994446,
+        0.013490419890226748, 0.010989528534539826, 0.0089522593361943993, 0.0072926647372171085,
+        0.0059407303756749668, 0.0048394213457198928, 0.0039422760301166563,
+        0.0032114459947525913, 0.0021665707635033591, 0.0013718935677611381,
+        0.00085675141291963208, 0.00052484616099295468, 0.00031269375038406517,
+        0.00017850781276799638, 9.5562123539646833e-05, 7.7846552739324498e-05,
+        6.3415143457776151e-05, 5.1659068748189563e-05, 4.2082367687255257e-05,
+        3.4281021959525912e-05, 2.7925911282444464e-05, 2.2748928601828183e-05,
+        1.8531669290821308e-05, 1.509621717643313e-05, 1.2297638677963614e-05,
+        1.0017868402809974e-05, 8.1607282474359434e-06, 6.6478698711812362e-06,
+        5.4154693654999229e-06, 4.4115346745584042e-06, 3.593712173650999e-06,
+        2.9274998701761677e-06, 2.3847918463583037e-06, 1.942692537204043e-06,
+        1.5825508208909101e-06, 1.2891731721515574e-06, 1.0501826834601687e-06,
+        8.5549691264436605e-07, 6.9690252855116753e-07, 5.6770881007598369e-07,
+        4.6246538050008837e-07, 3.7673226901739635e-07, 3.0689259889145111e-07}},
+      {64, 500000.0f, {32.0, 1.0, 4.0, 8192},  // Llama-3.2-1B
+       {1, 0.66360123769608848, 0.44036660267178046, 0.29222782257301511, 0.19392274474868576,
+        0.12868737343265052, 0.085397100285765609, 0.056669621445291044, 0.037606030930863933,
+        0.024955408670558694, 0.016560440080994446, 0.010989528534539826, 0.0072926647372171085,
+        0.0048394213457198928, 0.0032114459947525913, 0.001290547928209264,
+        0.00042955679655936815, 9.7082878026276702e-05, 1.9461638184831125e-05,
+        1.2914767187047391e-05, 8.5702554898814781e-06, 5.6872321504570457e-06,
+        3.7740542941082826e-06, 2.5044671007024935e-06, 1.6619674677953091e-06,
+        1.102883668639601e-06, 7.3187496754404192e-07, 4.8567313430101075e-07,
+        3.2229329303788936e-07, 2.1387422816109151e-07, 1.4192720251899592e-07,
+        9.4183067254349087e-08}},
+      {16, 10000.0f, {3.0, 0.5, 2.5, 100},  // two kept, two interpolated, four divided
+       {1, 0.31622776601683794, 0.069718314363965125, 0.010575627536677143,
+        0.0033333333333333335, 0.0010540925533894597, 0.00033333333333333332,
+        0.00010540925533894598}},
+  };
+  // clang-format on
+  for (const Case& c : cases) {
+    SCOPED_TRACE("dim " + std::to_string(c.dim) + " factor " + std::to_string(c.scaling.factor));
+    const std::vector<float> plain = rope_inverse_frequencies(c.dim, RopeParams{c.theta});
+    const std::vector<float> got = rope_inverse_frequencies(c.dim, RopeParams{c.theta, c.scaling});
+    ASSERT_EQ(got.size(), c.want.size());
+    const double L = static_cast<double>(c.scaling.original_max_position_embeddings);
+    int kept = 0, divided = 0, interpolated = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_NEAR(got[i], c.want[i], 5e-6 * c.want[i]) << "i = " << i;
+      // Outside the band the result is the plain frequency, or exactly it over the factor.
+      const double wavelen = 2 * M_PI / plain[i];
+      if (wavelen < L / c.scaling.high_freq_factor) {
+        EXPECT_EQ(got[i], plain[i]) << "i = " << i;
+        ++kept;
+      } else if (wavelen > L / c.scaling.low_freq_factor) {
+        EXPECT_EQ(got[i], plain[i] / static_cast<float>(c.scaling.factor)) << "i = " << i;
+        ++divided;
+      } else {
+        ++interpolated;
+      }
+    }
+    EXPECT_GT(kept, 0);
+    EXPECT_GT(divided, 0);
+    EXPECT_GT(interpolated, 0);
+  }
+}
+
+TEST(RopeFrequencies, RejectsUnusableScaling) {
+  auto problem = [](Llama3RopeScaling s) { return llama3_rope_scaling_problem(s); };
+  EXPECT_EQ(problem({8.0, 1.0, 4.0, 8192}), "");
+  EXPECT_NE(problem({0.0, 1.0, 4.0, 8192}).find("factor (0) must be a number > 0"),
+            std::string::npos);
+  EXPECT_NE(problem({8.0, 4.0, 4.0, 8192})
+                .find("high_freq_factor (4) must be greater than "
+                      "low_freq_factor (4)"),
+            std::string::npos);
+  EXPECT_NE(problem({8.0, 0.0, 4.0, 8192}).find("low_freq_factor (0)"), std::string::npos);
+  EXPECT_NE(problem({8.0, 1.0, 4.0, 0}).find("original_max_position_embeddings (0) must be > 0"),
+            std::string::npos);
+  EXPECT_NE(problem({std::nan(""), 1.0, 4.0, 8192}).find("factor"), std::string::npos);
+  EXPECT_THROW(rope_inverse_frequencies(64, RopeParams{1e4f, Llama3RopeScaling{8.0, 4.0, 1.0, 8}}),
+               ConfigError);
+  EXPECT_THROW(rope_inverse_frequencies(7, RopeParams{1e4f}), ShapeError);
+  Tensor x = random({1, 2, 1, 8}, DType::F32, 22), out = empty({1, 2, 1, 8});
+  EXPECT_THROW(cpu().rope(x, out, RopeParams{1e4f, Llama3RopeScaling{-1.0, 1.0, 4.0, 8}}, 0, false),
+               ConfigError);
 }
 
 // ---- causal softmax -------------------------------------------------------------------------

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "shardtrain/backend/rope.h"
 #include "shardtrain/tensor/tensor.h"
 
 namespace shardtrain {
@@ -83,11 +84,12 @@ class Backend {
                                 const Tensor& rstd, Tensor& dx, Tensor& dw) = 0;
 
   // Rotary embedding, Hugging Face rotate-half convention, on x [B, S, H, D] (D even):
-  // for i < D/2, angle = (position_offset + s) * theta^(-2i/D),
+  // for i < D/2, angle = (position_offset + s) * inv_freq[i] with inv_freq =
+  // rope_inverse_frequencies(D, params) (theta^(-2i/D), Llama-3 scaled when params.llama3),
   //   out[..., i]       = x[i] cos - x[i + D/2] sin
   //   out[..., i + D/2] = x[i + D/2] cos + x[i] sin
   // inverse = true rotates by -angle (the backward of the forward rotation). out may alias x.
-  virtual void rope(const Tensor& x, Tensor& out, float theta, int64_t position_offset,
+  virtual void rope(const Tensor& x, Tensor& out, const RopeParams& params, int64_t position_offset,
                     bool inverse) = 0;
 
   // Causal softmax over score blocks: scores [N, S_q, S_k] with query row q attending keys

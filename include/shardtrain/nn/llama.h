@@ -3,9 +3,11 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "shardtrain/backend/rope.h"
 #include "shardtrain/nn/layers.h"
 #include "shardtrain/ops/ops.h"
 
@@ -20,12 +22,16 @@ struct LlamaConfig {
   int64_t num_kv_heads = 4;
   float rms_norm_eps = 1e-5f;
   float rope_theta = 10000.0f;
+  // Llama-3 RoPE frequency scaling (config.json rope_scaling, rope_type "llama3"); none = plain.
+  std::optional<Llama3RopeScaling> rope_scaling;
   bool tie_embeddings = false;
   int64_t max_seq_len = 2048;
   float init_std = 0.02f;
 
   int64_t head_dim() const { return hidden_size / num_heads; }
-  // Checks the shape is consistent (heads divide hidden, kv heads divide heads, ...).
+  RopeParams rope_params() const { return RopeParams{rope_theta, rope_scaling}; }
+  // Checks the shape is consistent (heads divide hidden, kv heads divide heads, ...) and the
+  // RoPE scaling usable.
   void validate() const;
   // Reads a Hugging Face config.json (LlamaConfig fields); errors name the file and field.
   static LlamaConfig from_hf_json(const std::string& path);

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "shardtrain/backend/rope.h"
 #include "shardtrain/tensor/tensor.h"
 
 namespace shardtrain::ops {
@@ -38,7 +39,10 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool trans_b = false);
 // ---- transformer pieces ---------------------------------------------------------------------
 Tensor embedding(const Tensor& weight, const Tensor& ids);  // ids I64 [...] -> [..., H]
 Tensor rms_norm(const Tensor& x, const Tensor& w, float eps);
-// Rotary embedding on x [B, S, H, D], positions position_offset + s.
+// Rotary embedding on x [B, S, H, D], positions position_offset + s, frequencies from `params`
+// (base theta, optional Llama-3 scaling: backend/rope.h).
+Tensor rope(const Tensor& x, const RopeParams& params, int64_t position_offset = 0);
+// Plain RoPE with base theta.
 Tensor rope(const Tensor& x, float theta, int64_t position_offset = 0);
 Tensor swiglu(const Tensor& gate, const Tensor& up);  // silu(gate) * up
 

@@ -40,7 +40,7 @@ class CpuBackend : public Backend {
   void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                         Tensor& dx, Tensor& dw) override;
 
-  void rope(const Tensor& x, Tensor& out, float theta, int64_t position_offset,
+  void rope(const Tensor& x, Tensor& out, const RopeParams& params, int64_t position_offset,
             bool inverse) override;
 
   void causal_softmax(const Tensor& scores, float scale, Tensor& probs) override;

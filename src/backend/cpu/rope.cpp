@@ -5,14 +5,15 @@
 
 namespace shardtrain {
 
-void CpuBackend::rope(const Tensor& x, Tensor& out, float theta, int64_t position_offset,
-                      bool inverse) {
+void CpuBackend::rope(const Tensor& x, Tensor& out, const RopeParams& params,
+                      int64_t position_offset, bool inverse) {
   const int64_t B = x.size(0), S = x.size(1), H = x.size(2), D = x.size(3);
   const int64_t half = D / 2;
   if (half == 0 || S == 0) return;
 
   // cos/sin table [S, half], computed in fp32 the way the reference implementation does:
-  // inv_freq = 1 / theta^(2i/D), angle = position * inv_freq.
+  // angle = position * inv_freq, the inverse frequencies formed once on the host.
+  const std::vector<float> inv_freq = rope_inverse_frequencies(D, params);
   Tensor table = cpu::workspace(2 * S * half);
   float* cos_t = table.data<float>();
   float* sin_t = cos_t + S * half;
@@ -21,9 +22,7 @@ void CpuBackend::rope(const Tensor& x, Tensor& out, float theta, int64_t positio
   for (int64_t s = 0; s < S; ++s) {
     const float pos = static_cast<float>(position_offset + s);
     for (int64_t i = 0; i < half; ++i) {
-      const float inv_freq =
-          1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(D));
-      const float angle = pos * inv_freq;
+      const float angle = pos * inv_freq[static_cast<size_t>(i)];
       cos_t[s * half + i] = std::cos(angle);
       sin_t[s * half + i] = sign * std::sin(angle);
     }

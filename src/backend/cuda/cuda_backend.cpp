@@ -234,16 +234,16 @@ void CudaBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tens
   dxo.finish();
 }
 
-void CudaBackend::rope(const Tensor& x, Tensor& out, float theta, int64_t position_offset,
-                       bool inverse) {
+void CudaBackend::rope(const Tensor& x, Tensor& out, const RopeParams& params,
+                       int64_t position_offset, bool inverse) {
   Call call({&x, &out}, "rope");
   ST_CHECK_SHAPE(x.dim() == 4 && x.size(3) % 2 == 0, "rope needs x [B, S, H, D] with even D, got ",
                  x.describe());
   const DType t = compute_type({x.dtype(), out.dtype()});
   const Tensor xt = as_type(x, t, call);
   StagedOutput o(out, t, call);
-  kernels::rope(xt.data_ptr(), o.data(), t, x.size(0), x.size(1), x.size(2), x.size(3), theta,
-                position_offset, inverse, call.stream);
+  kernels::rope(xt.data_ptr(), o.data(), t, x.size(0), x.size(1), x.size(2), x.size(3), params,
+                position_offset, inverse, call.scratch, call.stream);
   o.finish();
 }
 
