@@ -1,5 +1,9 @@
+#include <cstdint>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
 
 #include "shardtrain/nn/llama.h"
 
@@ -29,63 +33,196 @@ void LlamaConfig::validate() const {
   }
 }
 
+namespace {
+
+using nlohmann::json;
+
+// Reads one config.json. Every error names the file, the field and the value.
+class HfConfigReader {
+ public:
+  HfConfigReader(const json& j, std::string path) : j_(j), path_(std::move(path)) {}
+
+  FormatError error(const std::string& what) const {
+    return FormatError("'" + path_ + "': " + what);
+  }
+
+  // The field's value; null when it is absent or JSON null (transformers' default applies).
+  const json* find(const json& object, const std::string& key) const {
+    auto it = object.find(key);
+    return it == object.end() || it->is_null() ? nullptr : &*it;
+  }
+  const json& need(const std::string& key) const {
+    const json* v = find(j_, key);
+    if (v == nullptr) throw error("has no field '" + key + "' (a Llama config.json needs it)");
+    return *v;
+  }
+  // A whole number, as JSON writes it (32, not 32.0 or 32.5): transformers builds the layers
+  // from these and would fail on anything else.
+  int64_t integer(const std::string& field, const json& v) const {
+    if (v.is_number_integer() &&
+        !(v.is_number_unsigned() &&
+          v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())))
+      return v.get<int64_t>();
+    if (v.is_number())
+      throw error(field + " = " + v.dump() + " is not a whole number (an integer is needed)");
+    throw error(field + " = " + v.dump() + " has the wrong type: expected a whole number");
+  }
+  double number(const std::string& field, const json& v) const {
+    if (!v.is_number())
+      throw error(field + " = " + v.dump() + " has the wrong type: expected a number");
+    return v.get<double>();
+  }
+  bool boolean(const std::string& field, const json& v) const {
+    if (!v.is_boolean())
+      throw error(field + " = " + v.dump() + " has the wrong type: expected true or false");
+    return v.get<bool>();
+  }
+  std::string string(const std::string& field, const json& v) const {
+    if (!v.is_string())
+      throw error(field + " = " + v.dump() + " has the wrong type: expected a string");
+    return v.get<std::string>();
+  }
+
+  int64_t integer(const std::string& key) const { return integer(key, need(key)); }
+  int64_t integer_or(const std::string& key, int64_t fallback) const {
+    const json* v = find(j_, key);
+    return v == nullptr ? fallback : integer(key, *v);
+  }
+  float number_or(const std::string& key, float fallback) const {
+    const json* v = find(j_, key);
+    return v == nullptr ? fallback : static_cast<float>(number(key, *v));
+  }
+  bool boolean_or(const std::string& key, bool fallback) const {
+    const json* v = find(j_, key);
+    return v == nullptr ? fallback : boolean(key, *v);
+  }
+
+  // A string field that, when present, must have the one value this implementation computes.
+  void expect_string(const std::string& key, const std::string& supported,
+                     const std::string& why) const {
+    const json* v = find(j_, key);
+    if (v == nullptr) return;
+    std::string value = string(key, *v);
+    if (value != supported)
+      throw error(key + " = " + v->dump() + " is not supported: only \"" + supported + "\" is (" +
+                  why + ")");
+  }
+  // A boolean field that, when present, must be false.
+  void expect_false(const std::string& key, const std::string& why) const {
+    const json* v = find(j_, key);
+    if (v != nullptr && boolean(key, *v))
+      throw error(key + " = true is not supported (" + why + ")");
+  }
+
+  // rope_scaling: null or {"rope_type": "default"} is plain RoPE; "llama3" (older files say
+  // "type") is Llama-3 frequency scaling; anything else is refused.
+  std::optional<Llama3RopeScaling> rope_scaling() const {
+    const json* rs = find(j_, "rope_scaling");
+    if (rs == nullptr) return std::nullopt;
+    if (!rs->is_object())
+      throw error("rope_scaling = " + rs->dump() +
+                  " has the wrong type: expected an object or null");
+    const char* type_key = find(*rs, "rope_type") != nullptr ? "rope_type" : "type";
+    const json* type = find(*rs, type_key);
+    if (type == nullptr)
+      throw error("rope_scaling has no rope_type (nor type): cannot tell which scaling it means");
+    const std::string field = std::string("rope_scaling.") + type_key;
+    const std::string rope_type = string(field, *type);
+    if (rope_type == "default") return std::nullopt;
+    if (rope_type != "llama3")
+      throw error(field + " = " + type->dump() +
+                  " is not supported: only \"llama3\" RoPE scaling (Llama-3.1 and 3.2) is "
+                  "implemented");
+    auto required = [&](const std::string& key) -> const json& {
+      const json* v = find(*rs, key);
+      if (v == nullptr)
+        throw error("rope_scaling has no field '" + key + "' (llama3 scaling needs it)");
+      return *v;
+    };
+    Llama3RopeScaling s;
+    s.factor = number("rope_scaling.factor", required("factor"));
+    s.low_freq_factor = number("rope_scaling.low_freq_factor", required("low_freq_factor"));
+    s.high_freq_factor = number("rope_scaling.high_freq_factor", required("high_freq_factor"));
+    s.original_max_position_embeddings = integer("rope_scaling.original_max_position_embeddings",
+                                                 required("original_max_position_embeddings"));
+    const std::string problem = llama3_rope_scaling_problem(s);
+    if (!problem.empty()) throw error("rope_scaling: " + problem);
+    return s;
+  }
+
+ private:
+  const json& j_;
+  std::string path_;
+};
+
+}  // namespace
+
 LlamaConfig LlamaConfig::from_hf_json(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw ConfigError("cannot open model config '" + path + "'");
-  nlohmann::json j;
+  json j;
   try {
     in >> j;
   } catch (const std::exception& e) {
     throw FormatError("'" + path + "' is not valid JSON: " + e.what());
   }
+  if (!j.is_object()) throw FormatError("'" + path + "' is not a JSON object");
+  const HfConfigReader r(j, path);
+  r.expect_string("model_type", "llama", "this is a Llama implementation");
+  r.expect_string("hidden_act", "silu", "the MLP is SwiGLU with SiLU");
+  r.expect_false("attention_bias", "the attention projections have no bias");
+  r.expect_false("mlp_bias", "the MLP projections have no bias");
+
   LlamaConfig c;
-  auto need = [&](const char* key) -> const nlohmann::json& {
-    if (!j.contains(key))
-      throw FormatError("'" + path + "' has no field '" + key + "' (a Llama config.json needs it)");
-    return j.at(key);
-  };
-  try {
-    c.vocab_size = need("vocab_size").get<int64_t>();
-    c.hidden_size = need("hidden_size").get<int64_t>();
-    c.intermediate_size = need("intermediate_size").get<int64_t>();
-    c.num_layers = need("num_hidden_layers").get<int64_t>();
-    c.num_heads = need("num_attention_heads").get<int64_t>();
-    c.num_kv_heads = j.value("num_key_value_heads", c.num_heads);
-    c.rms_norm_eps = j.value("rms_norm_eps", 1e-6f);
-    c.rope_theta = j.value("rope_theta", 10000.0f);
-    c.tie_embeddings = j.value("tie_word_embeddings", false);
-    c.max_seq_len = j.value("max_position_embeddings", int64_t{2048});
-    c.init_std = j.value("initializer_range", 0.02f);
-  } catch (const nlohmann::json::exception& e) {
-    throw FormatError("'" + path + "': a field has the wrong type: " + e.what());
-  }
-  if (j.contains("head_dim") && j["head_dim"].is_number_integer() &&
-      j["head_dim"].get<int64_t>() * c.num_heads != c.hidden_size)
-    throw FormatError("'" + path +
-                      "': head_dim * num_attention_heads != hidden_size is not "
-                      "supported");
+  c.vocab_size = r.integer("vocab_size");
+  c.hidden_size = r.integer("hidden_size");
+  c.intermediate_size = r.integer("intermediate_size");
+  c.num_layers = r.integer("num_hidden_layers");
+  c.num_heads = r.integer("num_attention_heads");
+  c.num_kv_heads = r.integer_or("num_key_value_heads", c.num_heads);
+  c.rms_norm_eps = r.number_or("rms_norm_eps", 1e-6f);
+  c.rope_theta = r.number_or("rope_theta", 10000.0f);
+  c.rope_scaling = r.rope_scaling();
+  c.tie_embeddings = r.boolean_or("tie_word_embeddings", false);
+  c.max_seq_len = r.integer_or("max_position_embeddings", 2048);
+  c.init_std = r.number_or("initializer_range", 0.02f);
+  const int64_t head_dim = r.integer_or("head_dim", 0);
+  if (head_dim != 0 && head_dim * c.num_heads != c.hidden_size)
+    throw r.error("head_dim = " + std::to_string(head_dim) +
+                  " with num_attention_heads = " + std::to_string(c.num_heads) +
+                  " does not give hidden_size = " + std::to_string(c.hidden_size) +
+                  ": head_dim * num_attention_heads != hidden_size is not supported");
   c.validate();
   return c;
 }
 
 std::string LlamaConfig::to_hf_json() const {
-  nlohmann::json j = {{"architectures", {"LlamaForCausalLM"}},
-                      {"model_type", "llama"},
-                      {"hidden_act", "silu"},
-                      {"attention_bias", false},
-                      {"mlp_bias", false},
-                      {"vocab_size", vocab_size},
-                      {"hidden_size", hidden_size},
-                      {"intermediate_size", intermediate_size},
-                      {"num_hidden_layers", num_layers},
-                      {"num_attention_heads", num_heads},
-                      {"num_key_value_heads", num_kv_heads},
-                      {"rms_norm_eps", rms_norm_eps},
-                      {"rope_theta", rope_theta},
-                      {"tie_word_embeddings", tie_embeddings},
-                      {"max_position_embeddings", max_seq_len},
-                      {"initializer_range", init_std},
-                      {"torch_dtype", "float32"}};
+  json scaling = nullptr;
+  if (rope_scaling)
+    scaling = {
+        {"rope_type", "llama3"},
+        {"factor", rope_scaling->factor},
+        {"low_freq_factor", rope_scaling->low_freq_factor},
+        {"high_freq_factor", rope_scaling->high_freq_factor},
+        {"original_max_position_embeddings", rope_scaling->original_max_position_embeddings}};
+  json j = {{"architectures", {"LlamaForCausalLM"}},
+            {"model_type", "llama"},
+            {"hidden_act", "silu"},
+            {"attention_bias", false},
+            {"mlp_bias", false},
+            {"vocab_size", vocab_size},
+            {"hidden_size", hidden_size},
+            {"intermediate_size", intermediate_size},
+            {"num_hidden_layers", num_layers},
+            {"num_attention_heads", num_heads},
+            {"num_key_value_heads", num_kv_heads},
+            {"rms_norm_eps", rms_norm_eps},
+            {"rope_theta", rope_theta},
+            {"rope_scaling", scaling},
+            {"tie_word_embeddings", tie_embeddings},
+            {"max_position_embeddings", max_seq_len},
+            {"initializer_range", init_std},
+            {"torch_dtype", "float32"}};
   return j.dump(2);
 }
 

@@ -33,8 +33,12 @@ struct LlamaConfig {
   // Checks the shape is consistent (heads divide hidden, kv heads divide heads, ...) and the
   // RoPE scaling usable.
   void validate() const;
-  // Reads a Hugging Face config.json (LlamaConfig fields); errors name the file and field.
+  // Reads a Hugging Face config.json (LlamaConfig fields). Rejects what this implementation
+  // does not compute (model_type other than llama, hidden_act other than silu, attention or MLP
+  // biases, rope_scaling other than llama3) and non-integer values of integer fields; every
+  // error is a FormatError naming the file, the field and the value.
   static LlamaConfig from_hf_json(const std::string& path);
+  // config.json text for this config (rope_scaling included), read back by from_hf_json.
   std::string to_hf_json() const;
   int64_t num_parameters() const;
 };

@@ -1,0 +1,225 @@
+// Hugging Face config.json: what LlamaConfig::from_hf_json accepts and refuses (every refusal a
+// FormatError naming the file, the field and the value), and Llama-3 rope_scaling read, written
+// back by to_hf_json and used by the model.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "expect_error.h"
+#include "shardtrain/io/hf_model.h"
+#include "shardtrain/nn/llama.h"
+#include "temp_dir.h"
+
+namespace shardtrain {
+namespace {
+
+using nlohmann::json;
+using testing::expect_error;
+using testing::TempDir;
+
+// A small Llama-3.2-style config.json (head dim 16, llama3 scaling with factor 32).
+json small_llama3() {
+  return {{"architectures", {"LlamaForCausalLM"}},
+          {"model_type", "llama"},
+          {"hidden_act", "silu"},
+          {"attention_bias", false},
+          {"mlp_bias", false},
+          {"vocab_size", 64},
+          {"hidden_size", 32},
+          {"intermediate_size", 48},
+          {"num_hidden_layers", 2},
+          {"num_attention_heads", 2},
+          {"num_key_value_heads", 1},
+          {"head_dim", 16},
+          {"rms_norm_eps", 1e-5},
+          {"rope_theta", 500000.0},
+          {"rope_scaling",
+           {{"rope_type", "llama3"},
+            {"factor", 32.0},
+            {"low_freq_factor", 1.0},
+            {"high_freq_factor", 4.0},
+            {"original_max_position_embeddings", 8192}}},
+          {"tie_word_embeddings", true},
+          {"max_position_embeddings", 131072},
+          {"initializer_range", 0.02}};
+}
+
+std::string write_config(const TempDir& dir, const json& j) {
+  return dir.write("config.json", j.dump(2));
+}
+
+nn::LlamaConfig read(const TempDir& dir, const json& j) {
+  return nn::LlamaConfig::from_hf_json(write_config(dir, j));
+}
+
+// Expects from_hf_json of `j` to fail with a FormatError naming the file and every part.
+void expect_refused(const json& j, std::initializer_list<std::string> parts) {
+  TempDir dir("hf-config");
+  const std::string path = write_config(dir, j);
+  SCOPED_TRACE(j.dump());
+  expect_error<FormatError>([&] { nn::LlamaConfig::from_hf_json(path); }, {"'" + path + "'"});
+  expect_error<FormatError>([&] { nn::LlamaConfig::from_hf_json(path); }, parts);
+}
+
+TEST(HfConfig, ReadsLlama3RopeScaling) {
+  TempDir dir("hf-config");
+  nn::LlamaConfig c = read(dir, small_llama3());
+  ASSERT_TRUE(c.rope_scaling.has_value());
+  EXPECT_EQ(*c.rope_scaling, (Llama3RopeScaling{32.0, 1.0, 4.0, 8192}));
+  EXPECT_EQ(c.rope_theta, 500000.0f);
+  EXPECT_EQ(c.head_dim(), 16);
+  EXPECT_EQ(c.max_seq_len, 131072);
+  EXPECT_EQ(c.rope_params(), (RopeParams{500000.0f, Llama3RopeScaling{32.0, 1.0, 4.0, 8192}}));
+
+  // Older files name the type "type"; "default" and null mean plain RoPE.
+  json j = small_llama3();
+  j["rope_scaling"].erase("rope_type");
+  j["rope_scaling"]["type"] = "llama3";
+  EXPECT_EQ(read(dir, j).rope_scaling, c.rope_scaling);
+  j["rope_scaling"] = {{"rope_type", "default"}};
+  EXPECT_FALSE(read(dir, j).rope_scaling.has_value());
+  j["rope_scaling"] = nullptr;
+  EXPECT_FALSE(read(dir, j).rope_scaling.has_value());
+  j.erase("rope_scaling");
+  EXPECT_FALSE(read(dir, j).rope_scaling.has_value());
+  // Fields that may be absent take transformers' defaults.
+  for (const char* key : {"model_type", "hidden_act", "attention_bias", "mlp_bias", "head_dim"})
+    j.erase(key);
+  EXPECT_EQ(read(dir, j).hidden_size, 32);
+}
+
+TEST(HfConfig, RefusesRopeScalingItDoesNotImplement) {
+  for (const char* type : {"linear", "dynamic", "yarn", "longrope"}) {
+    json j = small_llama3();
+    j["rope_scaling"]["rope_type"] = type;
+    expect_refused(j, {"rope_scaling.rope_type = \"" + std::string(type) + "\"",
+                       "only \"llama3\" RoPE scaling"});
+  }
+  json j = small_llama3();
+  j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
+  expect_refused(j, {"rope_scaling.type = \"linear\" is not supported"});
+  j["rope_scaling"] = {{"factor", 2.0}};
+  expect_refused(j, {"rope_scaling has no rope_type"});
+  j["rope_scaling"] = "llama3";
+  expect_refused(j, {"rope_scaling = \"llama3\" has the wrong type"});
+
+  j = small_llama3();
+  j["rope_scaling"].erase("low_freq_factor");
+  expect_refused(j, {"rope_scaling has no field 'low_freq_factor'"});
+  j = small_llama3();
+  j["rope_scaling"]["low_freq_factor"] = 4.0;
+  j["rope_scaling"]["high_freq_factor"] = 1.0;
+  expect_refused(j, {"high_freq_factor (1) must be greater than low_freq_factor (4)"});
+  j = small_llama3();
+  j["rope_scaling"]["factor"] = 0.0;
+  expect_refused(j, {"factor (0) must be a number > 0"});
+  j = small_llama3();
+  j["rope_scaling"]["factor"] = "32";
+  expect_refused(j, {"rope_scaling.factor = \"32\" has the wrong type: expected a number"});
+  j = small_llama3();
+  j["rope_scaling"]["original_max_position_embeddings"] = 0;
+  expect_refused(j, {"original_max_position_embeddings (0) must be > 0"});
+  j = small_llama3();
+  j["rope_scaling"]["original_max_position_embeddings"] = 8192.5;
+  expect_refused(j, {"rope_scaling.original_max_position_embeddings = 8192.5 is not a whole"});
+}
+
+TEST(HfConfig, RefusesWhatTheModelDoesNotCompute) {
+  json j = small_llama3();
+  j["hidden_act"] = "gelu";
+  expect_refused(j, {"hidden_act = \"gelu\" is not supported", "only \"silu\""});
+  j = small_llama3();
+  j["attention_bias"] = true;
+  expect_refused(j, {"attention_bias = true is not supported"});
+  j = small_llama3();
+  j["mlp_bias"] = true;
+  expect_refused(j, {"mlp_bias = true is not supported"});
+  j = small_llama3();
+  j["model_type"] = "mistral";
+  expect_refused(j, {"model_type = \"mistral\" is not supported", "only \"llama\""});
+  j = small_llama3();
+  j["attention_bias"] = "no";
+  expect_refused(j, {"attention_bias = \"no\" has the wrong type: expected true or false"});
+}
+
+TEST(HfConfig, RefusesNonIntegerNumbersForIntegerFields) {
+  for (const char* key :
+       {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "head_dim"}) {
+    json j = small_llama3();
+    j[key] = 32.5;
+    expect_refused(j, {std::string(key) + " = 32.5 is not a whole number"});
+    j[key] = 32.0;  // integral, but written as a float: transformers would not build layers
+    expect_refused(j, {std::string(key) + " = 32.0 is not a whole number"});
+    j[key] = "32";
+    expect_refused(j, {std::string(key) + " = \"32\" has the wrong type: expected a whole number"});
+  }
+  json j = small_llama3();
+  j["rope_theta"] = "500000";
+  expect_refused(j, {"rope_theta = \"500000\" has the wrong type: expected a number"});
+  j = small_llama3();
+  j.erase("hidden_size");
+  expect_refused(j, {"has no field 'hidden_size'"});
+  j = small_llama3();
+  j["head_dim"] = 8;
+  expect_refused(j, {"head_dim = 8 with num_attention_heads = 2 does not give hidden_size = 32"});
+}
+
+TEST(HfConfig, ToHfJsonRoundTripsRopeScaling) {
+  TempDir dir("hf-config");
+  nn::LlamaConfig c;
+  c.hidden_size = 64;
+  c.num_heads = 2;
+  c.num_kv_heads = 1;
+  c.rope_theta = 500000.0f;
+  c.rope_scaling = Llama3RopeScaling{8.0, 1.0, 4.0, 8192};
+  json written = json::parse(c.to_hf_json());
+  EXPECT_EQ(written["rope_scaling"], (json{{"rope_type", "llama3"},
+                                           {"factor", 8.0},
+                                           {"low_freq_factor", 1.0},
+                                           {"high_freq_factor", 4.0},
+                                           {"original_max_position_embeddings", 8192}}));
+  nn::LlamaConfig back = nn::LlamaConfig::from_hf_json(dir.write("config.json", c.to_hf_json()));
+  EXPECT_EQ(back.rope_scaling, c.rope_scaling);
+  EXPECT_EQ(back.rope_theta, c.rope_theta);
+  EXPECT_EQ(back.hidden_size, c.hidden_size);
+  EXPECT_EQ(back.num_kv_heads, c.num_kv_heads);
+
+  c.rope_scaling.reset();
+  EXPECT_TRUE(json::parse(c.to_hf_json())["rope_scaling"].is_null());
+  back = nn::LlamaConfig::from_hf_json(dir.write("config.json", c.to_hf_json()));
+  EXPECT_FALSE(back.rope_scaling.has_value());
+}
+
+TEST(HfConfig, ExportedModelKeepsItsRopeScaling) {
+  // An exported model reads back with its scaling and computes what it computed; without the
+  // scaling the same weights compute something else (positions past the short wavelengths).
+  TempDir dir("hf-export");
+  nn::LlamaConfig c = read(dir, small_llama3());
+  c.rope_scaling = Llama3RopeScaling{4.0, 1.0, 4.0, 64};  // scaled frequencies within 40 tokens
+  nn::LlamaModel model(c, Device::cpu());
+  model.init_weights(7);
+  io::save_hf_model(model, dir.str("export"));
+
+  nn::LlamaConfig back = nn::LlamaConfig::from_hf_json(dir.str("export/config.json"));
+  ASSERT_EQ(back.rope_scaling, c.rope_scaling);
+  nn::LlamaModel loaded(back, Device::cpu());
+  io::load_hf_weights(loaded, dir.str("export"));
+  back.rope_scaling.reset();
+  nn::LlamaModel unscaled(back, Device::cpu());
+  io::load_hf_weights(unscaled, dir.str("export"));
+
+  std::vector<int64_t> tokens(40);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>((i * 7 + 3) % 64);
+  Tensor ids = from_ints(tokens, {1, 40});
+  const std::vector<float> want = model.forward(ids).to_float_vector();
+  EXPECT_EQ(loaded.forward(ids).to_float_vector(), want);
+  const std::vector<float> other = unscaled.forward(ids).to_float_vector();
+  float diff = 0;
+  for (size_t i = 0; i < want.size(); ++i) diff = std::max(diff, std::fabs(want[i] - other[i]));
+  EXPECT_GT(diff, 1e-4f);
+}
+
+}  // namespace
+}  // namespace shardtrain
