@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <variant>
 
+#include "shardtrain/backend/rope.h"
 #include "shardtrain/core/device.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/core/suggest.h"
@@ -258,6 +259,15 @@ struct Key {
     field = [section, member](Config& c) -> FieldRef { return &(c.*section.*member); };
     type = type_of<T>();
   }
+  // A key of a group inside a section (model.rope_scaling.factor).
+  template <typename Section, typename Group, typename T>
+  Key(std::string p, Section Config::*section, Group Section::*group, T Group::*member)
+      : path(std::move(p)), is_list(is_list_type<T>()) {
+    field = [section, group, member](Config& c) -> FieldRef {
+      return &(c.*section.*group.*member);
+    };
+    type = type_of<T>();
+  }
 
   Key& at_least(double v) { return min = Bound{v, true}, *this; }
   Key& above(double v) { return min = Bound{v, false}, *this; }
@@ -272,7 +282,14 @@ struct Key {
     size_t dot = path.find('.');
     return dot == std::string::npos ? "" : path.substr(0, dot);
   }
+  // The path below the section: "lr", or "rope_scaling.factor" for a key of a group.
   std::string leaf() const { return path.substr(path.find('.') + 1); }
+  // "model.rope_scaling" for model.rope_scaling.factor; "" for a key directly in its section.
+  std::string group() const {
+    size_t last = path.rfind('.');
+    return last == std::string::npos || last == path.find('.') ? "" : path.substr(0, last);
+  }
+  std::string name() const { return path.substr(path.rfind('.') + 1); }
 
   std::string type_name() const { return byte_size ? "integer or byte size" : type; }
 
@@ -324,6 +341,12 @@ std::string check_not_empty(const std::string& text) {
   return trim(text).empty() ? "expected a non-empty value" : "";
 }
 
+std::string check_rope_type(const std::string& text) {
+  if (text == "none" || text == "llama3") return "";
+  return "only llama3 RoPE scaling (Llama-3.1 and 3.2) is supported, or none; linear, dynamic, "
+         "yarn and longrope scaling are not implemented";
+}
+
 const std::vector<std::string> kSections = {
     "model", "data", "train", "optim", "precision", "activation", "dist", "checkpoint", "lora"};
 
@@ -335,7 +358,7 @@ const std::vector<Key>& schema() {
           .help("auto picks sharding, precision and activation strategy from the memory plan"),
 
       Key("model.from_hf", &C::model, &ModelConfig::from_hf)
-          .help("Hugging Face model dir (config.json gives the shape, safetensors the weights)"),
+          .help("Hugging Face model dir (config.json gives the model, safetensors the weights)"),
       Key("model.vocab_size", &C::model, &ModelConfig::vocab_size)
           .at_least(1)
           .help("vocabulary size"),
@@ -360,6 +383,27 @@ const std::vector<Key>& schema() {
       Key("model.rope_theta", &C::model, &ModelConfig::rope_theta)
           .above(0)
           .help("RoPE base frequency"),
+      Key("model.rope_scaling.rope_type", &C::model, &ModelConfig::rope_scaling,
+          &RopeScalingConfig::rope_type)
+          .checked_by(check_rope_type)
+          .help("RoPE frequency scaling: none, or llama3 (config.json rope_scaling of "
+                "Llama-3.1/3.2)"),
+      Key("model.rope_scaling.factor", &C::model, &ModelConfig::rope_scaling,
+          &RopeScalingConfig::factor)
+          .at_least(0)
+          .help("llama3: divisor of the low frequencies (8 for Llama-3.1); 0 = unset"),
+      Key("model.rope_scaling.low_freq_factor", &C::model, &ModelConfig::rope_scaling,
+          &RopeScalingConfig::low_freq_factor)
+          .at_least(0)
+          .help("llama3: wavelengths above original/low_freq_factor are scaled (1); 0 = unset"),
+      Key("model.rope_scaling.high_freq_factor", &C::model, &ModelConfig::rope_scaling,
+          &RopeScalingConfig::high_freq_factor)
+          .at_least(0)
+          .help("llama3: wavelengths below original/high_freq_factor are kept (4); 0 = unset"),
+      Key("model.rope_scaling.original_max_position_embeddings", &C::model,
+          &ModelConfig::rope_scaling, &RopeScalingConfig::original_max_position_embeddings)
+          .at_least(0)
+          .help("llama3: context length of pre-training (8192); 0 = unset"),
       Key("model.tie_embeddings", &C::model, &ModelConfig::tie_embeddings)
           .help("share the input embedding with the output projection"),
       Key("model.max_seq_len", &C::model, &ModelConfig::max_seq_len)
@@ -569,6 +613,20 @@ const Key* find_key(const std::string& path) {
   return nullptr;
 }
 
+// A group of keys inside a section (model.rope_scaling): written as a mapping below its name.
+bool is_group(const std::string& path) {
+  for (const Key& k : schema())
+    if (!k.group().empty() && k.group() == path) return true;
+  return false;
+}
+
+std::vector<std::string> keys_in_group(const std::string& group) {
+  std::vector<std::string> out;
+  for (const Key& k : schema())
+    if (k.group() == group) out.push_back(k.name());
+  return out;
+}
+
 bool is_section(const std::string& name) {
   return std::find(kSections.begin(), kSections.end(), name) != kSections.end();
 }
@@ -628,6 +686,26 @@ std::string node_kind(const YAML::Node& node) {
     fail_at(origin, "'" + path + "' is a section, not a key: set one of its keys, e.g. " + path +
                         "." + keys_in_section(path).front());
 
+  // A key inside a group (model.rope_scaling.x): suggest from the group's own keys.
+  const size_t last_dot = path.rfind('.');
+  const std::string parent = last_dot == std::string::npos ? "" : path.substr(0, last_dot);
+  if (is_group(parent)) {
+    const std::string name = path.substr(last_dot + 1);
+    const std::vector<std::string> names = keys_in_group(parent);
+    std::string near;
+    for (const std::string& known : names) {
+      const bool cut = name.size() >= 2 && (known.rfind(name, 0) == 0 || name.rfind(known, 0) == 0);
+      const bool suffix = known.size() > name.size() &&
+                          known.compare(known.size() - name.size(), name.size(), name) == 0 &&
+                          known[known.size() - name.size() - 1] == '_';
+      if (near.empty() && (cut || suffix)) near = known;  // factor for f, rope_type for type
+    }
+    if (near.empty()) near = closest_match(name, names);
+    std::string message = "unknown config key '" + path + "'";
+    if (!near.empty()) message += ": did you mean '" + parent + "." + near + "'?";
+    fail_at(origin, message + " (keys in " + parent + ": " + join(names, ", ") + ")");
+  }
+
   std::string suggestion;
   if (is_section(section)) {
     // A key cut short or run on (optim.warmup for optim.warmup_steps), then a typo.
@@ -645,7 +723,7 @@ std::string node_kind(const YAML::Node& node) {
   }
   // The right key in the wrong section or outside any (train.lr or lr for optim.lr).
   for (const Key& k : schema())
-    if (suggestion.empty() && k.leaf() == leaf) suggestion = k.path;
+    if (suggestion.empty() && (k.leaf() == leaf || k.name() == leaf)) suggestion = k.path;
   std::vector<std::string> top_level = kSections;
   for (const Key& k : schema())
     if (k.section().empty()) top_level.push_back(k.path);
@@ -775,6 +853,36 @@ void validate_relations(const Config& c) {
                       format_float(c.optim.lr) + "): the schedule decays from lr to min_lr");
 
   LayerSelection layers = LayerSelection::parse(c.activation.layers);
+
+  // RoPE scaling: all four numbers with llama3, none of them without it.
+  const RopeScalingConfig& rs = c.model.rope_scaling;
+  const std::vector<std::pair<std::string, double>> scaling_numbers = {
+      {"factor", rs.factor},
+      {"low_freq_factor", rs.low_freq_factor},
+      {"high_freq_factor", rs.high_freq_factor},
+      {"original_max_position_embeddings",
+       static_cast<double>(rs.original_max_position_embeddings)}};
+  if (rs.rope_type == "none") {
+    for (const auto& [name, value] : scaling_numbers)
+      if (value != 0)
+        throw ConfigError("model.rope_scaling." + name + " (" + format_float(value) +
+                          ") is set but model.rope_scaling.rope_type is none: set rope_type: "
+                          "llama3 to scale the RoPE frequencies, or remove it");
+  } else {
+    std::vector<std::string> missing;
+    for (const auto& [name, value] : scaling_numbers)
+      if (value == 0) missing.push_back("model.rope_scaling." + name);
+    if (!missing.empty())
+      throw ConfigError("model.rope_scaling.rope_type " + rs.rope_type + " needs " +
+                        join(missing, ", ") +
+                        " (as in config.json's rope_scaling; Llama-3.1: factor 8, "
+                        "low_freq_factor 1, high_freq_factor 4, "
+                        "original_max_position_embeddings 8192)");
+    const std::string problem = llama3_rope_scaling_problem(
+        {rs.factor, rs.low_freq_factor, rs.high_freq_factor, rs.original_max_position_embeddings});
+    if (!problem.empty()) throw ConfigError("model.rope_scaling: " + problem);
+  }
+
   // With from_hf the shape comes from config.json, checked when it is read.
   if (!c.model.from_hf.empty()) return;
   const ModelConfig& m = c.model;
@@ -818,7 +926,7 @@ void apply_override(YAML::Node& root, const std::string& assignment,
     throw ConfigError(origin + ": expected section.key=value, e.g. --set optim.lr=1e-3");
   std::string path = trim(assignment.substr(0, eq));
   std::string value_text = assignment.substr(eq + 1);
-  if (!find_key(path)) unknown_key(path, origin);
+  if (!find_key(path) && !is_group(path)) unknown_key(path, origin);
 
   YAML::Node value;
   try {
@@ -826,17 +934,25 @@ void apply_override(YAML::Node& root, const std::string& assignment,
   } catch (const YAML::ParserException& e) {
     throw ConfigError(origin + ": cannot read the value as YAML: " + e.msg);
   }
-  size_t dot = path.find('.');
-  if (dot == std::string::npos) {
-    root[path] = value;
-  } else {
-    std::string section = path.substr(0, dot);
-    YAML::Node section_node = root[section];
-    if (section_node.IsDefined() && !section_node.IsNull() && !section_node.IsMap())
-      throw ConfigError(origin + ": cannot set it because '" + section +
+  // Walk down section and group mappings (created when the config lacks them) to the key.
+  std::vector<std::string> parts;
+  std::stringstream names(path);
+  for (std::string part; std::getline(names, part, '.');) parts.push_back(part);
+  std::function<void(YAML::Node, size_t)> set = [&](YAML::Node node, size_t i) {
+    if (i + 1 == parts.size()) {
+      node[parts[i]] = value;
+      return;
+    }
+    YAML::Node child = node[parts[i]];
+    if (child.IsDefined() && !child.IsNull() && !child.IsMap()) {
+      std::string where_in = parts[0];
+      for (size_t k = 1; k <= i; ++k) where_in += "." + parts[k];
+      throw ConfigError(origin + ": cannot set it because '" + where_in +
                         "' in the config is not a mapping of keys");
-    section_node[path.substr(dot + 1)] = value;
-  }
+    }
+    set(child, i + 1);
+  };
+  set(root, 0);
   origins[path] = origin;
 }
 
@@ -865,8 +981,11 @@ Parsed parse_tree(const std::string& text, const std::vector<std::string>& overr
   std::vector<Found> found;
   std::set<std::string> seen;
   auto take = [&](const std::string& path, const YAML::Node& name, const YAML::Node& value) {
-    std::string origin = override_origins.count(path)
-                             ? override_origins[path]
+    // An override of the key itself, or of the group holding it.
+    const std::string group = path.substr(0, path.rfind('.'));
+    std::string origin = override_origins.count(path) ? override_origins[path]
+                         : override_origins.count(group)
+                             ? override_origins[group]
                              : where(source, value.IsNull() ? name : value);
     const Key* key = find_key(path);
     if (!key) unknown_key(path, where(source, name));
@@ -894,7 +1013,24 @@ Parsed parse_tree(const std::string& text, const std::vector<std::string>& overr
       if (!entry.first.IsScalar())
         fail_at(where(source, entry.first),
                 "config keys must be plain names, found " + show(entry.first));
-      take(name + "." + entry.first.Scalar(), entry.first, entry.second);
+      const std::string path = name + "." + entry.first.Scalar();
+      if (!is_group(path)) {
+        take(path, entry.first, entry.second);
+        continue;
+      }
+      if (!seen.insert(path).second)
+        fail_at(where(source, entry.first), "'" + path + "' is given twice: merge them");
+      if (entry.second.IsNull()) continue;  // an empty group (config.json writes null)
+      if (!entry.second.IsMap())
+        fail_at(override_origins.count(path) ? override_origins[path] : where(source, entry.second),
+                "'" + path + "' is a group of keys and must hold them indented below it (such as " +
+                    keys_in_group(path).front() + ": ...), found " + node_kind(entry.second));
+      for (const auto& sub : entry.second) {
+        if (!sub.first.IsScalar())
+          fail_at(where(source, sub.first),
+                  "config keys must be plain names, found " + show(sub.first));
+        take(path + "." + sub.first.Scalar(), sub.first, sub.second);
+      }
     }
   }
 
@@ -952,17 +1088,22 @@ std::string Config::to_yaml() const {
     std::string text, comment;
   };
   std::vector<Line> lines;
-  std::string section;
+  std::string section, group;
   for (const Key& key : schema()) {
     if (key.section() != section) {
       section = key.section();
+      group.clear();
       lines.push_back({section + ":", ""});
     }
-    std::string indent = section.empty() ? "" : "  ";
+    if (key.group() != group) {
+      group = key.group();
+      if (!group.empty()) lines.push_back({"  " + group.substr(group.rfind('.') + 1) + ":", ""});
+    }
+    std::string indent = section.empty() ? "" : group.empty() ? "  " : "    ";
     std::string comment = key.description;
     std::string allowed = key.allowed();
     if (!allowed.empty()) comment += "; " + allowed;
-    lines.push_back({indent + key.leaf() + ": " + value_text(key, *this), comment});
+    lines.push_back({indent + key.name() + ": " + value_text(key, *this), comment});
   }
   size_t column = 0;
   for (const Line& l : lines)

@@ -51,9 +51,77 @@ Device training_device(const Config& config) {
   return d;
 }
 
+namespace {
+
+// With model.from_hf the model is what config.json describes. A model key that the run config
+// sets to something other than its default is a request for that model, so it must agree with
+// config.json: training another shape than the one written down would go unnoticed. Keys left
+// at their defaults, max_seq_len (a limit on train.seq_len) and init_std (unused when the
+// weights are loaded) are not compared.
+void check_agrees_with_hf(const ModelConfig& m, const nn::LlamaConfig& hf,
+                          const std::string& file) {
+  const ModelConfig d;
+  std::vector<std::string> conflicts;
+  auto text = [](auto v) {
+    std::ostringstream out;
+    out << std::boolalpha << v;
+    return out.str();
+  };
+  auto compare = [&](const std::string& key, auto yaml, auto yaml_default, auto json,
+                     const std::string& field) {
+    if (yaml == yaml_default || yaml == json) return;
+    conflicts.push_back("model." + key + " = " + text(yaml) + " but " + field + " = " + text(json));
+  };
+  compare("vocab_size", m.vocab_size, d.vocab_size, hf.vocab_size, "vocab_size");
+  compare("hidden_size", m.hidden_size, d.hidden_size, hf.hidden_size, "hidden_size");
+  compare("intermediate_size", m.intermediate_size, d.intermediate_size, hf.intermediate_size,
+          "intermediate_size");
+  compare("num_layers", m.num_layers, d.num_layers, hf.num_layers, "num_hidden_layers");
+  compare("num_heads", m.num_heads, d.num_heads, hf.num_heads, "num_attention_heads");
+  compare("num_kv_heads", m.num_kv_heads, d.num_kv_heads, hf.num_kv_heads, "num_key_value_heads");
+  // config.json's numbers are used in fp32: compare there.
+  compare("rms_norm_eps", static_cast<float>(m.rms_norm_eps), static_cast<float>(d.rms_norm_eps),
+          hf.rms_norm_eps, "rms_norm_eps");
+  compare("rope_theta", static_cast<float>(m.rope_theta), static_cast<float>(d.rope_theta),
+          hf.rope_theta, "rope_theta");
+  compare("tie_embeddings", m.tie_embeddings, d.tie_embeddings, hf.tie_embeddings,
+          "tie_word_embeddings");
+  const RopeScalingConfig& rs = m.rope_scaling;
+  if (rs.rope_type != d.rope_scaling.rope_type) {
+    if (!hf.rope_scaling) {
+      conflicts.push_back("model.rope_scaling.rope_type = " + rs.rope_type +
+                          " but config.json has no rope_scaling");
+    } else {
+      const Llama3RopeScaling& h = *hf.rope_scaling;
+      compare("rope_scaling.factor", rs.factor, 0.0, h.factor, "rope_scaling.factor");
+      compare("rope_scaling.low_freq_factor", rs.low_freq_factor, 0.0, h.low_freq_factor,
+              "rope_scaling.low_freq_factor");
+      compare("rope_scaling.high_freq_factor", rs.high_freq_factor, 0.0, h.high_freq_factor,
+              "rope_scaling.high_freq_factor");
+      compare("rope_scaling.original_max_position_embeddings", rs.original_max_position_embeddings,
+              int64_t{0}, h.original_max_position_embeddings,
+              "rope_scaling.original_max_position_embeddings");
+    }
+  }
+  if (conflicts.empty()) return;
+  std::string message =
+      "model.from_hf: the run config and '" + file + "' describe different models: ";
+  for (size_t i = 0; i < conflicts.size(); ++i) message += (i ? "; " : "") + conflicts[i];
+  throw ConfigError(message +
+                    ". With model.from_hf the model comes from config.json: remove these model "
+                    "keys from the run config or make them agree with it");
+}
+
+}  // namespace
+
 nn::LlamaConfig llama_config_from(const ModelConfig& m) {
   nn::LlamaConfig c;
-  if (!m.from_hf.empty()) return nn::LlamaConfig::from_hf_json(m.from_hf + "/config.json");
+  if (!m.from_hf.empty()) {
+    const std::string file = m.from_hf + "/config.json";
+    c = nn::LlamaConfig::from_hf_json(file);
+    check_agrees_with_hf(m, c, file);
+    return c;
+  }
   c.vocab_size = m.vocab_size;
   c.hidden_size = m.hidden_size;
   c.intermediate_size = m.intermediate_size;
@@ -62,6 +130,10 @@ nn::LlamaConfig llama_config_from(const ModelConfig& m) {
   c.num_kv_heads = m.effective_num_kv_heads();
   c.rms_norm_eps = static_cast<float>(m.rms_norm_eps);
   c.rope_theta = static_cast<float>(m.rope_theta);
+  if (m.rope_scaling.rope_type == "llama3")
+    c.rope_scaling = Llama3RopeScaling{m.rope_scaling.factor, m.rope_scaling.low_freq_factor,
+                                       m.rope_scaling.high_freq_factor,
+                                       m.rope_scaling.original_max_position_embeddings};
   c.tie_embeddings = m.tie_embeddings;
   c.max_seq_len = m.max_seq_len;
   c.init_std = static_cast<float>(m.init_std);

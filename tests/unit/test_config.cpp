@@ -370,7 +370,7 @@ TEST(Config, ToYamlListsEveryKeyAndRoundTrips) {
   for (std::string l; std::getline(lines, l);)
     if (l.find(": ") != std::string::npos && l.rfind("#", 0) != 0) ++key_lines;
   EXPECT_EQ(key_lines, rows);
-  EXPECT_EQ(rows, 78u);
+  EXPECT_EQ(rows, 83u);
 
   // Values that need quoting or exact float text survive the trip.
   Config c = Config::parse(
@@ -385,6 +385,82 @@ TEST(Config, ToYamlListsEveryKeyAndRoundTrips) {
   EXPECT_TRUE(back == c);
   EXPECT_DOUBLE_EQ(back.optim.lr, 1.2345678e-4);
   EXPECT_EQ(back.train.out_dir, "runs/a b");
+}
+
+TEST(Config, RopeScalingIsAGroupOfModelKeys) {
+  const std::string llama3 =
+      "model:\n  rope_scaling:\n    rope_type: llama3\n    factor: 8.0\n"
+      "    low_freq_factor: 1.0\n    high_freq_factor: 4.0\n"
+      "    original_max_position_embeddings: 8192\n";
+  Config c = Config::parse(llama3);
+  EXPECT_EQ(c.model.rope_scaling.rope_type, "llama3");
+  EXPECT_DOUBLE_EQ(c.model.rope_scaling.factor, 8.0);
+  EXPECT_DOUBLE_EQ(c.model.rope_scaling.low_freq_factor, 1.0);
+  EXPECT_DOUBLE_EQ(c.model.rope_scaling.high_freq_factor, 4.0);
+  EXPECT_EQ(c.model.rope_scaling.original_max_position_embeddings, 8192);
+  // The default is no scaling; an empty group (config.json writes null) is the same.
+  EXPECT_EQ(Config::defaults().model.rope_scaling.rope_type, "none");
+  EXPECT_TRUE(Config::parse("model:\n  rope_scaling:\n") == Config::defaults());
+
+  // Dumped as a nested mapping, and read back.
+  const std::string yaml = c.to_yaml();
+  EXPECT_CONTAINS(yaml, "\n  rope_scaling:\n    rope_type: llama3");
+  EXPECT_CONTAINS(yaml, "\n    original_max_position_embeddings: 8192");
+  EXPECT_TRUE(Config::parse(yaml, {}, "dump") == c);
+  EXPECT_CONTAINS(shardtrain::train::describe_config_keys(), "model.rope_scaling.factor");
+
+  // --set reaches into the group, whether the file has it, has an empty one, or has no model.
+  c = Config::parse(llama3, {"model.rope_scaling.factor=32"});
+  EXPECT_DOUBLE_EQ(c.model.rope_scaling.factor, 32.0);
+  EXPECT_EQ(c.model.rope_scaling.original_max_position_embeddings, 8192);
+  const std::vector<std::string> sets = {
+      "model.rope_scaling.rope_type=llama3", "model.rope_scaling.factor=32",
+      "model.rope_scaling.low_freq_factor=1", "model.rope_scaling.high_freq_factor=4",
+      "model.rope_scaling.original_max_position_embeddings=8192"};
+  for (const std::string& base : {std::string(""), std::string("model:\n  rope_scaling:\n"),
+                                  std::string("model:\n  hidden_size: 64\n")}) {
+    c = Config::parse(base, sets);
+    EXPECT_EQ(c.model.rope_scaling.rope_type, "llama3") << base;
+    EXPECT_DOUBLE_EQ(c.model.rope_scaling.factor, 32.0) << base;
+  }
+  c = Config::parse("", {"model.rope_scaling={rope_type: llama3, factor: 8, low_freq_factor: 1, "
+                         "high_freq_factor: 4, original_max_position_embeddings: 8192}"});
+  EXPECT_DOUBLE_EQ(c.model.rope_scaling.factor, 8.0);
+
+  // Only llama3 is implemented.
+  for (const char* type : {"linear", "dynamic", "yarn"}) {
+    std::string msg = parse_error("model:\n  rope_scaling:\n    rope_type: " + std::string(type) +
+                                  "\n    factor: 8\n");
+    EXPECT_CONTAINS(msg, "run.yaml:3:16: model.rope_scaling.rope_type = '" + std::string(type) +
+                             "' is not valid: only llama3 RoPE scaling");
+  }
+  // llama3 needs all four numbers, and they must make sense; without it none may be set.
+  EXPECT_CONTAINS(parse_error("model:\n  rope_scaling:\n    rope_type: llama3\n    factor: 8\n"),
+                  "model.rope_scaling.rope_type llama3 needs model.rope_scaling.low_freq_factor, "
+                  "model.rope_scaling.high_freq_factor, "
+                  "model.rope_scaling.original_max_position_embeddings");
+  EXPECT_CONTAINS(parse_error(llama3, {"model.rope_scaling.low_freq_factor=4"}),
+                  "model.rope_scaling: high_freq_factor (4) must be greater than "
+                  "low_freq_factor (4)");
+  EXPECT_CONTAINS(parse_error(llama3, {"model.rope_scaling.factor=-1"}),
+                  "model.rope_scaling.factor = -1 is out of range: must be >= 0");
+  EXPECT_CONTAINS(parse_error("model:\n  rope_scaling:\n    factor: 8\n"),
+                  "model.rope_scaling.factor (8) is set but model.rope_scaling.rope_type is none");
+  // Structure and spelling.
+  EXPECT_CONTAINS(parse_error("model:\n  rope_scaling: llama3\n"),
+                  "'model.rope_scaling' is a group of keys and must hold them indented below it "
+                  "(such as rope_type: ...), found a single value");
+  std::string msg = parse_error("model:\n  rope_scaling:\n    type: llama3\n");
+  EXPECT_CONTAINS(msg,
+                  "run.yaml:3:5: unknown config key 'model.rope_scaling.type': did you mean "
+                  "'model.rope_scaling.rope_type'?");
+  EXPECT_CONTAINS(msg, "keys in model.rope_scaling: rope_type, factor, low_freq_factor");
+  EXPECT_CONTAINS(parse_error("model:\n  factor: 8\n"),
+                  "did you mean 'model.rope_scaling.factor'?");
+  EXPECT_CONTAINS(parse_error("", {"model.rope_scaling.fator=8"}),
+                  "did you mean 'model.rope_scaling.factor'?");
+  EXPECT_CONTAINS(parse_error("model:\n  rope_scaling:\n    factor: 8\n  rope_scaling:\n"),
+                  "given twice");
 }
 
 TEST(Config, LoadConfigDerivesOutDirFromTheFileName) {
@@ -454,7 +530,23 @@ TEST(Config, EveryShippedConfigLoads) {
   // Llama-3.2-1B has 1,235,814,400 parameters.
   EXPECT_EQ(llama_parameters(one_b.model), 1235814400);
 
+  // Llama-3.2-1B's config.json: rope_scaling llama3 with factor 32, 1, 4, 8192.
+  EXPECT_EQ(one_b.model.rope_scaling.rope_type, "llama3");
+  EXPECT_DOUBLE_EQ(one_b.model.rope_scaling.factor, 32.0);
+  EXPECT_DOUBLE_EQ(one_b.model.rope_scaling.low_freq_factor, 1.0);
+  EXPECT_DOUBLE_EQ(one_b.model.rope_scaling.high_freq_factor, 4.0);
+  EXPECT_EQ(one_b.model.rope_scaling.original_max_position_embeddings, 8192);
+
   Config eight_b = load_config((dir / "llama-3.1-8b.yaml").string());
+  // Llama-3.1-8B's config.json: rope_scaling llama3 with factor 8, 1, 4, 8192.
+  for (const char* name : {"llama-3.1-8b.yaml", "qlora-llama-3.1-8b.yaml"}) {
+    const auto& rs = load_config((dir / name).string()).model.rope_scaling;
+    EXPECT_EQ(rs.rope_type, "llama3") << name;
+    EXPECT_DOUBLE_EQ(rs.factor, 8.0) << name;
+    EXPECT_DOUBLE_EQ(rs.low_freq_factor, 1.0) << name;
+    EXPECT_DOUBLE_EQ(rs.high_freq_factor, 4.0) << name;
+    EXPECT_EQ(rs.original_max_position_embeddings, 8192) << name;
+  }
   EXPECT_FALSE(eight_b.model.tie_embeddings);
   EXPECT_EQ(eight_b.model.intermediate_size, 14336);
   // Llama-3.1-8B has 8,030,261,248 parameters.

@@ -1,6 +1,7 @@
 // Hugging Face config.json: what LlamaConfig::from_hf_json accepts and refuses (every refusal a
-// FormatError naming the file, the field and the value), and Llama-3 rope_scaling read, written
-// back by to_hf_json and used by the model.
+// FormatError naming the file, the field and the value), Llama-3 rope_scaling read, written
+// back by to_hf_json and used by the model, and a run config that contradicts the config.json
+// of model.from_hf.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -9,6 +10,8 @@
 #include "expect_error.h"
 #include "shardtrain/io/hf_model.h"
 #include "shardtrain/nn/llama.h"
+#include "shardtrain/train/config.h"
+#include "shardtrain/train/runtime.h"
 #include "temp_dir.h"
 
 namespace shardtrain {
@@ -219,6 +222,74 @@ TEST(HfConfig, ExportedModelKeepsItsRopeScaling) {
   float diff = 0;
   for (size_t i = 0; i < want.size(); ++i) diff = std::max(diff, std::fabs(want[i] - other[i]));
   EXPECT_GT(diff, 1e-4f);
+}
+
+// ---- the run config against config.json ----------------------------------------------------
+
+train::ModelConfig model_section(const std::string& yaml) {
+  return train::Config::parse(yaml, {}, "run.yaml").model;
+}
+
+TEST(HfConfig, RunConfigThatContradictsConfigJsonIsAnError) {
+  TempDir dir("hf-run");
+  write_config(dir, small_llama3());
+  const std::string from = "model:\n  from_hf: " + dir.path.string() + "\n";
+
+  // Keys left at their defaults take config.json's values.
+  nn::LlamaConfig c = train::llama_config_from(model_section(from));
+  EXPECT_EQ(c.hidden_size, 32);
+  EXPECT_EQ(c.rope_scaling, (Llama3RopeScaling{32.0, 1.0, 4.0, 8192}));
+  // Keys that agree, and max_seq_len (a limit on the training sequences), are fine.
+  c =
+      train::llama_config_from(model_section(
+          from + "  vocab_size: 64\n  hidden_size: 32\n  intermediate_size: 48\n  num_layers: 2\n"
+                 "  num_heads: 2\n  num_kv_heads: 1\n  rms_norm_eps: 1.0e-5\n  rope_theta: 500000\n"
+                 "  tie_embeddings: true\n  max_seq_len: 2048\n"
+                 "  rope_scaling:\n    rope_type: llama3\n    factor: 32\n    low_freq_factor: 1\n"
+                 "    high_freq_factor: 4\n    original_max_position_embeddings: 8192\n"));
+  EXPECT_EQ(c.max_seq_len, 131072);
+
+  auto conflict = [&](const std::string& keys, std::initializer_list<std::string> parts) {
+    SCOPED_TRACE(keys);
+    const train::ModelConfig m = model_section(from + keys);
+    expect_error<ConfigError>([&] { train::llama_config_from(m); },
+                              {"model.from_hf", dir.str("config.json"), "remove these model keys"});
+    expect_error<ConfigError>([&] { train::llama_config_from(m); }, parts);
+  };
+  conflict("  hidden_size: 48\n  num_heads: 3\n",
+           {"model.hidden_size = 48 but hidden_size = 32",
+            "model.num_heads = 3 but num_attention_heads = 2"});
+  conflict("  vocab_size: 128256\n", {"model.vocab_size = 128256 but vocab_size = 64"});
+  conflict("  num_layers: 16\n", {"model.num_layers = 16 but num_hidden_layers = 2"});
+  conflict("  num_kv_heads: 2\n", {"model.num_kv_heads = 2 but num_key_value_heads = 1"});
+  conflict("  rope_theta: 10000.5\n", {"model.rope_theta = 10000.5 but rope_theta = 500000"});
+  conflict("  rms_norm_eps: 1.0e-6\n", {"model.rms_norm_eps = 1e-06 but rms_norm_eps = 1e-05"});
+  conflict("  intermediate_size: 64\n",
+           {"model.intermediate_size = 64 but intermediate_size = 48"});
+  conflict(
+      "  rope_scaling:\n    rope_type: llama3\n    factor: 8\n    low_freq_factor: 1\n"
+      "    high_freq_factor: 4\n    original_max_position_embeddings: 8192\n",
+      {"model.rope_scaling.factor = 8 but rope_scaling.factor = 32"});
+
+  json plain = small_llama3();
+  plain.erase("rope_scaling");
+  plain["tie_word_embeddings"] = false;
+  write_config(dir, plain);
+  conflict("  tie_embeddings: true\n",
+           {"model.tie_embeddings = true but tie_word_embeddings = false"});
+  conflict(
+      "  rope_scaling:\n    rope_type: llama3\n    factor: 8\n    low_freq_factor: 1\n"
+      "    high_freq_factor: 4\n    original_max_position_embeddings: 8192\n",
+      {"model.rope_scaling.rope_type = llama3 but config.json has no rope_scaling"});
+}
+
+TEST(HfConfig, RunConfigRopeScalingReachesTheModel) {
+  const nn::LlamaConfig c = train::llama_config_from(model_section(
+      "model:\n  rope_theta: 500000\n  rope_scaling:\n    rope_type: llama3\n    factor: 8\n"
+      "    low_freq_factor: 1\n    high_freq_factor: 4\n"
+      "    original_max_position_embeddings: 8192\n"));
+  EXPECT_EQ(c.rope_params(), (RopeParams{500000.0f, Llama3RopeScaling{8.0, 1.0, 4.0, 8192}}));
+  EXPECT_FALSE(train::llama_config_from(model_section("")).rope_scaling.has_value());
 }
 
 }  // namespace

@@ -17,6 +17,19 @@
 
 namespace shardtrain::train {
 
+// model.rope_scaling: Llama-3 RoPE frequency scaling, Hugging Face's config.json rope_scaling
+// (Llama-3.1: factor 8, Llama-3.2 1B/3B: factor 32; low 1, high 4, original 8192 for both).
+// With rope_type none the numbers stay 0 (unset); with llama3 all four are needed.
+struct RopeScalingConfig {
+  std::string rope_type = "none";  // none | llama3
+  double factor = 0;
+  double low_freq_factor = 0;
+  double high_freq_factor = 0;
+  int64_t original_max_position_embeddings = 0;
+
+  bool operator==(const RopeScalingConfig&) const = default;
+};
+
 struct ModelConfig {
   std::string
       from_hf;  // Hugging Face model dir (config.json + *.safetensors); "" = build from keys
@@ -28,6 +41,7 @@ struct ModelConfig {
   int64_t num_kv_heads = 0;  // 0 = num_heads (plain multi-head attention)
   double rms_norm_eps = 1e-5;
   double rope_theta = 10000.0;
+  RopeScalingConfig rope_scaling;
   bool tie_embeddings = false;
   int64_t max_seq_len = 2048;
   double init_std = 0.02;

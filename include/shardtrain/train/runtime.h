@@ -35,6 +35,9 @@ Device resolve_device(const std::string& name);
 // ranks on a node "auto" and "cuda" mean the local rank's GPU (one GPU per rank). Throws
 // ConfigError when the node has fewer GPUs than ranks.
 Device training_device(const Config& config);
+// The model a run config describes: its model keys, or with model.from_hf the directory's
+// config.json, which the model keys set to non-default values must agree with (ConfigError
+// naming each disagreement otherwise).
 nn::LlamaConfig llama_config_from(const ModelConfig& model);
 
 struct StepResult {
