@@ -1,5 +1,6 @@
 #include "shardtrain/train/runtime.h"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 #include <string>
@@ -156,18 +157,24 @@ uint64_t fnv1a(const std::string& text) {
 void check_same_config_on_every_rank(const Config& config, dist::ProcessGroup& world) {
   std::vector<std::string> keys;
   std::vector<int64_t> hashes;
-  std::string section, line;
+  // Groups ("train:", "  rope_scaling:") open a level of the key path; every other line is a key.
+  std::vector<std::string> groups;
+  std::string line;
   std::istringstream yaml(config.to_yaml());
   while (std::getline(yaml, line)) {
     const size_t colon = line.find(':');
-    if (colon == std::string::npos) continue;
-    if (line.rfind("  ", 0) != 0 && line.find_first_not_of(' ', colon + 1) == std::string::npos) {
-      section = line.substr(0, colon);  // "train:"
+    const size_t start = line.find_first_not_of(' ');
+    if (colon == std::string::npos || start == std::string::npos || line[start] == '#') continue;
+    const size_t level = start / 2;
+    groups.resize(std::min(groups.size(), level));
+    const std::string name = line.substr(start, colon - start);
+    if (line.find_first_not_of(' ', colon + 1) == std::string::npos) {
+      groups.push_back(name);
       continue;
     }
-    const size_t start = line.find_first_not_of(' ');
-    const std::string name = line.substr(start, colon - start);
-    keys.push_back(start > 0 ? section + "." + name : name);
+    std::string key;
+    for (const std::string& g : groups) key += g + ".";
+    keys.push_back(key + name);
     // 62 bits, so that the hash and its negation are both representable.
     hashes.push_back(static_cast<int64_t>(fnv1a(line) >> 2));
   }
