@@ -2,6 +2,7 @@
 // combinations, and the plots.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -10,9 +11,11 @@
 
 #include "shardtrain/cli/cli.h"
 #include "shardtrain/core/error.h"
+#include "shardtrain/io/hf_model.h"
 #include "shardtrain/memory/allocator.h"
 #include "shardtrain/train/bench.h"
 #include "shardtrain/train/memory_model.h"
+#include "shardtrain/train/runtime.h"
 
 namespace fs = std::filesystem;
 using namespace shardtrain;
@@ -333,6 +336,38 @@ TEST(Bench, OutOfMemoryIsReportedAndTheRunGoesOn) {
   EXPECT_EQ(j["rows"][0]["status"], "oom");
   EXPECT_EQ(j["rows"][0]["oom_requested_bytes"].get<int64_t>(),
             std::stoll(csv[0]["oom_requested_bytes"]));
+  fs::remove_all(dir);
+}
+
+// A combination that fails with an error other than running out of memory or a refused
+// configuration is a defect: the row says "failed" with the message, the others still run, and
+// the command exits 1 so that scripts do not take the table for a pass. Weights holding a NaN
+// pass every config check and fail when each row's runtime loads them.
+TEST(Bench, AFailedCombinationIsReportedAndTheExitStatusSaysSo) {
+  fs::path dir = temp_dir("failed");
+  {
+    std::ofstream out(dir / "tiny.yaml");
+    out << kTinyYaml;
+  }
+  const train::Config config = train::Config::parse(kTinyYaml, {}, "tiny-bench");
+  nn::LlamaModel model(train::llama_config_from(config.model), Device::cpu());
+  model.init_weights(3);
+  for (auto& [name, slot] : model.named_parameters())
+    if (name == "model.norm.weight") slot->data<float>()[0] = std::nanf("");
+  io::save_hf_model(model, (dir / "weights").string());
+
+  const int code = cli::run({"bench", "--config", (dir / "tiny.yaml").string(), "--set",
+                             "model.from_hf=" + (dir / "weights").string(), "--strategies",
+                             "none,per_layer", "--precisions", "fp32", "--warmup", "0", "--steps",
+                             "1", "--out", (dir / "out").string()});
+  EXPECT_EQ(code, 1);
+  auto csv = read_csv(dir / "out" / "bench.csv");
+  ASSERT_EQ(csv.size(), 2u) << "every combination is reported";
+  for (auto& row : csv) {
+    EXPECT_EQ(row["status"], "failed");
+    EXPECT_NE(row["message"].find("holds NaN or infinite values"), std::string::npos)
+        << row["message"];
+  }
   fs::remove_all(dir);
 }
 
