@@ -344,15 +344,17 @@ Runtime::Gradients Runtime::forward_backward(const std::vector<Batch>& micro_bat
   // over ranks (never averaged).
   tokens = dist_->world().all_reduce_host(tokens, dist::ReduceOp::Sum);
   ST_CHECK(tokens > 0, "the batch has no target tokens to learn from (every target is -100)");
-  double loss_total = 0;
   const int count = static_cast<int>(micro_batches.size());
+  // The losses are read after the last backward: reading one is a wait for the device, which
+  // between a forward and its backward would leave a GPU idle while the host queues more work.
+  std::vector<Tensor> loss_sums;
   for (int k = 0; k < count; ++k) {
     const Batch& mb = micro_batches[static_cast<size_t>(k)];
     if (sharded_) sharded_->set_microbatch(k, count);
     Tensor ids = mb.input_ids.to(device_, MemoryCategory::Activations);
     Tensor targets = mb.targets.to(device_, MemoryCategory::Activations);
     Tensor loss_sum = model_->loss_sum(ids, targets);
-    loss_total += loss_sum.item();
+    loss_sums.push_back(loss_sum.detach());
     // Token-weighted: every micro-batch is divided by the tokens of the whole global batch, so
     // any split into micro-batches gives the gradient of the whole batch. The loss scale (fp16)
     // multiplies in here and is divided out of the gradients below, before clipping.
@@ -360,6 +362,9 @@ Runtime::Gradients Runtime::forward_backward(const std::vector<Batch>& micro_bat
         static_cast<float>(static_cast<double>(scaler_->scale()) / static_cast<double>(tokens));
     autograd::backward(ops::scale(loss_sum, factor));
   }
+  double loss_total = 0;
+  for (const Tensor& l : loss_sums) loss_total += l.item();
+  loss_sums.clear();
   Gradients g;
   loss_total = dist_->world().all_reduce_host(loss_total, dist::ReduceOp::Sum);
   g.loss = loss_total / static_cast<double>(tokens);
