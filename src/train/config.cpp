@@ -1083,6 +1083,12 @@ Config Config::parse(const std::string& yaml_text, const std::vector<std::string
   return parse_tree(yaml_text, overrides, source).config;
 }
 
+std::vector<std::pair<std::string, std::string>> Config::key_values() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const Key& key : schema()) out.emplace_back(key.path, value_text(key, *this));
+  return out;
+}
+
 std::string Config::to_yaml() const {
   struct Line {
     std::string text, comment;

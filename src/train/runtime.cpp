@@ -1,6 +1,5 @@
 #include "shardtrain/train/runtime.h"
 
-#include <algorithm>
 #include <cmath>
 #include <sstream>
 #include <string>
@@ -152,31 +151,15 @@ uint64_t fnv1a(const std::string& text) {
 
 // Ranks that disagree on a shape, a batch size or the step count would exchange messages of
 // different sizes or wait at different places: a crash or a hang, long after start-up. Every
-// rank compares a hash of each line of its resolved config (Config::to_yaml: one key per line)
-// with the other ranks', and all of them stop, naming the keys that differ.
+// rank compares a hash of each key and value of its resolved config with the other ranks', and
+// all of them stop, naming the keys that differ.
 void check_same_config_on_every_rank(const Config& config, dist::ProcessGroup& world) {
   std::vector<std::string> keys;
   std::vector<int64_t> hashes;
-  // Groups ("train:", "  rope_scaling:") open a level of the key path; every other line is a key.
-  std::vector<std::string> groups;
-  std::string line;
-  std::istringstream yaml(config.to_yaml());
-  while (std::getline(yaml, line)) {
-    const size_t colon = line.find(':');
-    const size_t start = line.find_first_not_of(' ');
-    if (colon == std::string::npos || start == std::string::npos || line[start] == '#') continue;
-    const size_t level = start / 2;
-    groups.resize(std::min(groups.size(), level));
-    const std::string name = line.substr(start, colon - start);
-    if (line.find_first_not_of(' ', colon + 1) == std::string::npos) {
-      groups.push_back(name);
-      continue;
-    }
-    std::string key;
-    for (const std::string& g : groups) key += g + ".";
-    keys.push_back(key + name);
+  for (const auto& [key, value] : config.key_values()) {
+    keys.push_back(key);
     // 62 bits, so that the hash and its negation are both representable.
-    hashes.push_back(static_cast<int64_t>(fnv1a(line) >> 2));
+    hashes.push_back(static_cast<int64_t>(fnv1a(key + "=" + value) >> 2));
   }
   // The same build gives every rank the same keys; check the count before the vectors meet.
   std::vector<int64_t> count = {static_cast<int64_t>(keys.size()),
@@ -364,7 +347,6 @@ Runtime::Gradients Runtime::forward_backward(const std::vector<Batch>& micro_bat
   }
   double loss_total = 0;
   for (const Tensor& l : loss_sums) loss_total += l.item();
-  loss_sums.clear();
   Gradients g;
   loss_total = dist_->world().all_reduce_host(loss_total, dist::ReduceOp::Sum);
   g.loss = loss_total / static_cast<double>(tokens);

@@ -13,6 +13,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace shardtrain::train {
@@ -231,6 +232,9 @@ struct Config {
   // Every key, defaults included, with its help as a comment; parse(to_yaml()) gives back an equal
   // Config.
   std::string to_yaml() const;
+  // Every key's full path and its value as YAML text, in to_yaml's order
+  // ({"model.rope_scaling.factor", "8"}, {"lora.target_modules", "[q_proj, v_proj]"}).
+  std::vector<std::pair<std::string, std::string>> key_values() const;
 
   std::string effective_checkpoint_dir() const {
     return checkpoint.dir.empty() ? train.out_dir + "/checkpoints" : checkpoint.dir;
