@@ -19,6 +19,7 @@ namespace {
 
 constexpr int kMaxDevices = 16;
 std::array<CudaCachingAllocator*, kMaxDevices> g_allocators{};
+CudaBackend* g_backend = nullptr;
 
 // A device the kernels can run on: Ampere or newer (the build carries sm_80/sm_90 code, and the
 // attention kernels use bf16 tensor-core instructions). Only attributes are read: since CUDA 12,
@@ -51,6 +52,12 @@ void record_stream(const void* ptr, StreamView stream) {
   device_allocator(attributes.device).record_stream(ptr, stream);
 }
 
+void forget_stream(int device, cudaStream_t stream) noexcept {
+  if (device >= 0 && device < kMaxDevices && g_allocators[device] != nullptr)
+    g_allocators[device]->forget_stream(stream);
+  if (g_backend != nullptr) g_backend->forget_stream(device, stream);
+}
+
 }  // namespace cuda
 
 namespace detail {
@@ -78,14 +85,8 @@ void register_cuda_backend() {
   register_allocator(Device::host(), new cuda::PinnedHostAllocator(&allocator_for(Device::host())));
   register_cuda_copy(&cuda::copy_between_devices);
   register_device_cast(&cuda::cast_on_device);
-  auto* backend = new cuda::CudaBackend();
-  register_backend(DeviceKind::CUDA, backend);
-  // A destroyed stream's handle may come back for the next stream created: forget it.
-  cuda::add_stream_retired_hook([backend](int device, cudaStream_t stream) {
-    if (device >= 0 && device < cuda::kMaxDevices && cuda::g_allocators[device] != nullptr)
-      cuda::g_allocators[device]->forget_stream(stream);
-    backend->forget_stream(device, stream);
-  });
+  cuda::g_backend = new cuda::CudaBackend();
+  register_backend(DeviceKind::CUDA, cuda::g_backend);
 }
 
 }  // namespace detail

@@ -4,9 +4,7 @@
 #include <array>
 #include <atomic>
 #include <cstdio>
-#include <mutex>
 #include <utility>
-#include <vector>
 
 #include "shardtrain/backend/cuda.h"
 #include "shardtrain/core/error.h"
@@ -40,28 +38,15 @@ void release_on_device(int device, Release release) {
   if (switched) (void)cudaSetDevice(previous);
 }
 
-struct RetiredHooks {
-  std::mutex mutex;
-  std::vector<StreamRetiredHook> hooks;
-};
-RetiredHooks& retired_hooks() {
-  static RetiredHooks* hooks = new RetiredHooks();  // used until exit, never destroyed
-  return *hooks;
-}
-
-// Waits for the stream's work, tells the hooks, and gives the handle back to the driver.
+// Waits for the stream's work, has the backend forget it, and gives the handle back to the
+// driver.
 void destroy_stream(int device, void* handle) {
   release_on_device(device, [&] {
     const cudaError_t status = cudaStreamSynchronize(as_stream(handle));
     if (status != cudaSuccess && status != cudaErrorCudartUnloading)
       std::fprintf(stderr, "shardtrain: waiting for a stream before destroying it failed: %s\n",
                    cudaGetErrorString(status));
-    std::vector<StreamRetiredHook> hooks;
-    {
-      std::lock_guard<std::mutex> lock(retired_hooks().mutex);
-      hooks = retired_hooks().hooks;
-    }
-    for (const StreamRetiredHook& hook : hooks) hook(device, as_stream(handle));
+    forget_stream(device, as_stream(handle));
     (void)cudaStreamDestroy(as_stream(handle));
   });
 }
@@ -170,11 +155,6 @@ Stream::Stream(int device, int priority) : device_(device) {
   cudaStream_t stream = nullptr;
   ST_CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, priority));
   handle_ = stream;
-}
-
-void add_stream_retired_hook(StreamRetiredHook hook) {
-  std::lock_guard<std::mutex> lock(retired_hooks().mutex);
-  retired_hooks().hooks.push_back(std::move(hook));
 }
 
 Stream::~Stream() {
