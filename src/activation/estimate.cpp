@@ -122,6 +122,11 @@ int64_t activation_bytes_per_layer(const std::string& strategy, int64_t batch, i
   return per_layer_bytes(strategy, s, offload_min_bytes);
 }
 
+int64_t head_logit_bytes(int64_t tokens, int64_t vocab, int64_t dtype_bytes, int64_t loss_chunk) {
+  const int64_t rows = loss_chunk > 0 ? std::min(loss_chunk, tokens) : tokens;
+  return r64(rows * vocab * dtype_bytes);
+}
+
 ActivationEstimate activation_bytes_model(const std::string& strategy,
                                           const ActivationModelShape& m, bool reentrant,
                                           int64_t min_bytes) {
@@ -133,14 +138,14 @@ ActivationEstimate activation_bytes_model(const std::string& strategy,
   const int64_t scalar = 64;              // the loss (an f32 [1]), or backward's seed
   const int64_t inputs = 2 * r64(8 * t);  // int64 ids and targets
   ST_CHECK_AS(ConfigError, m.loss_chunk >= 0, "activation estimate: loss_chunk must be >= 0");
-  const int64_t logits = r64(t * m.vocab * m.dtype_bytes);
+  const int64_t logits = head_logit_bytes(t, m.vocab, m.dtype_bytes, 0);
   // The head keeps the last layer's output, the final norm's output and rstd, and the logits;
   // while the loss is computed, a per-row f32 loss vector and the scalar exist as well. A
   // chunked loss keeps no logits: one chunk's exist while its losses are computed.
   const int64_t head_saved = 2 * s.X + s.R + (m.loss_chunk > 0 ? 0 : logits);
   const int64_t head_peak =
       head_saved + r64(4 * t) +
-      (m.loss_chunk > 0 ? r64(std::min(m.loss_chunk, t) * m.vocab * m.dtype_bytes) : scalar);
+      (m.loss_chunk > 0 ? head_logit_bytes(t, m.vocab, m.dtype_bytes, m.loss_chunk) : scalar);
   const int64_t sl = s.saved_total();
   const int64_t work = s.forward_working_set();
 

@@ -310,12 +310,11 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
     p.host_activation_bytes += L * lora_delta;
   }
   const int64_t inputs = 2 * r64(8 * T);  // ids and targets
-  const int64_t logits = r64(T * V * e);
+  const int64_t logits = activation::head_logit_bytes(T, V, e, 0);
   // The logits the head's backward holds at once: all of them, or one chunk of a chunked loss
   // (recomputed there; the forward saved none).
   const bool chunked_loss = in.loss_chunk_tokens > 0;
-  const int64_t head_logits =
-      chunked_loss ? r64(std::min(in.loss_chunk_tokens, T) * V * e) : logits;
+  const int64_t head_logits = activation::head_logit_bytes(T, V, e, in.loss_chunk_tokens);
   // Layer starts of the segments sqrt_segment keeps the input of.
   std::vector<std::pair<int, int>> segments;
   if (strategy == "sqrt_segment")

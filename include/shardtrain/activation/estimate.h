@@ -25,6 +25,11 @@ int64_t activation_bytes_per_layer(const std::string& strategy, int64_t batch, i
                                    ops::AttentionImpl attention_impl,
                                    int64_t offload_min_bytes = 0);
 
+// Bytes of the head's logits that exist at once on `tokens` rows: all [tokens, vocab] of them,
+// or, with a chunked loss (loss_chunk > 0), one chunk's (its forward, and its backward, which
+// computes them again).
+int64_t head_logit_bytes(int64_t tokens, int64_t vocab, int64_t dtype_bytes, int64_t loss_chunk);
+
 struct ActivationModelShape {
   int64_t batch = 1;
   int64_t seq = 1;
@@ -44,10 +49,10 @@ struct ActivationModelShape {
 // One step (LlamaModel::loss_sum, then autograd::backward on the loss) with the strategy applied
 // to every layer. Included: the input ids and targets (the embedding and the loss keep them), the
 // embedding output, every layer's saved tensors, the head's (final-norm input and output, its
-// rstd, the logits unless the loss is chunked), the loss and the temporaries of the moment each peak happens; in backward
-// the re-run of a region, restored and prefetched tensors, and the loss scalar and seed gradient.
-// Not included: parameters, gradients and Workspace (backward's transient gradients, kernel
-// scratch), which other categories count.
+// rstd, the logits unless the loss is chunked), the loss and the temporaries of the moment each
+// peak happens; in backward the re-run of a region, restored and prefetched tensors, and the loss
+// scalar and seed gradient. Not included: parameters, gradients and Workspace (backward's transient
+// gradients, kernel scratch), which other categories count.
 struct ActivationEstimate {
   int64_t per_layer = 0;      // activation_bytes_per_layer
   int64_t after_forward = 0;  // in use when loss_sum returns (the loss included)
