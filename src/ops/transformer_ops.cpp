@@ -122,12 +122,6 @@ Tensor rope(const Tensor& x, const RopeParams& params, int64_t position_offset) 
   return out;
 }
 
-Tensor rope(const Tensor& x, float theta, int64_t position_offset) {
-  RopeParams params;
-  params.theta = theta;
-  return rope(x, params, position_offset);
-}
-
 Tensor swiglu(const Tensor& gate, const Tensor& up) {
   check_same(gate, up, "swiglu");
   ST_CHECK_SHAPE(gate.shape() == up.shape(), "swiglu: gate ", gate.describe(), " and up ",

@@ -198,17 +198,23 @@ TEST(CpuBackend, GemmMatchesNaiveProduct) {
   run_gemm_case(cases[5], DType::F16, DType::BF16, DType::F32, 200);
 }
 
+// Two 2x3 = (2x4)(4x3) products, A and B packed (16 and 24 elements), C matrices `stride_c` apart.
+GemmArgs two_small_products(int64_t stride_c) {
+  GemmArgs g;
+  g.m = 2;
+  g.n = 3;
+  g.k = 4;
+  g.batch = 2;
+  g.stride_a = 8;
+  g.stride_b = 12;
+  g.stride_c = stride_c;
+  return g;
+}
+
 TEST(CpuBackend, GemmWithZeroBetaOverwritesNanAndLeavesGapsAlone) {
   for (DType t : kFloatTypes) {
     SCOPED_TRACE(std::string(dtype_name(t)));
-    GemmArgs g;
-    g.m = 2;
-    g.n = 3;
-    g.k = 4;
-    g.batch = 2;
-    g.stride_a = 8;
-    g.stride_b = 12;
-    g.stride_c = 7;  // one gap element after each 2x3 matrix
+    GemmArgs g = two_small_products(7);  // one gap element after each 2x3 matrix
     g.offset_c = 1;
     Tensor a = random({16}, t, 5), b = random({24}, t, 6);
     Tensor c = full({15}, std::numeric_limits<float>::quiet_NaN(), t);
@@ -225,14 +231,7 @@ TEST(CpuBackend, GemmWithZeroBetaOverwritesNanAndLeavesGapsAlone) {
 }
 
 TEST(CpuBackend, GemmRejectsMatricesOutsideTheirTensorsAndOverlappingOutputs) {
-  GemmArgs g;
-  g.m = 2;
-  g.n = 3;
-  g.k = 4;
-  g.batch = 2;
-  g.stride_a = 8;
-  g.stride_b = 12;
-  g.stride_c = 6;
+  const GemmArgs g = two_small_products(6);
   Tensor a = random({16}, DType::F32, 7), b = random({24}, DType::F32, 8);
   Tensor c = zeros({12});
   cpu().gemm(g, a, b, c);  // exactly fits

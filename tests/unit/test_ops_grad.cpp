@@ -73,9 +73,9 @@ TEST(OpsGrad, RmsNorm) {
 
 TEST(OpsGrad, Rope) {
   Generator gen(7);
-  gradcheck([](const std::vector<Tensor>& t) { return ops::rope(t[0], 10000.0f); },
+  gradcheck([](const std::vector<Tensor>& t) { return ops::rope(t[0], RopeParams(10000.0f)); },
             {param({2, 5, 3, 8}, gen)});
-  gradcheck([](const std::vector<Tensor>& t) { return ops::rope(t[0], 500.0f, 3); },
+  gradcheck([](const std::vector<Tensor>& t) { return ops::rope(t[0], RopeParams(500.0f), 3); },
             {param({1, 7, 2, 6}, gen)});
 }
 

@@ -42,8 +42,6 @@ Tensor rms_norm(const Tensor& x, const Tensor& w, float eps);
 // Rotary embedding on x [B, S, H, D], positions position_offset + s, frequencies from `params`
 // (base theta, optional Llama-3 scaling: backend/rope.h).
 Tensor rope(const Tensor& x, const RopeParams& params, int64_t position_offset = 0);
-// Plain RoPE with base theta.
-Tensor rope(const Tensor& x, float theta, int64_t position_offset = 0);
 Tensor swiglu(const Tensor& gate, const Tensor& up);  // silu(gate) * up
 
 enum class AttentionImpl { Plain, Fused };
