@@ -104,7 +104,8 @@ skip_library() {
 declare -A copied=() provided=()
 for e in "${executables[@]}" "${tests[@]}"; do
   # A library the loader cannot find here would be missing there too.
-  missing="$(ldd "$e" | awk '/=> not found/ { print $1 }' | sort -u | tr '\n' ' ')"
+  deps="$(ldd "$e")"
+  missing="$(awk '/=> not found/ { print $1 }' <<<"$deps" | sort -u | tr '\n' ' ')"
   if [[ -n "$missing" ]]; then
     echo "bundle: $(basename "$e") needs libraries that are not found here: $missing" >&2
     exit 1
@@ -120,7 +121,7 @@ for e in "${executables[@]}" "${tests[@]}"; do
     copied[$name]=1
     cp -L "$path" "$out/lib/$name"
     strip --strip-unneeded "$out/lib/$name" 2>/dev/null || true
-  done < <(ldd "$e" | awk '$2 == "=>" { print $1, $3 }')
+  done < <(awk '$2 == "=>" { print $1, $3 }' <<<"$deps")
 done
 
 cp -r "$root/configs" "$out/configs"

@@ -338,7 +338,8 @@ phase_train() {
   # The limits below cover the 4% case with room; the built-in corpus (byte tokens) is the
   # data, since only the token ids' count matters to the speed.
   local run cfg warmup steps limit strategies extra
-  for run in llama-125m llama-1b llama-1b-accum4; do
+  local -a bench_runs=(llama-125m llama-1b llama-1b-accum4)
+  for run in "${bench_runs[@]}"; do
     extra=()
     case "$run" in
       llama-125m) cfg=llama-125m warmup=3 steps=20 limit=150 strategies=none,per_layer ;;
@@ -359,7 +360,7 @@ phase_train() {
   # train.csv: the bench CSVs under one header with the run's name first.
   local first=1 csv
   : >"$out/train.csv"
-  for run in llama-125m llama-1b llama-1b-accum4; do
+  for run in "${bench_runs[@]}"; do
     csv="$work/bench-$run/bench.csv"
     [[ -s "$csv" ]] || continue
     if ((first)); then
@@ -370,11 +371,11 @@ phase_train() {
   done
   [[ -s "$out/train.csv" ]] || rm -f "$out/train.csv"
   if [[ -n "$python" ]]; then
-    "${py[@]}" - "$work" "$checks" "$out/train.json" <<'PY'
+    "${py[@]}" - "$work" "$checks" "$out/train.json" "${bench_runs[@]}" <<'PY'
 import json, os, sys
 work, checks, dst = sys.argv[1:4]
 merged = {"bench": {}, "check": []}
-for cfg in ("llama-125m", "llama-1b", "llama-1b-accum4"):
+for cfg in sys.argv[4:]:
     path = os.path.join(work, f"bench-{cfg}", "bench.json")
     try:
         with open(path) as f:
