@@ -41,6 +41,9 @@
 // tig = lane % 4): A rows groupID and groupID + 8, columns 2 tig + {0, 1} (+ 8); B columns
 // groupID, rows 2 tig + {0, 1} (+ 8); C rows groupID / groupID + 8, columns 2 tig + {0, 1}.
 //
+// Under SHARDTRAIN_SIMT (tests/simt: the kernels compiled for the CPU emulator) the helpers below
+// call the emulator's models of these instructions instead of inline PTX.
+//
 // Other cases (f32, head dims other than 64 and 128, misaligned pointers) run on CUDA-core
 // kernels with one warp per row: exact fp32, deterministic, but much slower.
 #include <cuda_bf16.h>
@@ -89,6 +92,8 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], const
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
+#elif defined(SHARDTRAIN_SIMT)
+  simt::mma_m16n8k16(std::is_same_v<T, bf16>, c, a, b);
 #else
   __trap();  // the host code never launches these kernels below sm_80
 #endif
@@ -96,9 +101,11 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], const
 
 // ---- ldmatrix and cp.async (sm_80+) ---------------------------------------------------------
 
+#if !defined(SHARDTRAIN_SIMT)
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
+#endif
 
 // ldmatrix.x4: lane l supplies the address of row (l % 8) of 8x8 matrix l / 8 (16 bytes, 16-byte
 // aligned); register i of every lane receives its mma fragment of matrix i: row lane / 4, columns
@@ -109,6 +116,8 @@ __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const uint16_t* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
+#elif defined(SHARDTRAIN_SIMT)
+  simt::ldmatrix_x4(r, p, false);
 #else
   __trap();
 #endif
@@ -118,6 +127,8 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* 
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
+#elif defined(SHARDTRAIN_SIMT)
+  simt::ldmatrix_x4(r, p, true);
 #else
   __trap();
 #endif
@@ -131,6 +142,8 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(valid ? 16 : 0)
                : "memory");
+#elif defined(SHARDTRAIN_SIMT)
+  simt::cp_async(dst, src, 16, valid ? 16 : 0);
 #else
   __trap();
 #endif
@@ -141,6 +154,8 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(valid ? 4 : 0)
                : "memory");
+#elif defined(SHARDTRAIN_SIMT)
+  simt::cp_async(dst, src, 4, valid ? 4 : 0);
 #else
   __trap();
 #endif
@@ -155,6 +170,8 @@ __device__ __forceinline__ void cp_async_commit() {
 __device__ __forceinline__ void cp_async_wait_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_all;\n" ::: "memory");
+#elif defined(SHARDTRAIN_SIMT)
+  simt::cp_async_wait_all();
 #endif
 }
 

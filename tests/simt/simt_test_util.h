@@ -1,0 +1,85 @@
+// Helpers for the tests that run kernels/*.cu on the simt emulator: "device" buffers (guarded
+// host memory), a Scratch, and the schedules every kernel is run under.
+#pragma once
+// simt.h defines CUDA keywords that must precede the CUDA headers kernels.h brings in.
+#include "simt.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../cuda/cuda_test_util.h"
+#include "kernels.h"
+
+namespace shardtrain::testing {
+
+// A tensor's bytes in guarded memory, as a kernel argument.
+class DeviceCopy {
+ public:
+  explicit DeviceCopy(const Tensor& t) : shape_(t.shape()), dtype_(t.dtype()), buffer_(t.nbytes()) {
+    std::memcpy(buffer_.data(), t.data_ptr(), t.nbytes());
+  }
+  // Uninitialised (0xff bytes: NaN for every float type) memory for a result.
+  DeviceCopy(const Shape& shape, DType dtype)
+      : shape_(shape),
+        dtype_(dtype),
+        buffer_(static_cast<size_t>(numel(shape)) * dtype_size(dtype)) {
+    std::memset(buffer_.data(), 0xff, buffer_.size());
+  }
+  void* data() { return buffer_.data(); }
+  float* f32() { return reinterpret_cast<float*>(buffer_.data()); }
+  Tensor to_tensor() const {
+    Tensor t = empty(shape_, dtype_);
+    std::memcpy(t.data_ptr(), buffer_.data(), buffer_.size());
+    return t;
+  }
+
+ private:
+  Shape shape_;
+  DType dtype_;
+  simt::GuardedBuffer buffer_;
+};
+
+// Scratch memory in guarded buffers, each poisoned with 0xff bytes.
+class GuardedScratch : public simt_kernels::Scratch {
+ public:
+  void* get(size_t bytes) override {
+    buffers_.push_back(std::make_unique<simt::GuardedBuffer>(bytes));
+    std::memset(buffers_.back()->data(), 0xff, bytes);
+    return buffers_.back()->data();
+  }
+
+ private:
+  std::vector<std::unique_ptr<simt::GuardedBuffer>> buffers_;
+};
+
+// In-order with copies at issue, then shuffled thread orders with cp.async landing at issue and
+// at the wait: a kernel whose results depend on the schedule is missing a barrier or reads a
+// copy before it has landed.
+inline std::vector<simt::Options> schedules() {
+  simt::Options in_order;
+  simt::Options shuffled_deferred;
+  shuffled_deferred.shuffle = true;
+  shuffled_deferred.seed = 7;
+  shuffled_deferred.cp_async = simt::CpAsync::deferred;
+  simt::Options shuffled_at_issue;
+  shuffled_at_issue.shuffle = true;
+  shuffled_at_issue.seed = 11;
+  return {in_order, shuffled_deferred, shuffled_at_issue};
+}
+
+inline std::string describe(const simt::Options& o) {
+  return std::string(o.shuffle ? "shuffled (seed " + std::to_string(o.seed) + ")" : "in order") +
+         (o.cp_async == simt::CpAsync::deferred ? ", cp.async at wait" : ", cp.async at issue");
+}
+
+// Restores the default schedule when a test ends.
+struct ScheduleGuard {
+  explicit ScheduleGuard(const simt::Options& o) { simt::set_options(o); }
+  ~ScheduleGuard() { simt::set_options(simt::Options{}); }
+};
+
+}  // namespace shardtrain::testing

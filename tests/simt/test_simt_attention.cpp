@@ -1,0 +1,118 @@
+// The fused attention kernels of kernels/flash_attention.cu, compiled for the CPU and run on the
+// simt emulator, against the CPU backend: the tensor-core kernels (bf16/f16, head dims 64 and
+// 128) and the CUDA-core ones (f32, other head dims), ragged sequence lengths, grouped-query
+// heads, and every schedule giving bit-identical results.
+#include <cmath>
+
+#include "simt_test_util.h"
+
+namespace shardtrain {
+namespace {
+
+using testing::cpu;
+using testing::DeviceCopy;
+using testing::random_cpu;
+
+struct Case {
+  int64_t B, Hq, Hkv, S, D;
+  DType dtype;
+};
+
+std::string describe(const Case& c) {
+  return std::string(dtype_name(c.dtype)) + " B=" + std::to_string(c.B) +
+         " Hq=" + std::to_string(c.Hq) + " Hkv=" + std::to_string(c.Hkv) +
+         " S=" + std::to_string(c.S) + " D=" + std::to_string(c.D);
+}
+
+// The same bounds as tests/cuda/attention.cpp: 16-bit runs round P and dS to 16 bits before the
+// second product, as flash attention does.
+float out_tolerance(DType t) {
+  return t == DType::F32 ? 1e-5f : t == DType::F16 ? 4e-3f : 2e-2f;
+}
+float grad_tolerance(DType t) {
+  return t == DType::F32 ? 1e-4f : t == DType::F16 ? 1e-2f : 4e-2f;
+}
+
+struct Results {
+  Tensor out, lse, dq, dk, dv;
+  int64_t mma = 0;
+};
+
+// Forward, then backward from the CPU's forward outputs (so both sides see the same inputs).
+Results run_emulated(const Case& c, const Tensor& q, const Tensor& k, const Tensor& v,
+                     const Tensor& out_ref, const Tensor& lse_ref, const Tensor& dout) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+  const simt_kernels::AttentionDims dims{c.B, c.Hq, c.Hkv, c.S, c.D, scale};
+  DeviceCopy dq_(q), dk_(k), dv_(v), dout_(dout), out_in(out_ref), lse_in(lse_ref);
+  DeviceCopy out(q.shape(), c.dtype), lse(Shape{c.B, c.Hq, c.S}, DType::F32);
+  DeviceCopy dq(q.shape(), c.dtype), dk(k.shape(), c.dtype), dv(v.shape(), c.dtype);
+  simt::reset_stats();
+  simt_kernels::attention_forward(dims, dq_.data(), dk_.data(), dv_.data(), c.dtype, out.data(),
+                                  lse.f32(), nullptr);
+  testing::GuardedScratch scratch;
+  simt_kernels::attention_backward(dims, dq_.data(), dk_.data(), dv_.data(), out_in.data(),
+                                   lse_in.f32(), dout_.data(), c.dtype, dq.data(), dk.data(),
+                                   dv.data(), scratch, nullptr);
+  return {out.to_tensor(), lse.to_tensor(), dq.to_tensor(),
+          dk.to_tensor(),  dv.to_tensor(),  simt::stats().mma};
+}
+
+void check_case(const Case& c) {
+  const std::string what = describe(c);
+  SCOPED_TRACE(what);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+  const Tensor q = random_cpu({c.B, c.Hq, c.S, c.D}, c.dtype, 300);
+  const Tensor k = random_cpu({c.B, c.Hkv, c.S, c.D}, c.dtype, 301);
+  const Tensor v = random_cpu({c.B, c.Hkv, c.S, c.D}, c.dtype, 302);
+  const Tensor dout = random_cpu(q.shape(), c.dtype, 303);
+  Tensor out = empty(q.shape(), c.dtype), lse = empty({c.B, c.Hq, c.S});
+  cpu().attention_forward(q, k, v, scale, out, lse);
+  Tensor dq = empty(q.shape(), c.dtype), dk = empty(k.shape(), c.dtype),
+         dv = empty(v.shape(), c.dtype);
+  cpu().attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv);
+
+  const bool tensor_cores = simt_kernels::attention_uses_tensor_cores(c.dtype, c.D);
+  Results first;
+  bool have_first = false;
+  for (const simt::Options& schedule : testing::schedules()) {
+    testing::ScheduleGuard guard(schedule);
+    const std::string run = what + ", " + testing::describe(schedule);
+    Results got = run_emulated(c, q, k, v, out, lse, dout);
+    EXPECT_EQ(got.mma > 0, tensor_cores) << run << ": tensor-core path taken " << got.mma;
+    if (!have_first) {
+      testing::expect_close(got.lse, lse, 2e-4f, 1e-5f, run + " lse");
+      testing::expect_close_scaled(got.out, out, out_tolerance(c.dtype), run + " out");
+      testing::expect_close_scaled(got.dq, dq, grad_tolerance(c.dtype), run + " dq");
+      testing::expect_close_scaled(got.dk, dk, grad_tolerance(c.dtype), run + " dk");
+      testing::expect_close_scaled(got.dv, dv, grad_tolerance(c.dtype), run + " dv");
+      first = std::move(got);
+      have_first = true;
+      continue;
+    }
+    testing::expect_bitwise_equal(got.out, first.out, run + " out, against the first schedule");
+    testing::expect_bitwise_equal(got.lse, first.lse, run + " lse, against the first schedule");
+    testing::expect_bitwise_equal(got.dq, first.dq, run + " dq, against the first schedule");
+    testing::expect_bitwise_equal(got.dk, first.dk, run + " dk, against the first schedule");
+    testing::expect_bitwise_equal(got.dv, first.dv, run + " dv, against the first schedule");
+  }
+}
+
+// Sequence lengths below, at and past the tiles (64 keys, 128/64 query rows), grouped-query
+// ratios 1, 2 and 4, both tensor-core head dims.
+TEST(SimtAttention, TensorCoreKernelsMatchTheCpuBackendUnderEverySchedule) {
+  for (DType t : {DType::BF16, DType::F16}) {
+    check_case({1, 2, 1, 1, 64, t});
+    check_case({1, 4, 2, 77, 64, t});
+    check_case({1, 2, 1, 130, 128, t});
+    check_case({2, 4, 1, 65, 64, t});
+  }
+}
+
+TEST(SimtAttention, CudaCoreKernelsMatchTheCpuBackendUnderEverySchedule) {
+  check_case({1, 2, 1, 37, 64, DType::F32});
+  check_case({1, 4, 2, 20, 40, DType::BF16});
+  check_case({1, 2, 2, 9, 160, DType::F16});
+}
+
+}  // namespace
+}  // namespace shardtrain
