@@ -40,6 +40,7 @@ struct Registry {
   Allocator* host = &host_default;
   std::array<Allocator*, 16> cuda{};
   CopyFn cuda_copy = nullptr;
+  ZeroFn cuda_zero = nullptr;
 };
 
 Registry& registry() {
@@ -145,6 +146,21 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
   CopyFn fn = registry().cuda_copy;
   if (fn == nullptr) throw Error("cannot copy to or from a CUDA device: no CUDA backend");
   fn(dst, dst_device, src, src_device, bytes);
+}
+
+void register_cuda_zero(ZeroFn fn) {
+  registry().cuda_zero = fn;
+}
+
+void zero_bytes(void* dst, Device device, size_t bytes) {
+  if (bytes == 0) return;
+  if (device.cpu_addressable()) {
+    std::memset(dst, 0, bytes);
+    return;
+  }
+  ZeroFn fn = registry().cuda_zero;
+  if (fn == nullptr) throw Error("cannot clear memory on a CUDA device: no CUDA backend");
+  fn(dst, device, bytes);
 }
 
 DataPtr::DataPtr(size_t bytes, Device device, MemoryCategory category)

@@ -247,12 +247,7 @@ Tensor full(const Shape& shape, float value, DType dtype, Device device) {
 
 Tensor zeros(const Shape& shape, DType dtype, Device device) {
   Tensor t = empty(shape, dtype, device);
-  if (device.cpu_addressable()) {
-    std::memset(t.data_ptr(), 0, t.nbytes());
-  } else {
-    std::vector<char> z(t.nbytes(), 0);
-    copy_bytes(t.data_ptr(), device, z.data(), Device::host(), t.nbytes());
-  }
+  zero_bytes(t.data_ptr(), device, t.nbytes());
   return t;
 }
 

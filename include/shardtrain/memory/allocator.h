@@ -53,6 +53,12 @@ using CopyFn = void (*)(void* dst, Device dst_device, const void* src, Device sr
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
 void register_cuda_copy(CopyFn fn);
 
+// Sets bytes to zero on any device: memset where the CPU can address the memory; on a GPU the
+// CUDA backend registers a memset queued on the current stream (no host buffer, no wait).
+using ZeroFn = void (*)(void* dst, Device device, size_t bytes);
+void zero_bytes(void* dst, Device device, size_t bytes);
+void register_cuda_zero(ZeroFn fn);
+
 // One owned allocation.
 class DataPtr {
  public:

@@ -510,6 +510,12 @@ void copy_between_devices(void* dst, Device dst_device, const void* src, Device 
   if (!(dst_device == src_device)) ST_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
+void zero_on_device(void* dst, Device device, size_t bytes) {
+  DeviceGuard guard(device.index);
+  const auto stream = static_cast<cudaStream_t>(current_stream(device.index).handle());
+  ST_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream));
+}
+
 void cast_on_device(const Tensor& src, Tensor& dst) {
   const int device = dst.device().index;
   DeviceGuard guard(device);

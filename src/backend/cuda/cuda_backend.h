@@ -142,6 +142,8 @@ class CudaBackend final : public Backend {
 // the current stream) between two buffers of the same device.
 void copy_between_devices(void* dst, Device dst_device, const void* src, Device src_device,
                           size_t bytes);
+// Registered with register_cuda_zero: a memset queued on the current stream of `device`.
+void zero_on_device(void* dst, Device device, size_t bytes);
 // Registered with register_device_cast: dtype conversion on the device, stream-ordered.
 void cast_on_device(const Tensor& src, Tensor& dst);
 

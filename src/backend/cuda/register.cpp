@@ -84,6 +84,7 @@ void register_cuda_backend() {
   if (registered == 0) return;
   register_allocator(Device::host(), new cuda::PinnedHostAllocator(&allocator_for(Device::host())));
   register_cuda_copy(&cuda::copy_between_devices);
+  register_cuda_zero(&cuda::zero_on_device);
   register_device_cast(&cuda::cast_on_device);
   cuda::g_backend = new cuda::CudaBackend();
   register_backend(DeviceKind::CUDA, cuda::g_backend);
