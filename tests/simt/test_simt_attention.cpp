@@ -105,6 +105,9 @@ TEST(SimtAttention, TensorCoreKernelsMatchTheCpuBackendUnderEverySchedule) {
     check_case({1, 4, 2, 77, 64, t});
     check_case({1, 2, 1, 130, 128, t});
     check_case({2, 4, 1, 65, 64, t});
+    check_case({1, 4, 1, 300, 64, t});
+    check_case({1, 2, 1, 257, 128, t});
+    check_case({1, 1, 1, 256, 64, t});
   }
 }
 
