@@ -5,7 +5,9 @@
 // block per distinct id walks its run of positions in increasing order and adds the fp32 sum to
 // the weight row. No atomics; the cost is one sort of N keys. A very frequent id (say a padding
 // token in most positions) is summed by a single block, which is slower but still exact.
+#if !defined(SHARDTRAIN_SIMT)  // the CPU emulator (tests/simt) brings its own stand-in
 #include <cub/device/device_radix_sort.cuh>
+#endif
 
 #include "common.cuh"
 

@@ -34,11 +34,13 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <type_traits>
+#include <vector>
 
 #include "shardtrain/backend/cuda.h"
 
@@ -212,3 +214,41 @@ constexpr std::common_type_t<A, B> max(A a, B b) {
 #define cudaStreamSynchronize(stream) ::simt::stream_synchronize(stream)
 #define cudaGetLastError() ::simt::get_last_error()
 #define multiprocessor_count simt_multiprocessor_count
+
+// ---- atomics and library calls the kernels make ---------------------------------------------
+
+// Fibers never preempt each other, so a read-modify-write is atomic as it stands.
+inline unsigned long long atomicMin(unsigned long long* address, unsigned long long value) {
+  const unsigned long long old = *address;
+  if (value < old) *address = value;
+  return old;
+}
+
+namespace cub {
+// cub's stable radix sort of (key, value) pairs on key bits [begin_bit, end_bit), as a stable
+// sort on the host. The first call (temp == nullptr) asks for the workspace size.
+struct DeviceRadixSort {
+  template <typename K, typename V>
+  static cudaError_t SortPairs(void* temp, size_t& temp_bytes, const K* keys_in, K* keys_out,
+                               const V* values_in, V* values_out, int items, int begin_bit = 0,
+                               int end_bit = static_cast<int>(sizeof(K) * 8),
+                               cudaStream_t = nullptr) {
+    if (temp == nullptr) {
+      temp_bytes = 256;
+      return cudaSuccess;
+    }
+    const int bits = end_bit - begin_bit;
+    const K mask = bits >= static_cast<int>(sizeof(K) * 8) ? ~K(0) : (K(1) << bits) - 1;
+    auto sort_key = [&](int i) { return static_cast<K>((keys_in[i] >> begin_bit) & mask); };
+    std::vector<int> order(static_cast<size_t>(items));
+    for (int i = 0; i < items; ++i) order[static_cast<size_t>(i)] = i;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return sort_key(a) < sort_key(b); });
+    for (int i = 0; i < items; ++i) {
+      keys_out[i] = keys_in[order[static_cast<size_t>(i)]];
+      values_out[i] = values_in[order[static_cast<size_t>(i)]];
+    }
+    return cudaSuccess;
+  }
+};
+}  // namespace cub
