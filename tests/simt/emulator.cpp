@@ -260,6 +260,15 @@ void do_ldmatrix(Fiber* const* lanes) {
     if (emu().shared.size() > 0 && !emu().shared.contains(rows[l], 16))
       fail("ldmatrix row address outside the dynamic shared memory in " + where(*lanes[l]));
   }
+  // Each 8x8 matrix is read in one shared-memory wavefront of 8 x 16 bytes when its rows start in
+  // different 16-byte groups of the 128 bytes the 32 banks span; rows that share a group
+  // serialise (a bank conflict), which the padded tile layouts exist to avoid.
+  for (int i = 0; i < 4; ++i) {
+    int per_group[8] = {};
+    for (int r = 0; r < 8; ++r)
+      ++per_group[(reinterpret_cast<uintptr_t>(rows[8 * i + r]) / 16) % 8];
+    emu().stats.ldmatrix_bank_conflicts += *std::max_element(per_group, per_group + 8) - 1;
+  }
   // Element (r, c) of matrix i is rows[8 i + r][c].
   for (int l = 0; l < kWarp; ++l) {
     uint32_t* out = static_cast<uint32_t*>(lanes[l]->op_out);

@@ -78,6 +78,9 @@ const Options& options();
 // Counters since the last reset, for tests that check a kernel really took a path.
 struct Stats {
   int64_t launches = 0, blocks = 0, barriers = 0, warp_collectives = 0, mma = 0, cp_async = 0;
+  // Extra shared-memory wavefronts ldmatrix would take on the hardware: for each 8x8 matrix, the
+  // most rows that start in the same 16-byte group of the 128-byte bank span, minus one.
+  int64_t ldmatrix_bank_conflicts = 0;
 };
 const Stats& stats();
 void reset_stats();

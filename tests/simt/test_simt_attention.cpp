@@ -35,7 +35,7 @@ float grad_tolerance(DType t) {
 
 struct Results {
   Tensor out, lse, dq, dk, dv;
-  int64_t mma = 0;
+  int64_t mma = 0, bank_conflicts = 0;
 };
 
 // Forward, then backward from the CPU's forward outputs (so both sides see the same inputs).
@@ -53,8 +53,13 @@ Results run_emulated(const Case& c, const Tensor& q, const Tensor& k, const Tens
   simt_kernels::attention_backward(dims, dq_.data(), dk_.data(), dv_.data(), out_in.data(),
                                    lse_in.f32(), dout_.data(), c.dtype, dq.data(), dk.data(),
                                    dv.data(), scratch, nullptr);
-  return {out.to_tensor(), lse.to_tensor(), dq.to_tensor(),
-          dk.to_tensor(),  dv.to_tensor(),  simt::stats().mma};
+  return {out.to_tensor(),
+          lse.to_tensor(),
+          dq.to_tensor(),
+          dk.to_tensor(),
+          dv.to_tensor(),
+          simt::stats().mma,
+          simt::stats().ldmatrix_bank_conflicts};
 }
 
 void check_case(const Case& c) {
@@ -79,6 +84,10 @@ void check_case(const Case& c) {
     const std::string run = what + ", " + testing::describe(schedule);
     Results got = run_emulated(c, q, k, v, out, lse, dout);
     EXPECT_EQ(got.mma > 0, tensor_cores) << run << ": tensor-core path taken " << got.mma;
+    // The tiles' rows are padded by 16 bytes so that every ldmatrix is one wavefront per matrix.
+    EXPECT_EQ(got.bank_conflicts, 0) << run << ": ldmatrix bank conflicts";
+    // The tiles' rows are padded by 16 bytes so that every ldmatrix is one wavefront per matrix.
+    EXPECT_EQ(got.bank_conflicts, 0) << run << ": ldmatrix bank conflicts";
     if (!have_first) {
       testing::expect_close(got.lse, lse, 2e-4f, 1e-5f, run + " lse");
       testing::expect_close_scaled(got.out, out, out_tolerance(c.dtype), run + " out");
