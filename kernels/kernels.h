@@ -8,6 +8,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -135,6 +136,23 @@ struct AdamWConstants {
   float bias2_sqrt;  // sqrt(1 - beta2^step)
   float eps;
 };
+// The constants of step `step` (1-based) exactly as the CPU backend forms them: in double,
+// rounded to float once.
+inline AdamWConstants adamw_constants(float lr, float beta1, float beta2, float eps,
+                                      float weight_decay, int64_t step) {
+  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
+  AdamWConstants c;
+  c.decay = static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);
+  c.beta1 = beta1;
+  c.beta2 = beta2;
+  c.one_minus_beta1 = static_cast<float>(1.0 - static_cast<double>(beta1));
+  c.one_minus_beta2 = static_cast<float>(1.0 - static_cast<double>(beta2));
+  c.step_size = static_cast<float>(static_cast<double>(lr) / bc1);
+  c.bias2_sqrt = static_cast<float>(std::sqrt(bc2));
+  c.eps = eps;
+  return c;
+}
 // One tensor of an AdamW step.
 struct AdamWTensorRef {
   float* param;

@@ -93,8 +93,6 @@ TEST(CudaRuntime, EventsTimeAndOrder) {
   EXPECT_THROW(plain.elapsed_ms(stop), Error);
 }
 
-#else
-
 // zeros() on a GPU is a memset queued on the current stream: a block the caching allocator hands
 // back still holding old values must read as zeros, also on a side stream, and also when the
 // previous owner's last write was still queued.
@@ -102,21 +100,23 @@ TEST(CudaRuntime, ZerosClearsReusedDeviceMemoryInStreamOrder) {
   REQUIRE_CUDA();
   const Shape shape{3, 1000003};
   {
-    Tensor dirty = full(shape, 7.5f, DType::F32, cuda0());
-    gpu().scale(dirty, dirty, 2.0f);  // still queued when the block is freed
+    Tensor dirty = full(shape, 7.5f, DType::F32, testing::cuda0());
+    testing::gpu().scale(dirty, dirty, 2.0f);  // still queued when the block is freed
   }
-  Tensor z = zeros(shape, DType::F32, cuda0());
+  Tensor z = zeros(shape, DType::F32, testing::cuda0());
   const std::vector<float> host = z.to_float_vector();
   EXPECT_EQ(std::count(host.begin(), host.end(), 0.0f), static_cast<std::ptrdiff_t>(host.size()));
   cuda::Stream side(0);
   {
     cuda::StreamGuard on_side(side.view());
-    Tensor dirty = full({1, 4097}, -1.0f, DType::BF16, cuda0());
+    Tensor dirty = full({1, 4097}, -1.0f, DType::BF16, testing::cuda0());
   }
   cuda::StreamGuard on_side(side.view());
-  Tensor z16 = zeros({1, 4097}, DType::BF16, cuda0());
+  Tensor z16 = zeros({1, 4097}, DType::BF16, testing::cuda0());
   for (float v : z16.to_float_vector()) ASSERT_EQ(v, 0.0f);
 }
+
+#else
 
 TEST(CudaRuntime, NoCudaBuildHasNoCudaBackend) {
   EXPECT_FALSE(cuda_backend_available());

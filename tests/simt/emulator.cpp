@@ -12,11 +12,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <deque>
 #include <exception>
 #include <random>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "simt.h"
@@ -53,8 +55,10 @@ struct PendingCopy {
 
 struct Fiber {
   ThreadIndex index{};
+  int slot = 0;  // linear thread index in the block
   State state = State::ready;
-  bool started = false;
+  bool started = false;     // entered fiber_entry at least once
+  bool needs_start = true;  // its context must be made afresh (new, or abandoned mid-thread)
   ucontext_t context{};
   jmp_buf jump{};
   void* stack = nullptr;  // kStackBytes plus a guard page below
@@ -66,10 +70,19 @@ struct Fiber {
   std::vector<PendingCopy> copies;  // deferred cp.async
 };
 
+// The block being run: who waits where, and who may run next.
+struct BlockState {
+  std::vector<Fiber*> threads;
+  std::vector<int> warp_arrived;  // lanes of each warp waiting in a collective
+  int at_barrier = 0, done = 0;
+  std::deque<Fiber*> ready;
+};
+
 struct Emulator {
   Options options;
+  BlockState block;
   Stats stats;
-  std::vector<Fiber> fibers;
+  std::deque<Fiber> fibers;  // a deque: growing it never moves a suspended fiber
   Fiber* running = nullptr;
   jmp_buf scheduler{};
   const std::function<void()>* body = nullptr;
@@ -78,11 +91,15 @@ struct Emulator {
   int allowed_dynamic_shared = 0;  // the latest cudaFuncAttributeMaxDynamicSharedMemorySize
   std::string kernel_name;
   std::mt19937_64 rng;
+  uint64_t block_serial = 0;  // blocks run so far (never reset)
+  // Each static __shared__ variable and the block_serial of the block that last poisoned it.
+  std::unordered_map<const void*, uint64_t> static_shared;
 };
 
+Emulator g_emulator;  // a plain global: emu() is on every path and needs no guard check
+
 Emulator& emu() {
-  static Emulator e;
-  return e;
+  return g_emulator;
 }
 
 std::string where(const Fiber& f) {
@@ -133,15 +150,22 @@ void install_fault_report() {
 
 // ---- fiber switching ------------------------------------------------------------------------
 
+// A fiber runs thread after thread: when its thread of one block is done it waits, and the next
+// block resumes it to run the body again. Fibers are made once, not per thread, since making a
+// context costs system calls and small kernels are millions of threads.
 void fiber_entry() {
-  Emulator& e = emu();
-  try {
-    (*e.body)();
-  } catch (...) {
-    if (!e.error) e.error = std::current_exception();
+  for (;;) {
+    Emulator& e = emu();
+    try {
+      (*e.body)();
+    } catch (...) {
+      if (!e.error) e.error = std::current_exception();
+    }
+    Fiber& f = *e.running;
+    f.state = State::done;
+    ++e.block.done;
+    if (!_setjmp(f.jump)) _longjmp(e.scheduler, 1);
   }
-  e.running->state = State::done;
-  _longjmp(e.scheduler, 1);
 }
 
 void resume(Fiber& f) {
@@ -182,15 +206,23 @@ void prepare_fibers(int count) {
   for (int i = 0; i < count; ++i) {
     Fiber& f = e.fibers[static_cast<size_t>(i)];
     f.state = State::ready;
-    f.started = false;
     f.op = WarpOp::none;
     f.copies.clear();
+    if (!f.needs_start) continue;  // done with its previous thread, waiting in fiber_entry
+    f.needs_start = false;
+    f.started = false;
     getcontext(&f.context);
     f.context.uc_stack.ss_sp = static_cast<char*>(f.stack) + page;
     f.context.uc_stack.ss_size = kStackBytes;
     f.context.uc_link = nullptr;
     makecontext(&f.context, fiber_entry, 0);
   }
+}
+
+// After an error the block's other threads are left in the middle of the kernel; their fibers
+// start from scratch next time.
+void abandon_fibers() {
+  for (Fiber& f : emu().fibers) f.needs_start = true;
 }
 
 // ---- warp collectives -----------------------------------------------------------------------
@@ -312,14 +344,54 @@ void do_any(Fiber* const* lanes) {
 }
 
 // Blocks this lane until its warp has all arrived at the same collective; the scheduler runs it.
+void perform(WarpOp op, Fiber* const* lanes) {
+  for (int l = 1; l < kWarp; ++l)
+    if (lanes[l]->op != op)
+      fail("divergent warp: lane 0 is in " + std::string(op_name(op)) + ", lane " +
+           std::to_string(l) + " in " + op_name(lanes[l]->op) + " (" + where(*lanes[l]) + ")");
+  switch (op) {
+    case WarpOp::shuffle:
+      do_shuffle(lanes);
+      break;
+    case WarpOp::any:
+      do_any(lanes);
+      break;
+    case WarpOp::mma:
+      do_mma(lanes);
+      break;
+    case WarpOp::ldmatrix:
+      do_ldmatrix(lanes);
+      break;
+    default:
+      fail("unknown warp collective");
+  }
+}
+
+// The lane that completes its warp carries the collective out and goes on without a switch;
+// the others wait until then.
 void warp_collective(WarpOp op, const void* in, void* out, int arg = 0) {
+  Emulator& e = emu();
   Fiber& f = self();
   f.op = op;
   f.op_in = in;
   f.op_out = out;
   f.op_arg = arg;
-  ++emu().stats.warp_collectives;
-  wait_here(State::at_warp_op);
+  ++e.stats.warp_collectives;
+  BlockState& b = e.block;
+  const int w = f.slot / kWarp;
+  if (++b.warp_arrived[static_cast<size_t>(w)] < kWarp) {
+    wait_here(State::at_warp_op);
+    return;
+  }
+  b.warp_arrived[static_cast<size_t>(w)] = 0;
+  Fiber* const* lanes = &b.threads[static_cast<size_t>(w * kWarp)];
+  perform(op, lanes);
+  for (int l = 0; l < kWarp; ++l) {
+    lanes[l]->op = WarpOp::none;
+    if (lanes[l] == &f) continue;
+    lanes[l]->state = State::ready;
+    b.ready.push_back(lanes[l]);
+  }
 }
 
 void check_full_mask(unsigned mask, const char* what) {
@@ -338,83 +410,45 @@ std::string describe_states(const std::vector<Fiber*>& threads) {
   return s.str();
 }
 
+// Why a block stopped with threads still waiting.
+[[noreturn]] void fail_stuck(const BlockState& b) {
+  const int count = static_cast<int>(b.threads.size());
+  for (int w = 0; w * kWarp < count; ++w) {
+    const int waiting = b.warp_arrived[static_cast<size_t>(w)];
+    if (waiting == 0) continue;
+    const Fiber* first = nullptr;
+    for (int l = 0; l < kWarp && w * kWarp + l < count; ++l) {
+      const Fiber* f = b.threads[static_cast<size_t>(w * kWarp + l)];
+      if (f->state == State::at_warp_op && first == nullptr) first = f;
+    }
+    fail(std::string(op_name(first->op)) + " (full mask) reached by " + std::to_string(waiting) +
+         " of 32 lanes of warp " + std::to_string(w) + ", " + describe_states(b.threads) + ", in " +
+         where(*first));
+  }
+  if (b.at_barrier > 0 && b.at_barrier + b.done == count)
+    fail("__syncthreads reached by " + std::to_string(b.at_barrier) + " threads while " +
+         std::to_string(b.done) + " have exited, in " + where(*b.threads[0]));
+  fail("deadlock: " + describe_states(b.threads) + ", in " + where(*b.threads[0]));
+}
+
 void run_block(int count) {
   Emulator& e = emu();
-  std::vector<Fiber*> threads;
-  for (int i = 0; i < count; ++i) threads.push_back(&e.fibers[static_cast<size_t>(i)]);
-  const int warps = (count + kWarp - 1) / kWarp;
-  std::vector<Fiber*> order = threads;
-  for (;;) {
-    if (e.options.shuffle) std::shuffle(order.begin(), order.end(), e.rng);
-    bool ran = false;
-    for (Fiber* f : order) {
-      if (f->state != State::ready) continue;
-      resume(*f);
-      ran = true;
-      if (e.error) std::rethrow_exception(e.error);
+  BlockState& b = e.block;
+  b.threads.clear();
+  for (int i = 0; i < count; ++i) b.threads.push_back(&e.fibers[static_cast<size_t>(i)]);
+  b.warp_arrived.assign(static_cast<size_t>((count + kWarp - 1) / kWarp), 0);
+  b.at_barrier = b.done = 0;
+  b.ready.assign(b.threads.begin(), b.threads.end());
+  while (!b.ready.empty()) {
+    if (e.options.shuffle) {
+      std::swap(b.ready.front(), b.ready[static_cast<size_t>(e.rng() % b.ready.size())]);
     }
-    bool released = false;
-    for (int w = 0; w < warps; ++w) {
-      Fiber* const* lanes = &threads[static_cast<size_t>(w * kWarp)];
-      const int size = std::min(kWarp, count - w * kWarp);
-      int waiting = 0;
-      for (int l = 0; l < size; ++l) waiting += lanes[l]->state == State::at_warp_op;
-      if (waiting == 0) continue;
-      bool others_ready = false;
-      for (int l = 0; l < size; ++l) others_ready |= lanes[l]->state == State::ready;
-      if (others_ready) continue;
-      if (waiting < kWarp) {
-        const Fiber* first = lanes[0];
-        for (int l = 0; l < size; ++l)
-          if (lanes[l]->state == State::at_warp_op) first = lanes[l];
-        fail(std::string(op_name(first->op)) + " (full mask) reached by " +
-             std::to_string(waiting) + " of 32 lanes of warp " + std::to_string(w) + ", " +
-             describe_states(threads) + ", in " + where(*first));
-      }
-      const WarpOp op = lanes[0]->op;
-      for (int l = 1; l < kWarp; ++l)
-        if (lanes[l]->op != op)
-          fail("divergent warp: lane 0 is in " + std::string(op_name(op)) + ", lane " +
-               std::to_string(l) + " in " + op_name(lanes[l]->op) + " (" + where(*lanes[l]) + ")");
-      switch (op) {
-        case WarpOp::shuffle:
-          do_shuffle(lanes);
-          break;
-        case WarpOp::any:
-          do_any(lanes);
-          break;
-        case WarpOp::mma:
-          do_mma(lanes);
-          break;
-        case WarpOp::ldmatrix:
-          do_ldmatrix(lanes);
-          break;
-        default:
-          fail("unknown warp collective");
-      }
-      for (int l = 0; l < kWarp; ++l) {
-        lanes[l]->state = State::ready;
-        lanes[l]->op = WarpOp::none;
-      }
-      released = true;
-    }
-    if (ran || released) continue;
-    int at_barrier = 0, done = 0;
-    for (const Fiber* f : threads) {
-      at_barrier += f->state == State::at_barrier;
-      done += f->state == State::done;
-    }
-    if (done == count) return;
-    if (at_barrier + done == count) {
-      if (done > 0)
-        fail("__syncthreads reached by " + std::to_string(at_barrier) + " threads while " +
-             std::to_string(done) + " have exited, in " + where(*threads[0]));
-      ++e.stats.barriers;
-      for (Fiber* f : threads) f->state = State::ready;
-      continue;
-    }
-    fail("deadlock: " + describe_states(threads) + ", in " + where(*threads[0]));
+    Fiber* f = b.ready.front();
+    b.ready.pop_front();
+    resume(*f);
+    if (e.error) std::rethrow_exception(e.error);
   }
+  if (b.done != count) fail_stuck(b);
 }
 
 }  // namespace
@@ -501,9 +535,11 @@ void launch(const char* name, const Config& config, const std::function<void()>&
     for (unsigned y = 0; y < g.y; ++y)
       for (unsigned x = 0; x < g.x; ++x) {
         ++e.stats.blocks;
+        ++e.block_serial;
         std::memset(e.shared.data(), 0xff, smem);  // unwritten shared memory reads as NaN
         prepare_fibers(static_cast<int>(threads));
         for (uint64_t t = 0; t < threads; ++t) {
+          e.fibers[t].slot = static_cast<int>(t);
           ThreadIndex& ix = e.fibers[t].index;
           ix.thread_idx =
               uint3{static_cast<unsigned>(t % b.x), static_cast<unsigned>(t / b.x % b.y),
@@ -512,18 +548,48 @@ void launch(const char* name, const Config& config, const std::function<void()>&
           ix.block_dim = b;
           ix.grid_dim = g;
         }
-        run_block(static_cast<int>(threads));
+        try {
+          run_block(static_cast<int>(threads));
+        } catch (...) {
+          abandon_fibers();
+          e.body = nullptr;
+          throw;
+        }
       }
   e.body = nullptr;
 }
 
 void syncthreads() {
-  wait_here(State::at_barrier);
+  Emulator& e = emu();
+  Fiber& f = self();
+  BlockState& b = e.block;
+  if (++b.at_barrier < static_cast<int>(b.threads.size())) {
+    wait_here(State::at_barrier);
+    return;
+  }
+  // The last thread to arrive releases the others (exited threads never arrive: fail_stuck).
+  b.at_barrier = 0;
+  ++e.stats.barriers;
+  for (Fiber* t : b.threads) {
+    if (t == &f) continue;
+    t->state = State::ready;
+    b.ready.push_back(t);
+  }
 }
 
 void* dynamic_shared() {
   self();
   return emu().shared.data();
+}
+
+bool static_shared(void* variable, size_t bytes) {
+  Emulator& e = emu();
+  uint64_t& poisoned_in = e.static_shared[variable];
+  if (poisoned_in != e.block_serial) {
+    poisoned_in = e.block_serial;
+    std::memset(variable, 0xff, bytes);
+  }
+  return true;
 }
 
 void trap() {

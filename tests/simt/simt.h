@@ -17,9 +17,9 @@
 // Mistakes it finds: wrong fragment or index arithmetic (wrong results), divergent barriers and
 // warp collectives (reported), missing barriers and early reads of cp.async destinations
 // (results that change with the schedule: Options::shuffle and CpAsync::deferred), reads of
-// unwritten dynamic shared memory (NaN), misaligned ldmatrix/cp.async addresses, shared memory
-// requests past the device limit, and out-of-range accesses to the dynamic shared buffer (it
-// ends at a guard page).
+// shared memory that no thread of the block has written (NaN, dynamic and static alike), misaligned
+// ldmatrix/cp.async addresses, shared memory requests past the device limit, and out-of-range
+// accesses to the dynamic shared buffer (it ends at a guard page).
 //
 // What it does not model: timing, real concurrency between blocks (blocks run one after
 // another), the memory model beyond barrier order, and the exact rounding of the hardware's
@@ -120,6 +120,12 @@ const ThreadIndex& current();
 
 void syncthreads();
 void* dynamic_shared();
+// Called by every thread where a static __shared__ variable is declared (simt_translate adds the
+// call): the first call of each block fills the variable with 0xff bytes (NaN), before any
+// thread of the block can have written it, as a block finds the dynamic shared memory. Without
+// it the variable would hold what the previous block left, which for a table that every block
+// fills alike hides a missing barrier.
+bool static_shared(void* variable, size_t bytes);
 [[noreturn]] void trap();
 
 void warp_shuffle_xor(unsigned mask, const void* value, void* result, int bytes, int lane_mask,

@@ -44,7 +44,7 @@ class DeviceCopy {
 };
 
 // Scratch memory in guarded buffers, each poisoned with 0xff bytes.
-class GuardedScratch : public simt_kernels::Scratch {
+class GuardedScratch : public kernels::Scratch {
  public:
   void* get(size_t bytes) override {
     buffers_.push_back(std::make_unique<simt::GuardedBuffer>(bytes));

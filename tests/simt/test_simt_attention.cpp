@@ -42,17 +42,17 @@ struct Results {
 Results run_emulated(const Case& c, const Tensor& q, const Tensor& k, const Tensor& v,
                      const Tensor& out_ref, const Tensor& lse_ref, const Tensor& dout) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
-  const simt_kernels::AttentionDims dims{c.B, c.Hq, c.Hkv, c.S, c.D, scale};
+  const kernels::AttentionDims dims{c.B, c.Hq, c.Hkv, c.S, c.D, scale};
   DeviceCopy dq_(q), dk_(k), dv_(v), dout_(dout), out_in(out_ref), lse_in(lse_ref);
   DeviceCopy out(q.shape(), c.dtype), lse(Shape{c.B, c.Hq, c.S}, DType::F32);
   DeviceCopy dq(q.shape(), c.dtype), dk(k.shape(), c.dtype), dv(v.shape(), c.dtype);
   simt::reset_stats();
-  simt_kernels::attention_forward(dims, dq_.data(), dk_.data(), dv_.data(), c.dtype, out.data(),
-                                  lse.f32(), nullptr);
+  kernels::attention_forward(dims, dq_.data(), dk_.data(), dv_.data(), c.dtype, out.data(),
+                             lse.f32(), nullptr);
   testing::GuardedScratch scratch;
-  simt_kernels::attention_backward(dims, dq_.data(), dk_.data(), dv_.data(), out_in.data(),
-                                   lse_in.f32(), dout_.data(), c.dtype, dq.data(), dk.data(),
-                                   dv.data(), scratch, nullptr);
+  kernels::attention_backward(dims, dq_.data(), dk_.data(), dv_.data(), out_in.data(), lse_in.f32(),
+                              dout_.data(), c.dtype, dq.data(), dk.data(), dv.data(), scratch,
+                              nullptr);
   return {out.to_tensor(),
           lse.to_tensor(),
           dq.to_tensor(),
@@ -76,7 +76,7 @@ void check_case(const Case& c) {
          dv = empty(v.shape(), c.dtype);
   cpu().attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv);
 
-  const bool tensor_cores = simt_kernels::attention_uses_tensor_cores(c.dtype, c.D);
+  const bool tensor_cores = kernels::attention_uses_tensor_cores(c.dtype, c.D);
   Results first;
   bool have_first = false;
   for (const simt::Options& schedule : testing::schedules()) {

@@ -43,17 +43,17 @@ TEST(SimtEmbedding, LookupAndGradientMatchTheCpuBackendUnderEverySchedule) {
         DeviceCopy dw(w), did(ids), ddy(dy), out({N, H}, t);
         DeviceCopy from_zero(zeros({V, H})), from_random(random_cpu({V, H}, DType::F32, 17));
         testing::GuardedScratch scratch;
-        EXPECT_EQ(simt_kernels::first_bad_index(static_cast<const int64_t*>(did.data()), N, V,
-                                                INT64_MIN, scratch, nullptr),
+        EXPECT_EQ(kernels::first_bad_index(static_cast<const int64_t*>(did.data()), N, V, INT64_MIN,
+                                           scratch, nullptr),
                   -1)
             << run;
-        simt_kernels::embedding_forward(dw.data(), t, static_cast<const int64_t*>(did.data()),
-                                        out.data(), t, N, V, H, nullptr);
+        kernels::embedding_forward(dw.data(), t, static_cast<const int64_t*>(did.data()),
+                                   out.data(), t, N, V, H, nullptr);
         testing::expect_bitwise_equal(out.to_tensor(), out_want, "embedding_forward" + run);
-        simt_kernels::embedding_backward(ddy.data(), t, static_cast<const int64_t*>(did.data()),
-                                         from_zero.f32(), N, V, H, scratch, nullptr);
-        simt_kernels::embedding_backward(ddy.data(), t, static_cast<const int64_t*>(did.data()),
-                                         from_random.f32(), N, V, H, scratch, nullptr);
+        kernels::embedding_backward(ddy.data(), t, static_cast<const int64_t*>(did.data()),
+                                    from_zero.f32(), N, V, H, scratch, nullptr);
+        kernels::embedding_backward(ddy.data(), t, static_cast<const int64_t*>(did.data()),
+                                    from_random.f32(), N, V, H, scratch, nullptr);
         testing::expect_bitwise_equal(from_zero.to_tensor(), from_zero_want,
                                       "embedding_backward from zero" + run);
         testing::expect_close(from_random.to_tensor(), from_random_want, 2e-5f, 2e-5f,
@@ -74,8 +74,8 @@ TEST(SimtEmbedding, MixedDtypeLookup) {
   Tensor want = empty({3, 12}, DType::F32);
   cpu().embedding_forward(w, ids, want);
   DeviceCopy dw(w), did(ids), out({3, 12}, DType::F32);
-  simt_kernels::embedding_forward(dw.data(), DType::BF16, static_cast<const int64_t*>(did.data()),
-                                  out.data(), DType::F32, 3, 10, 12, nullptr);
+  kernels::embedding_forward(dw.data(), DType::BF16, static_cast<const int64_t*>(did.data()),
+                             out.data(), DType::F32, 3, 10, 12, nullptr);
   testing::expect_bitwise_equal(out.to_tensor(), want, "embedding bf16 -> f32");
 }
 
@@ -92,8 +92,8 @@ TEST(SimtEmbedding, FirstBadIndexFindsTheEarliestPosition) {
     testing::ScheduleGuard guard(schedule);
     DeviceCopy d(t);
     testing::GuardedScratch scratch;
-    EXPECT_EQ(simt_kernels::first_bad_index(static_cast<const int64_t*>(d.data()), t.numel(), 10,
-                                            -100, scratch, nullptr),
+    EXPECT_EQ(kernels::first_bad_index(static_cast<const int64_t*>(d.data()), t.numel(), 10, -100,
+                                       scratch, nullptr),
               9000)
         << testing::describe(schedule);
   }

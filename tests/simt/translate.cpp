@@ -1,11 +1,15 @@
 // simt_translate IN.cu OUT.cpp: rewrites the two pieces of CUDA syntax a host C++ compiler cannot
-// parse, so that kernels/*.cu compile unchanged against the emulator in simt.h:
+// parse, so that kernels/*.cu compile unchanged against the emulator in simt.h, and marks static
+// shared variables so that the emulator can poison them before every block:
 //
 //   kernel<<<grid, block, smem, stream>>>(args);
 //     -> ::simt::launch("kernel", ::simt::Config{grid, block, smem, stream},
 //                       [&] { kernel(args); });
 //   extern __shared__ __align__(16) unsigned char smem_raw[];
 //     -> unsigned char* smem_raw = static_cast<unsigned char*>(::simt::dynamic_shared());
+//   __shared__ float red[33];
+//     -> __shared__ float red[33]; [[maybe_unused]] const bool simt_shared_red =
+//            ::simt::static_shared(&red, sizeof(red));   (on the same line)
 //
 // Everything else is copied byte for byte, newlines included, and a #line directive names the
 // original file, so compiler messages point at the .cu source.
@@ -118,6 +122,40 @@ std::string rewrite_dynamic_shared(const std::string& file, const std::string& i
   return out + in.substr(copied);
 }
 
+// The static `__shared__ T name[...];` declarations (what is left after the dynamic ones are
+// rewritten) that begin a statement; anything else naming __shared__ is left alone.
+std::string mark_static_shared(const std::string& file, const std::string& in) {
+  const std::string key = "__shared__";
+  std::string out;
+  size_t copied = 0;
+  for (size_t at = in.find(key); at != std::string::npos; at = in.find(key, at + 1)) {
+    size_t before = at;
+    while (before > 0 && std::isspace(static_cast<unsigned char>(in[before - 1]))) --before;
+    if (before > 0 && std::string(";{}").find(in[before - 1]) == std::string::npos) continue;
+    const size_t semi = in.find(';', at);
+    if (semi == std::string::npos) fail(file, in, at, "unterminated __shared__ declaration");
+    std::string decl = in.substr(at + key.size(), semi - at - key.size());
+    const size_t align = decl.find("__align__(");
+    if (align != std::string::npos)
+      decl.erase(align, matching(decl, align + 9, '(', ')') + 1 - align);
+    if (decl.find_first_of("=({") != std::string::npos)
+      fail(file, in, at, "cannot parse __shared__ declaration");
+    size_t name_end = decl.find('[');
+    if (name_end == std::string::npos) name_end = decl.size();
+    while (name_end > 0 && !is_ident(decl[name_end - 1])) --name_end;
+    size_t name_begin = name_end;
+    while (name_begin > 0 && is_ident(decl[name_begin - 1])) --name_begin;
+    const std::string name = decl.substr(name_begin, name_end - name_begin);
+    if (name.empty()) fail(file, in, at, "cannot parse __shared__ declaration");
+    out += in.substr(copied, semi + 1 - copied);
+    out += " [[maybe_unused]] const bool simt_shared_" + name + " = ::simt::static_shared(&" +
+           name + ", sizeof(" + name + "));";
+    copied = semi + 1;
+    at = semi;
+  }
+  return out + in.substr(copied);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -130,8 +168,8 @@ int main(int argc, char** argv) {
     if (!in) throw std::runtime_error(std::string("cannot read ") + argv[1]);
     std::stringstream text;
     text << in.rdbuf();
-    const std::string result =
-        rewrite_dynamic_shared(argv[1], rewrite_launches(argv[1], text.str()));
+    const std::string result = mark_static_shared(
+        argv[1], rewrite_dynamic_shared(argv[1], rewrite_launches(argv[1], text.str())));
     std::ofstream out(argv[2], std::ios::binary);
     out << "#line 1 \"" << argv[1] << "\"\n" << result;
     if (!out) throw std::runtime_error(std::string("cannot write ") + argv[2]);

@@ -432,21 +432,9 @@ std::vector<double> CudaBackend::sum_squares_multi(const std::vector<const Tenso
 
 namespace {
 
-// The scalars exactly as the CPU backend forms them (double, rounded to float once).
 kernels::AdamWConstants adamw_constants(const Backend::AdamWArgs& args) {
-  const double step = static_cast<double>(args.step);
-  const double bc1 = 1.0 - std::pow(static_cast<double>(args.beta1), step);
-  const double bc2 = 1.0 - std::pow(static_cast<double>(args.beta2), step);
-  kernels::AdamWConstants c;
-  c.decay = static_cast<float>(1.0 - static_cast<double>(args.lr) * args.weight_decay);
-  c.beta1 = args.beta1;
-  c.beta2 = args.beta2;
-  c.one_minus_beta1 = static_cast<float>(1.0 - static_cast<double>(args.beta1));
-  c.one_minus_beta2 = static_cast<float>(1.0 - static_cast<double>(args.beta2));
-  c.step_size = static_cast<float>(static_cast<double>(args.lr) / bc1);
-  c.bias2_sqrt = static_cast<float>(std::sqrt(bc2));
-  c.eps = args.eps;
-  return c;
+  return kernels::adamw_constants(args.lr, args.beta1, args.beta2, args.eps, args.weight_decay,
+                                  args.step);
 }
 
 void require_adamw_operands(const Tensor& param, const Tensor& grad, const Tensor& m,
