@@ -10,8 +10,9 @@
 # Either way it writes bundle/ (git-ignored):
 #
 #   bundle/bin/        shardtrain and shardtrain-kernel-bench (stripped)
-#   bundle/tests/      the GoogleTest executables unit_* and cuda_* (stripped); the MPI tests
-#                      are left out: they need an Open MPI runtime that GPU images lack
+#   bundle/tests/      the GoogleTest executables unit_* and cuda_* (stripped); left out are the
+#                      MPI tests (they need an Open MPI runtime that GPU images lack) and the
+#                      emulated-GPU unit_simt_* (CI runs those; cuda_* run the same code for real)
 #   bundle/lib/        every shared library those need except the system core (libc, libm,
 #                      libpthread, libdl, librt, ld-linux) and what the CUDA install and driver
 #                      provide (libcuda, libcudart, libcublas*, libnccl)
@@ -59,7 +60,8 @@ if (($# == 1)); then
     targets=(shardtrain_bin)
     [[ "$all_targets" == *$'\nshardtrain-kernel-bench:'* ]] && targets+=(shardtrain-kernel-bench)
     while IFS= read -r t; do targets+=("$t"); done < <(
-      grep -oE '^tests/(unit|cuda)_[a-z_0-9]+' <<<"$all_targets" | sort -u)
+      grep -oE '^tests/(unit|cuda)_[a-z_0-9]+' <<<"$all_targets" | grep -v '^tests/unit_simt_' |
+        sort -u)
     cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
   else
     cmake --build "$build" -j "$(nproc)"
@@ -81,9 +83,12 @@ if [[ -x "$build/bin/shardtrain-kernel-bench" ]]; then
 else
   echo "bundle: no shardtrain-kernel-bench in $build/bin (a build without CUDA?)" >&2
 fi
+# The unit_simt_* tests run the CUDA code on an emulated GPU, which is what CI is for; on a GPU
+# node the cuda_* tests run it for real (and some emulated runs take minutes).
 tests=()
 while IFS= read -r t; do tests+=("$t"); done < <(
-  find "$build/tests" -maxdepth 1 -type f -perm -u+x \( -name 'unit_*' -o -name 'cuda_*' \) | sort)
+  find "$build/tests" -maxdepth 1 -type f -perm -u+x \( -name 'unit_*' -o -name 'cuda_*' \) \
+    ! -name 'unit_simt_*' | sort)
 ((${#tests[@]} > 0)) || echo "bundle: no test executables in $build/tests" >&2
 
 rm -rf "$out"
