@@ -24,6 +24,7 @@
 #include <sstream>
 #include <thread>
 
+#include "shardtrain/backend/backend.h"
 #include "shardtrain/dist/process_group.h"
 #include "shardtrain/io/checkpoint.h"
 #include "shardtrain/io/safetensors.h"
@@ -42,10 +43,14 @@ constexpr const char* kChildEnv = "SHARDTRAIN_TEST_CHILD_CONFIG";
 
 using shardtrain::testing::TempDir;
 
-// The shared tiny run with 4 sequences per step (one micro-batch) and a cosine schedule.
+// The shared tiny run with 4 sequences per step (one micro-batch) and a cosine schedule. Built
+// for the emulated GPU (tests/simt), SHARDTRAIN_TEST_DEVICE moves every run onto it.
 train::Config tiny_config(const std::string& out_dir, std::vector<std::string> overrides = {}) {
   overrides.insert(overrides.begin(), {"train.micro_batch=4", "train.global_batch=4",
                                        "optim.schedule=cosine", "train.out_dir=" + out_dir});
+#ifdef SHARDTRAIN_TEST_DEVICE
+  overrides.insert(overrides.begin(), std::string("train.device=") + SHARDTRAIN_TEST_DEVICE);
+#endif
   return train::Config::parse(shardtrain::testing::kTinyRunYaml, overrides, "test_checkpoint");
 }
 
@@ -142,7 +147,16 @@ TEST(CheckpointChild, DISABLED_RunTraining) {
 TEST(CheckpointFormat, HoldsEveryTensorAtFullShapeAndTheTrainingState) {
   TempDir tmp;
   train::Config config = tiny_config(tmp / "run", {"train.steps=3", "checkpoint.every_steps=3"});
+#ifdef SHARDTRAIN_TEST_DEVICE
+  ASSERT_TRUE(cuda_backend_available());
+  allocator_for(Device::cuda(0)).reset_peak();
+#endif
   train::TrainSummary summary = train::run_training(config);
+#ifdef SHARDTRAIN_TEST_DEVICE
+  // The run's parameters and activations lived on the device.
+  EXPECT_GT(allocator_for(Device::cuda(0)).stats().peak_of(MemoryCategory::Parameters), 0);
+  EXPECT_GT(allocator_for(Device::cuda(0)).stats().peak_of(MemoryCategory::Activations), 0);
+#endif
   const std::string path = tmp / "run/checkpoints/step-00000003.h5";
   ASSERT_EQ(summary.last_checkpoint, path);
   ASSERT_TRUE(fs::exists(tmp / "run/checkpoints/step-00000003.rank-0.h5"));
