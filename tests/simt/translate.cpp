@@ -96,17 +96,25 @@ std::string rewrite_launches(const std::string& file, const std::string& in) {
   return out + in.substr(copied);
 }
 
+// The declaration from the end of `key` (at `at`) to its semicolon, without any __align__(n).
+std::string declaration_after(const std::string& file, const std::string& in, size_t at,
+                              const std::string& key, size_t* semi) {
+  *semi = in.find(';', at);
+  if (*semi == std::string::npos) fail(file, in, at, "unterminated " + key + " declaration");
+  std::string decl = in.substr(at + key.size(), *semi - at - key.size());
+  const size_t align = decl.find("__align__(");
+  if (align != std::string::npos)
+    decl.erase(align, matching(decl, align + 9, '(', ')') + 1 - align);
+  return decl;
+}
+
 std::string rewrite_dynamic_shared(const std::string& file, const std::string& in) {
   const std::string key = "extern __shared__";
   std::string out;
   size_t copied = 0;
   for (size_t at = in.find(key); at != std::string::npos; at = in.find(key, at + 1)) {
-    const size_t semi = in.find(';', at);
-    if (semi == std::string::npos) fail(file, in, at, "unterminated extern __shared__");
-    std::string decl = in.substr(at + key.size(), semi - at - key.size());
-    const size_t align = decl.find("__align__(");
-    if (align != std::string::npos)
-      decl.erase(align, matching(decl, align + 9, '(', ')') + 1 - align);
+    size_t semi = 0;
+    const std::string decl = declaration_after(file, in, at, key, &semi);
     const size_t bracket = decl.rfind("[]");
     if (bracket == std::string::npos)
       fail(file, in, at, "extern __shared__ must be an array T x[]");
@@ -132,12 +140,8 @@ std::string mark_static_shared(const std::string& file, const std::string& in) {
     size_t before = at;
     while (before > 0 && std::isspace(static_cast<unsigned char>(in[before - 1]))) --before;
     if (before > 0 && std::string(";{}").find(in[before - 1]) == std::string::npos) continue;
-    const size_t semi = in.find(';', at);
-    if (semi == std::string::npos) fail(file, in, at, "unterminated __shared__ declaration");
-    std::string decl = in.substr(at + key.size(), semi - at - key.size());
-    const size_t align = decl.find("__align__(");
-    if (align != std::string::npos)
-      decl.erase(align, matching(decl, align + 9, '(', ')') + 1 - align);
+    size_t semi = 0;
+    const std::string decl = declaration_after(file, in, at, key, &semi);
     if (decl.find_first_of("=({") != std::string::npos)
       fail(file, in, at, "cannot parse __shared__ declaration");
     size_t name_end = decl.find('[');
