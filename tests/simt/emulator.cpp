@@ -330,8 +330,9 @@ void do_shuffle(Fiber* const* lanes) {
     if (in.size != first.size || in.width != first.width)
       fail("__shfl_xor_sync lanes disagree on the type or width in " + where(*lanes[l]));
     int src = l ^ in.lane_mask;
-    // Outside the lane's segment of `width` lanes the value is the lane's own.
-    if (src / in.width != l / in.width || src >= kWarp) src = l;
+    // As the CUDA guide has it for width < 32: a lane may read from its own or an earlier
+    // segment of `width` lanes; a later one gives it its own value.
+    if (src / in.width > l / in.width || src >= kWarp) src = l;
     std::memcpy(lanes[l]->op_out, static_cast<const ShuffleIn*>(lanes[src]->op_in)->bytes,
                 static_cast<size_t>(in.size));
   }
