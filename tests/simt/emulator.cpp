@@ -671,28 +671,4 @@ cudaError_t func_set_attribute(const void*, cudaFuncAttribute attribute, int val
   return cudaSuccess;
 }
 
-cudaError_t memcpy_async(void* dst, const void* src, size_t bytes, cudaMemcpyKind, cudaStream_t) {
-  std::memmove(dst, src, bytes);
-  return cudaSuccess;
-}
-
-cudaError_t memset_async(void* dst, int value, size_t bytes, cudaStream_t) {
-  std::memset(dst, value, bytes);
-  return cudaSuccess;
-}
-
-cudaError_t stream_synchronize(cudaStream_t) {
-  return cudaSuccess;
-}
-
-cudaError_t get_last_error() {
-  return cudaSuccess;
-}
-
 }  // namespace simt
-
-namespace shardtrain::cuda {
-int simt_multiprocessor_count(int) {
-  return simt::options().multiprocessors;
-}
-}  // namespace shardtrain::cuda

@@ -27,7 +27,9 @@ struct CUevent_st {
 namespace {
 
 constexpr size_t kDeviceMemory = size_t{4} << 30;
-constexpr int kMultiprocessors = 2;  // the emulator's grids are sized for this (simt.h)
+// Few, so that the kernels' grid-stride loops (grids capped at 16 blocks per multiprocessor)
+// loop on test-sized inputs.
+constexpr int kMultiprocessors = 2;
 
 struct Memory {
   std::mutex mutex;

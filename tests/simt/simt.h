@@ -69,7 +69,6 @@ struct Options {
   bool shuffle = false;  // run the ready threads of a block in a random order at every step
   uint64_t seed = 1;
   CpAsync cp_async = CpAsync::at_issue;
-  int multiprocessors = 2;  // what cuda::multiprocessor_count reports (grid-stride loops loop)
   size_t max_dynamic_shared = 163 * 1024;  // opt-in limit of sm_80, the smaller of sm_80/sm_90
 };
 void set_options(const Options& options);
@@ -145,17 +144,14 @@ void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans);
 void cp_async(void* dst, const void* src, int bytes, int src_bytes);
 void cp_async_wait_all();
 
-// Runtime API calls the kernels' host code makes; device pointers are host pointers here.
+// cudaFuncSetAttribute, which the kernels' host code calls before launches that need more than
+// 48 KiB of shared memory: the emulator checks launches against it. The rest of the runtime API
+// they call (copies, memsets, device attributes) is fake_cuda_runtime.cpp's.
 cudaError_t func_set_attribute(const void* kernel, cudaFuncAttribute attribute, int value);
 template <typename... P>
 cudaError_t func_set_attribute(void (*kernel)(P...), cudaFuncAttribute attribute, int value) {
   return func_set_attribute(reinterpret_cast<const void*>(kernel), attribute, value);
 }
-cudaError_t memcpy_async(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
-                         cudaStream_t stream = nullptr);
-cudaError_t memset_async(void* dst, int value, size_t bytes, cudaStream_t stream = nullptr);
-cudaError_t stream_synchronize(cudaStream_t stream);
-cudaError_t get_last_error();
 
 // Exactly rounded fp32 operations (the build uses -ffp-contract=off, so nothing is fused).
 inline float add_rn(float a, float b) {
@@ -175,10 +171,6 @@ inline float sqrt_rn(float a) {
 }
 
 }  // namespace simt
-
-namespace shardtrain::cuda {
-int simt_multiprocessor_count(int device);
-}
 
 // Device code calls these unqualified.
 using std::isfinite;
@@ -218,11 +210,6 @@ constexpr std::common_type_t<A, B> max(A a, B b) {
 #define __fdiv_rn(a, b) ::simt::div_rn(a, b)
 #define __fsqrt_rn(a) ::simt::sqrt_rn(a)
 #define cudaFuncSetAttribute(...) ::simt::func_set_attribute(__VA_ARGS__)
-#define cudaMemcpyAsync(...) ::simt::memcpy_async(__VA_ARGS__)
-#define cudaMemsetAsync(...) ::simt::memset_async(__VA_ARGS__)
-#define cudaStreamSynchronize(stream) ::simt::stream_synchronize(stream)
-#define cudaGetLastError() ::simt::get_last_error()
-#define multiprocessor_count simt_multiprocessor_count
 
 // ---- atomics and library calls the kernels make ---------------------------------------------
 
