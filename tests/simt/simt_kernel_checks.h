@@ -23,8 +23,8 @@ inline const char* place_name(Place p) {
                               : "at guard";
 }
 
-// A tensor's bytes in guarded memory, as DeviceCopy, with the start placed as asked. Every byte
-// of the mapping around the operand is 0xff: a float read past either end is NaN, which spoils
+// A tensor's bytes in guarded memory, as a kernel argument, with the start placed as asked. Every
+// byte of the mapping around the operand is 0xff: a float read past either end is NaN, which spoils
 // the result, and expect_margins_untouched() finds writes there.
 class Operand {
  public:

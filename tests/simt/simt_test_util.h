@@ -1,5 +1,5 @@
-// Helpers for the tests that run kernels/*.cu on the simt emulator: "device" buffers (guarded
-// host memory), a Scratch, and the schedules every kernel is run under.
+// Helpers for the tests that run kernels/*.cu on the simt emulator: a Scratch in guarded host
+// memory and the schedules every kernel is run under (simt_kernel_checks.h adds the operands).
 #pragma once
 // simt.h defines CUDA keywords that must precede the CUDA headers kernels.h brings in.
 #include "simt.h"
@@ -15,33 +15,6 @@
 #include "kernels.h"
 
 namespace shardtrain::testing {
-
-// A tensor's bytes in guarded memory, as a kernel argument.
-class DeviceCopy {
- public:
-  explicit DeviceCopy(const Tensor& t) : shape_(t.shape()), dtype_(t.dtype()), buffer_(t.nbytes()) {
-    std::memcpy(buffer_.data(), t.data_ptr(), t.nbytes());
-  }
-  // Uninitialised (0xff bytes: NaN for every float type) memory for a result.
-  DeviceCopy(const Shape& shape, DType dtype)
-      : shape_(shape),
-        dtype_(dtype),
-        buffer_(static_cast<size_t>(numel(shape)) * dtype_size(dtype)) {
-    std::memset(buffer_.data(), 0xff, buffer_.size());
-  }
-  void* data() { return buffer_.data(); }
-  float* f32() { return reinterpret_cast<float*>(buffer_.data()); }
-  Tensor to_tensor() const {
-    Tensor t = empty(shape_, dtype_);
-    std::memcpy(t.data_ptr(), buffer_.data(), buffer_.size());
-    return t;
-  }
-
- private:
-  Shape shape_;
-  DType dtype_;
-  simt::GuardedBuffer buffer_;
-};
 
 // Scratch memory in guarded buffers, each poisoned with 0xff bytes.
 class GuardedScratch : public kernels::Scratch {

@@ -4,13 +4,13 @@
 // heads, and every schedule giving bit-identical results.
 #include <cmath>
 
-#include "simt_test_util.h"
+#include "simt_kernel_checks.h"
 
 namespace shardtrain {
 namespace {
 
 using testing::cpu;
-using testing::DeviceCopy;
+using testing::Operand;
 using testing::random_cpu;
 
 struct Case {
@@ -33,19 +33,18 @@ float grad_tolerance(DType t) {
   return t == DType::F32 ? 1e-4f : t == DType::F16 ? 1e-2f : 4e-2f;
 }
 
-struct Results {
-  Tensor out, lse, dq, dk, dv;
-  int64_t mma = 0, bank_conflicts = 0;
-};
-
-// Forward, then backward from the CPU's forward outputs (so both sides see the same inputs).
-Results run_emulated(const Case& c, const Tensor& q, const Tensor& k, const Tensor& v,
-                     const Tensor& out_ref, const Tensor& lse_ref, const Tensor& dout) {
+// Forward, then backward from the CPU's forward outputs (so both sides see the same inputs):
+// {out, lse, dq, dk, dv}. Checks on the way that the tensor cores were used exactly when the
+// dtype and head dim call for them, and that no ldmatrix had a bank conflict (the tiles' rows
+// are padded by 16 bytes so that every ldmatrix is one wavefront per matrix).
+std::vector<Tensor> run_emulated(const Case& c, const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const Tensor& out_ref, const Tensor& lse_ref, const Tensor& dout,
+                                 const std::string& run) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
   const kernels::AttentionDims dims{c.B, c.Hq, c.Hkv, c.S, c.D, scale};
-  DeviceCopy dq_(q), dk_(k), dv_(v), dout_(dout), out_in(out_ref), lse_in(lse_ref);
-  DeviceCopy out(q.shape(), c.dtype), lse(Shape{c.B, c.Hq, c.S}, DType::F32);
-  DeviceCopy dq(q.shape(), c.dtype), dk(k.shape(), c.dtype), dv(v.shape(), c.dtype);
+  const Operand dq_(q), dk_(k), dv_(v), dout_(dout), out_in(out_ref), lse_in(lse_ref);
+  const Operand out(q.shape(), c.dtype), lse(Shape{c.B, c.Hq, c.S}, DType::F32);
+  const Operand dq(q.shape(), c.dtype), dk(k.shape(), c.dtype), dv(v.shape(), c.dtype);
   simt::reset_stats();
   kernels::attention_forward(dims, dq_.data(), dk_.data(), dv_.data(), c.dtype, out.data(),
                              lse.f32(), nullptr);
@@ -53,13 +52,11 @@ Results run_emulated(const Case& c, const Tensor& q, const Tensor& k, const Tens
   kernels::attention_backward(dims, dq_.data(), dk_.data(), dv_.data(), out_in.data(), lse_in.f32(),
                               dout_.data(), c.dtype, dq.data(), dk.data(), dv.data(), scratch,
                               nullptr);
-  return {out.to_tensor(),
-          lse.to_tensor(),
-          dq.to_tensor(),
-          dk.to_tensor(),
-          dv.to_tensor(),
-          simt::stats().mma,
-          simt::stats().ldmatrix_bank_conflicts};
+  const int64_t mma = simt::stats().mma;
+  EXPECT_EQ(mma > 0, kernels::attention_uses_tensor_cores(c.dtype, c.D))
+      << run << ": tensor-core path taken " << mma;
+  EXPECT_EQ(simt::stats().ldmatrix_bank_conflicts, 0) << run << ": ldmatrix bank conflicts";
+  return {out.to_tensor(), lse.to_tensor(), dq.to_tensor(), dk.to_tensor(), dv.to_tensor()};
 }
 
 void check_case(const Case& c) {
@@ -76,34 +73,15 @@ void check_case(const Case& c) {
          dv = empty(v.shape(), c.dtype);
   cpu().attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv);
 
-  const bool tensor_cores = kernels::attention_uses_tensor_cores(c.dtype, c.D);
-  Results first;
-  bool have_first = false;
-  for (const simt::Options& schedule : testing::schedules()) {
-    testing::ScheduleGuard guard(schedule);
-    const std::string run = what + ", " + testing::describe(schedule);
-    Results got = run_emulated(c, q, k, v, out, lse, dout);
-    EXPECT_EQ(got.mma > 0, tensor_cores) << run << ": tensor-core path taken " << got.mma;
-    // The tiles' rows are padded by 16 bytes so that every ldmatrix is one wavefront per matrix.
-    EXPECT_EQ(got.bank_conflicts, 0) << run << ": ldmatrix bank conflicts";
-    // The tiles' rows are padded by 16 bytes so that every ldmatrix is one wavefront per matrix.
-    EXPECT_EQ(got.bank_conflicts, 0) << run << ": ldmatrix bank conflicts";
-    if (!have_first) {
-      testing::expect_close(got.lse, lse, 2e-4f, 1e-5f, run + " lse");
-      testing::expect_close_scaled(got.out, out, out_tolerance(c.dtype), run + " out");
-      testing::expect_close_scaled(got.dq, dq, grad_tolerance(c.dtype), run + " dq");
-      testing::expect_close_scaled(got.dk, dk, grad_tolerance(c.dtype), run + " dk");
-      testing::expect_close_scaled(got.dv, dv, grad_tolerance(c.dtype), run + " dv");
-      first = std::move(got);
-      have_first = true;
-      continue;
-    }
-    testing::expect_bitwise_equal(got.out, first.out, run + " out, against the first schedule");
-    testing::expect_bitwise_equal(got.lse, first.lse, run + " lse, against the first schedule");
-    testing::expect_bitwise_equal(got.dq, first.dq, run + " dq, against the first schedule");
-    testing::expect_bitwise_equal(got.dk, first.dk, run + " dk, against the first schedule");
-    testing::expect_bitwise_equal(got.dv, first.dv, run + " dv, against the first schedule");
-  }
+  testing::under_every_schedule(
+      what, [&](const std::string& run) { return run_emulated(c, q, k, v, out, lse, dout, run); },
+      [&](const std::vector<Tensor>& got, const std::string& run) {
+        testing::expect_close(got[1], lse, 2e-4f, 1e-5f, run + " lse");
+        testing::expect_close_scaled(got[0], out, out_tolerance(c.dtype), run + " out");
+        testing::expect_close_scaled(got[2], dq, grad_tolerance(c.dtype), run + " dq");
+        testing::expect_close_scaled(got[3], dk, grad_tolerance(c.dtype), run + " dk");
+        testing::expect_close_scaled(got[4], dv, grad_tolerance(c.dtype), run + " dv");
+      });
 }
 
 // Sequence lengths below, at and past the tiles (64 keys, 128/64 query rows), grouped-query

@@ -1,13 +1,13 @@
 // kernels/embedding.cu on the simt emulator against the CPU backend: the lookup (vectorised and
 // scalar rows, mixed dtypes), the deterministic gradient (a stable sort by id, then one ordered
 // sum per distinct id; the sort is the emulator's stand-in for cub's) and the index check.
-#include "simt_test_util.h"
+#include "simt_kernel_checks.h"
 
 namespace shardtrain {
 namespace {
 
 using testing::cpu;
-using testing::DeviceCopy;
+using testing::Operand;
 using testing::random_cpu;
 
 std::string label(const char* what, DType t, int64_t V, int64_t H, int64_t N) {
@@ -36,34 +36,29 @@ TEST(SimtEmbedding, LookupAndGradientMatchTheCpuBackendUnderEverySchedule) {
       Tensor from_random_want = random_cpu({V, H}, DType::F32, 17);
       cpu().embedding_backward(dy, ids, from_random_want);
 
-      Tensor first_from_random;
-      for (const simt::Options& schedule : testing::schedules()) {
-        testing::ScheduleGuard guard(schedule);
-        const std::string run = label("", t, V, H, N) + ", " + testing::describe(schedule);
-        DeviceCopy dw(w), did(ids), ddy(dy), out({N, H}, t);
-        DeviceCopy from_zero(zeros({V, H})), from_random(random_cpu({V, H}, DType::F32, 17));
-        testing::GuardedScratch scratch;
-        EXPECT_EQ(kernels::first_bad_index(static_cast<const int64_t*>(did.data()), N, V, INT64_MIN,
-                                           scratch, nullptr),
-                  -1)
-            << run;
-        kernels::embedding_forward(dw.data(), t, static_cast<const int64_t*>(did.data()),
-                                   out.data(), t, N, V, H, nullptr);
-        testing::expect_bitwise_equal(out.to_tensor(), out_want, "embedding_forward" + run);
-        kernels::embedding_backward(ddy.data(), t, static_cast<const int64_t*>(did.data()),
-                                    from_zero.f32(), N, V, H, scratch, nullptr);
-        kernels::embedding_backward(ddy.data(), t, static_cast<const int64_t*>(did.data()),
-                                    from_random.f32(), N, V, H, scratch, nullptr);
-        testing::expect_bitwise_equal(from_zero.to_tensor(), from_zero_want,
-                                      "embedding_backward from zero" + run);
-        testing::expect_close(from_random.to_tensor(), from_random_want, 2e-5f, 2e-5f,
-                              "embedding_backward" + run);
-        if (!first_from_random.defined())
-          first_from_random = from_random.to_tensor();
-        else
-          testing::expect_bitwise_equal(from_random.to_tensor(), first_from_random,
-                                        "embedding_backward against the first schedule" + run);
-      }
+      testing::under_every_schedule(
+          label("embedding", t, V, H, N),
+          [&](const std::string& run) -> std::vector<Tensor> {
+            const Operand dw(w), did(ids), ddy(dy), out({N, H}, t);
+            const Operand from_zero(zeros({V, H})), from_random(random_cpu({V, H}, DType::F32, 17));
+            const auto* id_data = did.as<const int64_t>();
+            testing::GuardedScratch scratch;
+            EXPECT_EQ(kernels::first_bad_index(id_data, N, V, INT64_MIN, scratch, nullptr), -1)
+                << run;
+            kernels::embedding_forward(dw.data(), t, id_data, out.data(), t, N, V, H, nullptr);
+            kernels::embedding_backward(ddy.data(), t, id_data, from_zero.f32(), N, V, H, scratch,
+                                        nullptr);
+            kernels::embedding_backward(ddy.data(), t, id_data, from_random.f32(), N, V, H, scratch,
+                                        nullptr);
+            return {out.to_tensor(), from_zero.to_tensor(), from_random.to_tensor()};
+          },
+          [&](const std::vector<Tensor>& got, const std::string& run) {
+            testing::expect_bitwise_equal(got[0], out_want, "embedding_forward, " + run);
+            testing::expect_bitwise_equal(got[1], from_zero_want,
+                                          "embedding_backward from zero, " + run);
+            testing::expect_close(got[2], from_random_want, 2e-5f, 2e-5f,
+                                  "embedding_backward, " + run);
+          });
     }
   }
 }
@@ -73,9 +68,9 @@ TEST(SimtEmbedding, MixedDtypeLookup) {
   const Tensor ids = from_ints({9, 0, 3}, {3});
   Tensor want = empty({3, 12}, DType::F32);
   cpu().embedding_forward(w, ids, want);
-  DeviceCopy dw(w), did(ids), out({3, 12}, DType::F32);
-  kernels::embedding_forward(dw.data(), DType::BF16, static_cast<const int64_t*>(did.data()),
-                             out.data(), DType::F32, 3, 10, 12, nullptr);
+  const Operand dw(w), did(ids), out({3, 12}, DType::F32);
+  kernels::embedding_forward(dw.data(), DType::BF16, did.as<const int64_t>(), out.data(),
+                             DType::F32, 3, 10, 12, nullptr);
   testing::expect_bitwise_equal(out.to_tensor(), want, "embedding bf16 -> f32");
 }
 
@@ -90,11 +85,11 @@ TEST(SimtEmbedding, FirstBadIndexFindsTheEarliestPosition) {
   const Tensor t = from_ints(ids, {static_cast<int64_t>(ids.size())});
   for (const simt::Options& schedule : testing::schedules()) {
     testing::ScheduleGuard guard(schedule);
-    DeviceCopy d(t);
+    const Operand d(t);
     testing::GuardedScratch scratch;
-    EXPECT_EQ(kernels::first_bad_index(static_cast<const int64_t*>(d.data()), t.numel(), 10, -100,
-                                       scratch, nullptr),
-              9000)
+    EXPECT_EQ(
+        kernels::first_bad_index(d.as<const int64_t>(), t.numel(), 10, -100, scratch, nullptr),
+        9000)
         << testing::describe(schedule);
   }
 }
