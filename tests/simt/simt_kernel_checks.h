@@ -23,6 +23,11 @@ inline const char* place_name(Place p) {
                               : "at guard";
 }
 
+// The float dtypes, and the two starts (aligned: the vector paths; offset: the scalar paths), that
+// the kernel tests run every case under.
+constexpr DType kFloatTypes[] = {DType::F32, DType::BF16, DType::F16};
+constexpr Place kAlignments[] = {Place::aligned, Place::offset};
+
 // A tensor's bytes in guarded memory, as a kernel argument, with the start placed as asked. Every
 // byte of the mapping around the operand is 0xff: a float read past either end is NaN, which spoils
 // the result, and expect_margins_untouched() finds writes there.

@@ -20,6 +20,8 @@ namespace {
 using testing::cpu;
 using testing::expect_bitwise_equal;
 using testing::expect_close;
+using testing::kAlignments;
+using testing::kFloatTypes;
 using testing::Operand;
 using testing::Place;
 using testing::random_cpu;
@@ -27,10 +29,8 @@ using testing::tolerance;
 using testing::under_every_schedule;
 using Results = std::vector<Tensor>;
 
-constexpr DType kFloatTypes[] = {DType::F32, DType::BF16, DType::F16};
 constexpr DType kAllTypes[] = {DType::F32, DType::BF16, DType::F16,
                                DType::I32, DType::I64,  DType::U8};
-constexpr Place kAlignments[] = {Place::aligned, Place::offset};
 
 // More elements than one pass of the largest grid covers four at a time (32 x 256 x 4).
 constexpr int64_t kLoops = 70001;

@@ -14,14 +14,13 @@ namespace {
 
 using testing::cpu;
 using testing::expect_bitwise_equal;
+using testing::kAlignments;
+using testing::kFloatTypes;
 using testing::Operand;
 using testing::Place;
 using testing::random_cpu;
 using testing::under_every_schedule;
 using Results = std::vector<Tensor>;
-
-constexpr DType kFloatTypes[] = {DType::F32, DType::BF16, DType::F16};
-constexpr Place kAlignments[] = {Place::aligned, Place::offset};
 
 std::string label(const std::string& op, DType t, int64_t n, Place place) {
   return std::string(op)

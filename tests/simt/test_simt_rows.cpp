@@ -16,15 +16,14 @@ namespace {
 using testing::cpu;
 using testing::expect_close;
 using testing::expect_close_scaled;
+using testing::kAlignments;
+using testing::kFloatTypes;
 using testing::Operand;
 using testing::Place;
 using testing::random_cpu;
 using testing::tolerance;
 using testing::under_every_schedule;
 using Results = std::vector<Tensor>;
-
-constexpr DType kFloatTypes[] = {DType::F32, DType::BF16, DType::F16};
-constexpr Place kAlignments[] = {Place::aligned, Place::offset};
 
 std::string label(const std::string& op, std::initializer_list<DType> types, const Shape& shape,
                   Place place) {
