@@ -72,7 +72,7 @@ bool CheckReport::ok() const {
 }
 
 std::string CheckReport::table() const {
-  std::string out;
+  std::string out = setting.empty() ? std::string() : setting + "\n";
   char line[512];
   std::snprintf(line, sizeof line, "%-52s %10s %12s %12s %12s %10s  %s\n", "tensor", "elements",
                 "max abs err", "max rel err", "rel L2 err", "tolerance", "result");
@@ -219,6 +219,9 @@ CheckReport run_check(Config config, const CheckOptions& options) {
   });
   report.world_size = world;
   report.leader = rank == 0;
+  report.setting = "on " + std::to_string(world) + (world == 1 ? " rank" : " ranks") + ", device " +
+                   rt.device().str() + ", process group " + rt.dist().backend_name() +
+                   (world > 1 ? ", sharding " + config.dist.sharding : std::string());
   return report;
 }
 

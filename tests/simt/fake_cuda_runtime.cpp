@@ -1,10 +1,12 @@
 // A stand-in for the CUDA runtime library, so that the CUDA backend (src/backend/cuda) runs on
-// the CPU with the kernels on the simt emulator. One device, "sm_90" with 2 multiprocessors and
-// 4 GiB; device memory is host memory, tracked so that pointer queries, bounds and the memory
-// limit behave as on a GPU. Every call completes before it returns: streams and events exist as
-// handles, are always idle, and impose no order of their own (work is already in program order).
-// What this cannot model, and so what is not tested with it: work still queued on a stream while
-// the host goes on (the allocator's cross-stream reuse, host callbacks that hold a stream back).
+// the CPU with the kernels on the simt emulator. One device, or SHARDTRAIN_SIMT_DEVICES of them
+// (so that several ranks of an mpirun job on one machine each find their own, as on a GPU node),
+// each "sm_90" with 2 multiprocessors and 4 GiB; device memory is host memory, tracked per device
+// so that pointer queries, bounds and the memory limit behave as on a GPU. Every call completes
+// before it returns: streams and events exist as handles, are always idle, and impose no order of
+// their own (work is already in program order). What this cannot model, and so what is not tested
+// with it: work still queued on a stream while the host goes on (the allocator's cross-stream
+// reuse, host callbacks that hold a stream back).
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -31,11 +33,30 @@ constexpr size_t kDeviceMemory = size_t{4} << 30;
 // loop on test-sized inputs.
 constexpr int kMultiprocessors = 2;
 
+// The devices this process sees: SHARDTRAIN_SIMT_DEVICES (1 to 8), 1 when unset.
+constexpr int kMaxDevices = 8;
+int device_count() {
+  static const int count = [] {
+    const char* env = std::getenv("SHARDTRAIN_SIMT_DEVICES");
+    if (env == nullptr || *env == '\0') return 1;
+    char* end = nullptr;
+    const long n = std::strtol(env, &end, 10);
+    if (*end != '\0' || n < 1 || n > kMaxDevices) {
+      std::fprintf(stderr, "fake CUDA runtime: SHARDTRAIN_SIMT_DEVICES='%s' is not 1 to %d\n", env,
+                   kMaxDevices);
+      std::abort();
+    }
+    return static_cast<int>(n);
+  }();
+  return count;
+}
+
 struct Memory {
   std::mutex mutex;
   std::map<uintptr_t, size_t> device;  // start -> bytes of every cudaMalloc block
+  std::map<uintptr_t, int> owner;      // start -> the device it was allocated on
   std::map<uintptr_t, size_t> pinned;  // cudaHostAlloc blocks
-  size_t device_used = 0;
+  size_t device_used[kMaxDevices] = {};
 };
 
 Memory& memory() {
@@ -71,7 +92,7 @@ cudaError_t check_range(const void* p, size_t bytes, const char* what) {
 }
 
 cudaError_t check_device(int device) {
-  return device == 0 ? cudaSuccess : cudaErrorInvalidDevice;
+  return device >= 0 && device < device_count() ? cudaSuccess : cudaErrorInvalidDevice;
 }
 
 }  // namespace
@@ -79,7 +100,7 @@ cudaError_t check_device(int device) {
 // ---- devices --------------------------------------------------------------------------------
 
 cudaError_t cudaGetDeviceCount(int* count) {
-  *count = 1;
+  *count = device_count();
   return cudaSuccess;
 }
 
@@ -189,13 +210,15 @@ cudaError_t cudaMalloc(void** ptr, size_t bytes) {
   if (bytes == 0) return cudaSuccess;
   Memory& m = memory();
   std::lock_guard<std::mutex> lock(m.mutex);
-  if (m.device_used + bytes > kDeviceMemory) return cudaErrorMemoryAllocation;
+  size_t& used = m.device_used[current_device];
+  if (used + bytes > kDeviceMemory) return cudaErrorMemoryAllocation;
   const size_t rounded = (bytes + 255) / 256 * 256;  // cudaMalloc returns 256-byte aligned memory
   void* p = std::aligned_alloc(256, rounded);
   if (p == nullptr) return cudaErrorMemoryAllocation;
   std::memset(p, 0xff, rounded);  // device memory starts with garbage; make it NaN
   m.device[reinterpret_cast<uintptr_t>(p)] = bytes;
-  m.device_used += bytes;
+  m.owner[reinterpret_cast<uintptr_t>(p)] = current_device;
+  used += bytes;
   *ptr = p;
   return cudaSuccess;
 }
@@ -206,7 +229,9 @@ cudaError_t cudaFree(void* ptr) {
   std::lock_guard<std::mutex> lock(m.mutex);
   const auto it = m.device.find(reinterpret_cast<uintptr_t>(ptr));
   if (it == m.device.end()) return cudaErrorInvalidValue;
-  m.device_used -= it->second;
+  const auto owner = m.owner.find(it->first);
+  m.device_used[owner->second] -= it->second;
+  m.owner.erase(owner);
   m.device.erase(it);
   std::free(ptr);
   return cudaSuccess;
@@ -235,9 +260,9 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attributes, const vo
   *attributes = cudaPointerAttributes{};
   Memory& m = memory();
   std::lock_guard<std::mutex> lock(m.mutex);
-  if (containing(m.device, ptr) != m.device.end()) {
+  if (const auto it = containing(m.device, ptr); it != m.device.end()) {
     attributes->type = cudaMemoryTypeDevice;
-    attributes->device = 0;
+    attributes->device = m.owner.at(it->first);
     attributes->devicePointer = const_cast<void*>(ptr);
   } else if (containing(m.pinned, ptr) != m.pinned.end()) {
     attributes->type = cudaMemoryTypeHost;

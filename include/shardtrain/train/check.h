@@ -33,6 +33,9 @@ struct CheckReport {
   std::vector<TensorError> tensors;
   int world_size = 1;
   bool leader = true;  // rank 0: the one that prints
+  // Where it ran, e.g. "on 2 ranks, device cuda:0, process group nccl, sharding full_shard":
+  // the first line of table(), so that a log shows which path the verdict is about.
+  std::string setting;
   bool ok() const;
   std::string table() const;  // one row per tensor, then a verdict line
 };
