@@ -9,8 +9,12 @@
 #                                  bf16, strategies none and per_layer, fused attention)
 #   launch/gpu-verify.sh qlora     `shardtrain bench` of configs/qlora-llama-3.1-8b.yaml on a
 #                                  random NF4 base (seq 4096, per_layer): step time, memory
+#   launch/gpu-verify.sh cli       `shardtrain train` of configs/tiny.yaml on the GPU, stopped
+#                                  by SIGTERM half-way and resumed, against an uninterrupted run
+#                                  (every step's loss bit for bit); configs/qlora-tiny.yaml
+#                                  trained on the GPU (its PEFT adapter written)
 #   launch/gpu-verify.sh all       tests, kernels and train in turn, within one budget
-#                                  (qlora runs on its own)
+#                                  (qlora and cli run on their own)
 #
 # Run it from the repository root (or as bundle/gpu-verify.sh from a copied bundle) after
 # launch/bundle.sh has built bundle/. It sources bundle/env.sh itself. Results go to
@@ -22,6 +26,7 @@
 #   train.log     check and bench output, tables          train.csv     both bench CSVs (+config)
 #                                                         train.json    both bench JSONs + checks
 #   qlora.log     the QLoRA bench's output and table      qlora.json    its bench JSON
+#   cli.log       the three trainings' output              cli.json      both runs' losses
 #
 # Every step runs under `timeout`, and a failing step is recorded and the phase goes on. Each
 # phase stops starting new steps after GPU_VERIFY_BUDGET_S seconds (default 480, so that a
@@ -33,12 +38,12 @@
 set -uo pipefail
 
 usage() {
-  sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 (($# == 1)) || usage
 phase_arg="$1"
-case "$phase_arg" in tests | kernels | train | qlora | all) ;; *) usage ;; esac
+case "$phase_arg" in tests | kernels | train | qlora | cli | all) ;; *) usage ;; esac
 
 # ---- where things are ------------------------------------------------------------------------
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -415,6 +420,83 @@ phase_qlora() {
   return 0
 }
 
+# ---- cli ---------------------------------------------------------------------------------------
+phase_cli() {
+  local log="$out/cli.log"
+  begin_phase cli
+  : >"$log"
+  require_gpu cli "$log" || return 0
+  local cfg="$bundle/configs/tiny.yaml" t0 t1 half pid
+  local -a run=("$bundle/bin/shardtrain" train --config "$cfg" --set train.device=cuda)
+  # The uninterrupted run, timed, so that the stop lands half-way through the other.
+  t0=$(date +%s%N)
+  step cli "train tiny, uninterrupted" 120 "$log" 0 -- "${run[@]}" --set train.out_dir="$work/whole"
+  t1=$(date +%s%N)
+  half=$(((t1 - t0) / 2000000))  # milliseconds
+  note "cli: stopping the second run after ${half} ms"
+  {
+    echo
+    echo "===== cli: train tiny, stopped by SIGTERM after ${half} ms"
+  } >>"$log"
+  local start rc
+  start=$(date +%s)
+  "${run[@]}" --set train.out_dir="$work/parts" >>"$log" 2>&1 &
+  pid=$!
+  sleep "$(awk -v ms="$half" 'BEGIN { printf "%.3f", ms / 1000 }')"
+  kill -TERM "$pid" 2>/dev/null
+  wait "$pid"
+  rc=$?
+  echo "===== exit status $rc (0: stopped after a step, with a checkpoint)" >>"$log"
+  if ((rc == 0)); then
+    record PASS cli "train tiny, stopped by SIGTERM half-way" $(($(date +%s) - start))
+  else
+    record FAIL cli "train tiny, stopped by SIGTERM half-way" $(($(date +%s) - start)) \
+      "exit status $rc (see cli.log)"
+  fi
+  step cli "train tiny, resumed (train.resume=auto)" 120 "$log" 0 -- "${run[@]}" \
+    --set train.out_dir="$work/parts" --set train.resume=auto
+  # It must have continued from the stop's checkpoint, not started over.
+  if grep -q "resumed from .*step-" "$log"; then
+    grep -o "resumed from .*" "$log" | tail -n 1 | tee -a "$summary"
+  else
+    record FAIL cli "the second run resumed from a checkpoint" 0 "no 'resumed from' in cli.log"
+  fi
+  if [[ -n "$python" ]]; then
+    step cli "resumed losses equal the uninterrupted run's, bit for bit" 30 "$log" 1 -- \
+      "${py[@]}" - "$work/whole/metrics.jsonl" "$work/parts/metrics.jsonl" "$out/cli.json" <<'PY'
+import json, sys
+whole_path, parts_path, dst = sys.argv[1:4]
+def losses(path):
+    out = {}
+    with open(path) as f:
+        for line in f:
+            e = json.loads(line)
+            if e.get("event") == "step":
+                out[e["step"]] = e["loss"]
+    return out
+whole, parts = losses(whole_path), losses(parts_path)
+with open(dst, "w") as f:
+    json.dump({"uninterrupted": whole, "stopped_and_resumed": parts}, f)
+differ = [s for s in whole if parts.get(s) != whole[s]]
+print(f"{len(whole)} steps uninterrupted, {len(parts)} in the stopped-and-resumed run; "
+      f"{len(differ)} differ" + (f" (first: step {differ[0]})" if differ else ""))
+sys.exit(0 if whole and not differ and len(parts) == len(whole) else 1)
+PY
+  else
+    record FAIL cli "resumed losses equal the uninterrupted run's" 0 "no python3 here"
+  fi
+  step cli "train qlora-tiny" 120 "$log" 0 -- "$bundle/bin/shardtrain" train \
+    --config "$bundle/configs/qlora-tiny.yaml" --set train.device=cuda \
+    --set train.out_dir="$work/qlora"
+  if [[ -f "$work/qlora/adapter/adapter_model.safetensors" ]]; then
+    echo "qlora adapter: $(ls -l "$work/qlora/adapter" | tail -n +2 | awk '{print $5, $9}' | tr '\n' ' ')" \
+      | tee -a "$log"
+  else
+    record FAIL cli "qlora-tiny wrote its PEFT adapter" 0 "no $work/qlora/adapter/adapter_model.safetensors"
+  fi
+  return 0
+}
+
 # ---- main --------------------------------------------------------------------------------------
 summary_before=0
 [[ -f "$summary" ]] && summary_before=$(wc -l <"$summary")
@@ -428,6 +510,7 @@ case "$phase_arg" in
   kernels) phase_kernels ;;
   train) phase_train ;;
   qlora) phase_qlora ;;
+  cli) phase_cli ;;
   all)
     shared_budget=1
     phase_tests
