@@ -101,6 +101,19 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], const
 #endif
 }
 
+// The accumulators of two adjacent 8-column tiles, c0 and c1 (rows g and g + 8, columns
+// 2 tig + {0, 1}), as the A fragment of a 16-wide k step of the next product: rounded to T, they
+// sit exactly where mma.m16n8k16 expects A's columns 0-7 and 8-15, so P and dS never leave the
+// registers.
+template <typename T>
+__device__ __forceinline__ void accumulators_as_a(uint32_t (&a)[4], const float (&c0)[4],
+                                                  const float (&c1)[4]) {
+  a[0] = pack2<T>(c0[0], c0[1]);
+  a[1] = pack2<T>(c0[2], c0[3]);
+  a[2] = pack2<T>(c1[0], c1[1]);
+  a[3] = pack2<T>(c1[2], c1[3]);
+}
+
 // ---- ldmatrix and cp.async (sm_80+) ---------------------------------------------------------
 
 #if !defined(SHARDTRAIN_SIMT)
@@ -394,12 +407,7 @@ __global__ void __launch_bounds__(FwdTiles<D>::kThreads, FwdTiles<D>::kMinBlocks
     for (int kc = 0; kc < BC / 16; ++kc) {
       uint32_t a[MI][4];
 #pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-        a[mi][0] = pack2<T>(s[mi][2 * kc][0], s[mi][2 * kc][1]);
-        a[mi][1] = pack2<T>(s[mi][2 * kc][2], s[mi][2 * kc][3]);
-        a[mi][2] = pack2<T>(s[mi][2 * kc + 1][0], s[mi][2 * kc + 1][1]);
-        a[mi][3] = pack2<T>(s[mi][2 * kc + 1][2], s[mi][2 * kc + 1][3]);
-      }
+      for (int mi = 0; mi < MI; ++mi) accumulators_as_a<T>(a[mi], s[mi][2 * kc], s[mi][2 * kc + 1]);
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t vf[4];
@@ -564,14 +572,9 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
     // tiles through ldmatrix.x4.trans, as V does in the forward.
 #pragma unroll
     for (int kc = 0; kc < BQ / 16; ++kc) {
-      const uint32_t ap[4] = {pack2<T>(st[2 * kc][0], st[2 * kc][1]),
-                              pack2<T>(st[2 * kc][2], st[2 * kc][3]),
-                              pack2<T>(st[2 * kc + 1][0], st[2 * kc + 1][1]),
-                              pack2<T>(st[2 * kc + 1][2], st[2 * kc + 1][3])};
-      const uint32_t ads[4] = {pack2<T>(dpt[2 * kc][0], dpt[2 * kc][1]),
-                               pack2<T>(dpt[2 * kc][2], dpt[2 * kc][3]),
-                               pack2<T>(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]),
-                               pack2<T>(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3])};
+      uint32_t ap[4], ads[4];
+      accumulators_as_a<T>(ap, st[2 * kc], st[2 * kc + 1]);
+      accumulators_as_a<T>(ads, dpt[2 * kc], dpt[2 * kc + 1]);
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t df[4], qf[4];
@@ -746,12 +749,7 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads)
     for (int kc = 0; kc < BK / 16; ++kc) {
       uint32_t a[MI][4];
 #pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-        a[mi][0] = pack2<T>(s[mi][2 * kc][0], s[mi][2 * kc][1]);
-        a[mi][1] = pack2<T>(s[mi][2 * kc][2], s[mi][2 * kc][3]);
-        a[mi][2] = pack2<T>(s[mi][2 * kc + 1][0], s[mi][2 * kc + 1][1]);
-        a[mi][3] = pack2<T>(s[mi][2 * kc + 1][2], s[mi][2 * kc + 1][3]);
-      }
+      for (int mi = 0; mi < MI; ++mi) accumulators_as_a<T>(a[mi], s[mi][2 * kc], s[mi][2 * kc + 1]);
 #pragma unroll
       for (int dp2 = 0; dp2 < D / 16; ++dp2) {
         uint32_t kf[4];
