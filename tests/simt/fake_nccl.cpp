@@ -158,6 +158,15 @@ void store_as(char* p, T v) {
   std::memcpy(p, &v, sizeof(T));
 }
 
+// A 16-bit float type's rows, widened to fp32, reduced, rounded once.
+void reduce_16bit_rows(const char* rows, int count_rows, size_t n, ncclRedOp_t op, void* out,
+                       float (*widen)(uint16_t), uint16_t (*round)(float)) {
+  reduce_rows<float>(
+      rows, count_rows, n, sizeof(uint16_t), op, out,
+      [widen](const char* p) { return widen(load_as<uint16_t>(p)); },
+      [round](char* p, float v) { store_as<uint16_t>(p, round(v)); });
+}
+
 // out[i] = op over the `count_rows` rows of `rows` (each n elements of `type`), in row order.
 ncclResult_t reduce(const char* rows, int count_rows, size_t n, ncclDataType_t type, ncclRedOp_t op,
                     void* out) {
@@ -176,16 +185,10 @@ ncclResult_t reduce(const char* rows, int count_rows, size_t n, ncclDataType_t t
       reduce_rows<double>(rows, count_rows, n, e, op, out, load_as<double>, store_as<double>);
       return ncclSuccess;
     case ncclBfloat16:
-      reduce_rows<float>(
-          rows, count_rows, n, e, op, out,
-          [](const char* p) { return bf16_to_float(load_as<uint16_t>(p)); },
-          [](char* p, float v) { store_as<uint16_t>(p, float_to_bf16(v)); });
+      reduce_16bit_rows(rows, count_rows, n, op, out, bf16_to_float, float_to_bf16);
       return ncclSuccess;
     case ncclFloat16:
-      reduce_rows<float>(
-          rows, count_rows, n, e, op, out,
-          [](const char* p) { return f16_to_float(load_as<uint16_t>(p)); },
-          [](char* p, float v) { store_as<uint16_t>(p, float_to_f16(v)); });
+      reduce_16bit_rows(rows, count_rows, n, op, out, f16_to_float, float_to_f16);
       return ncclSuccess;
     case ncclInt32:
       reduce_rows<int32_t>(rows, count_rows, n, e, op, out, load_as<int32_t>, store_as<int32_t>);
