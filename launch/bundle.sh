@@ -33,7 +33,7 @@
 #   source bundle/env.sh
 #   bundle/run-tests.sh                  # or: bundle/run-tests.sh cuda_   (name filter)
 #   bundle/bin/shardtrain-kernel-bench --json bench.json
-#   launch/gpu-verify.sh tests|kernels|train|qlora|cli|all # or bundle/gpu-verify.sh; docs/benchmarks.md
+#   launch/gpu-verify.sh tests|kernels|train|qlora|cli|profile|all  # or bundle/gpu-verify.sh; docs/benchmarks.md
 #
 # The bundle is kept under 60 MiB so that it ships quickly to a fresh node. When the plain copy is
 # larger, the test executables are stored as one solid archive (tests.tar.xz) and other files

@@ -13,8 +13,10 @@
 #                                  by SIGTERM half-way and resumed, against an uninterrupted run
 #                                  (every step's loss bit for bit); configs/qlora-tiny.yaml
 #                                  trained on the GPU (its PEFT adapter written)
+#   launch/gpu-verify.sh profile   Nsight Compute (ncu) on one launch of each fused-attention
+#                                  kernel at every attention shape of the kernel bench
 #   launch/gpu-verify.sh all       tests, kernels and train in turn, within one budget
-#                                  (qlora and cli run on their own)
+#                                  (qlora, cli and profile run on their own)
 #
 # Run it from the repository root (or as bundle/gpu-verify.sh from a copied bundle) after
 # launch/bundle.sh has built bundle/. It sources bundle/env.sh itself. Results go to
@@ -27,6 +29,7 @@
 #                                                         train.json    both bench JSONs + checks
 #   qlora.log     the QLoRA bench's output and table      qlora.json    its bench JSON
 #   cli.log       the three trainings' output              cli.json      both runs' losses
+#   profile.txt   ncu's report (speed of light, occupancy, launch, warp state, compute, memory)
 #
 # Every step runs under `timeout`, and a failing step is recorded and the phase goes on. Each
 # phase stops starting new steps after GPU_VERIFY_BUDGET_S seconds (default 480, so that a
@@ -38,12 +41,12 @@
 set -uo pipefail
 
 usage() {
-  sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 (($# == 1)) || usage
 phase_arg="$1"
-case "$phase_arg" in tests | kernels | train | qlora | cli | all) ;; *) usage ;; esac
+case "$phase_arg" in tests | kernels | train | qlora | cli | profile | all) ;; *) usage ;; esac
 
 # ---- where things are ------------------------------------------------------------------------
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -497,6 +500,29 @@ PY
   return 0
 }
 
+# ---- profile -----------------------------------------------------------------------------------
+phase_profile() {
+  local log="$out/profile.txt"
+  begin_phase profile
+  : >"$log"
+  require_gpu profile "$log" || return 0
+  local ncu
+  ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)"
+  if [[ -z "$ncu" ]]; then
+    record FAIL profile "ncu" 0 "Nsight Compute (ncu) is not installed here"
+    return 0
+  fi
+  # One launch of each kernel per shape (--iters 1 --warmup 0): 3 kernels x 6 shapes. ncu fixes
+  # the SM clock while it measures, so its durations are longer than the kernel bench's.
+  step profile "ncu: fused attention kernels" 300 "$log" 0 -- "$ncu" --kernel-name-base demangled \
+    --kernel-name regex:"flash_(forward|backward)" --launch-count 18 --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    "$bundle/bin/shardtrain-kernel-bench" --only attention --iters 1 --warmup 0
+  grep -E "flash_|Duration|Issue Slots Busy|Achieved Occupancy|highest-utilized" "$log" | head -n 80
+  return 0
+}
+
 # ---- main --------------------------------------------------------------------------------------
 summary_before=0
 [[ -f "$summary" ]] && summary_before=$(wc -l <"$summary")
@@ -511,6 +537,7 @@ case "$phase_arg" in
   train) phase_train ;;
   qlora) phase_qlora ;;
   cli) phase_cli ;;
+  profile) phase_profile ;;
   all)
     shared_budget=1
     phase_tests
