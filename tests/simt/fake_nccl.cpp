@@ -158,6 +158,12 @@ void store_as(char* p, T v) {
   std::memcpy(p, &v, sizeof(T));
 }
 
+// Rows of a type that is summed as itself (fp32 in fp32, fp64 in fp64, integers exactly).
+template <typename T>
+void reduce_native_rows(const char* rows, int count_rows, size_t n, ncclRedOp_t op, void* out) {
+  reduce_rows<T>(rows, count_rows, n, sizeof(T), op, out, load_as<T>, store_as<T>);
+}
+
 // A 16-bit float type's rows, widened to fp32, reduced, rounded once.
 void reduce_16bit_rows(const char* rows, int count_rows, size_t n, ncclRedOp_t op, void* out,
                        float (*widen)(uint16_t), uint16_t (*round)(float)) {
@@ -179,10 +185,10 @@ ncclResult_t reduce(const char* rows, int count_rows, size_t n, ncclDataType_t t
   const size_t e = element_bytes(type);
   switch (type) {
     case ncclFloat32:
-      reduce_rows<float>(rows, count_rows, n, e, op, out, load_as<float>, store_as<float>);
+      reduce_native_rows<float>(rows, count_rows, n, op, out);
       return ncclSuccess;
     case ncclFloat64:
-      reduce_rows<double>(rows, count_rows, n, e, op, out, load_as<double>, store_as<double>);
+      reduce_native_rows<double>(rows, count_rows, n, op, out);
       return ncclSuccess;
     case ncclBfloat16:
       reduce_16bit_rows(rows, count_rows, n, op, out, bf16_to_float, float_to_bf16);
@@ -191,10 +197,10 @@ ncclResult_t reduce(const char* rows, int count_rows, size_t n, ncclDataType_t t
       reduce_16bit_rows(rows, count_rows, n, op, out, f16_to_float, float_to_f16);
       return ncclSuccess;
     case ncclInt32:
-      reduce_rows<int32_t>(rows, count_rows, n, e, op, out, load_as<int32_t>, store_as<int32_t>);
+      reduce_native_rows<int32_t>(rows, count_rows, n, op, out);
       return ncclSuccess;
     case ncclInt64:
-      reduce_rows<int64_t>(rows, count_rows, n, e, op, out, load_as<int64_t>, store_as<int64_t>);
+      reduce_native_rows<int64_t>(rows, count_rows, n, op, out);
       return ncclSuccess;
     case ncclUint8:
       reduce_rows<unsigned>(
