@@ -945,7 +945,7 @@ void allow_smem(Kernel kernel, size_t bytes) {
 }
 
 bool tensor_core_path(DType type, int64_t head_dim, std::initializer_list<const void*> ptrs) {
-  if (!attention_uses_tensor_cores(type, head_dim)) return false;
+  if (!cuda_attention_uses_tensor_cores(type, head_dim)) return false;
   for (const void* p : ptrs)
     if (!aligned(p, 16)) return false;
   return true;
@@ -1020,10 +1020,6 @@ void check_dims(const AttentionDims& d) {
 }
 
 }  // namespace
-
-bool attention_uses_tensor_cores(DType type, int64_t head_dim) {
-  return (type == DType::BF16 || type == DType::F16) && (head_dim == 64 || head_dim == 128);
-}
 
 void attention_forward(const AttentionDims& d, const void* q, const void* k, const void* v,
                        DType type, void* out, float* lse, cudaStream_t stream) {

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "shardtrain/backend/attention.h"
 #include "shardtrain/backend/rope.h"
 #include "shardtrain/core/dtype.h"
 
@@ -175,9 +176,8 @@ struct AttentionDims {
   int64_t batch, heads_q, heads_kv, seq, head_dim;
   float scale;
 };
-// True when (dtype, head_dim) runs on the tensor-core kernels (BF16/F16 with D 64 or 128 and
-// 16-byte aligned operands); other cases use the CUDA-core kernels (any D up to 256).
-bool attention_uses_tensor_cores(DType type, int64_t head_dim);
+// Which (dtype, head_dim) run on the tensor-core kernels: cuda_attention_uses_tensor_cores
+// (shardtrain/backend/attention.h), with 16-byte aligned operands besides.
 // q, k, v, out of dtype `type`; lse f32 [B, Hq, S] (natural log).
 void attention_forward(const AttentionDims& dims, const void* q, const void* k, const void* v,
                        DType type, void* out, float* lse, cudaStream_t stream);

@@ -10,6 +10,7 @@
 #include <optional>
 #include <sstream>
 
+#include "shardtrain/backend/attention.h"
 #ifdef SHARDTRAIN_HAVE_CUDA
 #include "shardtrain/backend/cuda.h"
 #endif
@@ -147,12 +148,11 @@ TrainSummary train_with(const Config& config) {
                    std::to_string(t.seq_len) + " tokens per step (" + std::to_string(accumulation) +
                    " micro-batches), data " + data.source() + " (" + std::to_string(data.size()) +
                    " tokens)");
-  // The fused attention has tensor-core kernels for bf16/fp16 at head dim 64 or 128 only
-  // (kernels/flash_attention.cu); anything else runs on its exact CUDA-core kernels, which on an
-  // H100 made an fp32 llama-125m step take 1.5 s where bf16 takes 53 ms (docs/benchmarks.md).
+  // The fused attention's CUDA-core kernels made an fp32 llama-125m step take 1.5 s on an H100
+  // where bf16 on tensor cores takes 53 ms (docs/benchmarks.md): worth a word at the start.
   const int64_t head_dim = rt.model().config().head_dim();
   if (rt.device().is_cuda() && config.activation.attention == "fused" &&
-      (config.precision.compute == "fp32" || (head_dim != 64 && head_dim != 128)))
+      !cuda_attention_uses_tensor_cores(dtype_from_name(config.precision.compute), head_dim))
     progress.message("note: activation.attention=fused with precision.compute=" +
                      config.precision.compute + " and head dim " + std::to_string(head_dim) +
                      " runs on the exact CUDA-core attention kernels, far slower than the "

@@ -53,7 +53,7 @@ std::vector<Tensor> run_emulated(const Case& c, const Tensor& q, const Tensor& k
                               dout_.data(), c.dtype, dq.data(), dk.data(), dv.data(), scratch,
                               nullptr);
   const int64_t mma = simt::stats().mma;
-  EXPECT_EQ(mma > 0, kernels::attention_uses_tensor_cores(c.dtype, c.D))
+  EXPECT_EQ(mma > 0, cuda_attention_uses_tensor_cores(c.dtype, c.D))
       << run << ": tensor-core path taken " << mma;
   EXPECT_EQ(simt::stats().ldmatrix_bank_conflicts, 0) << run << ": ldmatrix bank conflicts";
   return {out.to_tensor(), lse.to_tensor(), dq.to_tensor(), dk.to_tensor(), dv.to_tensor()};
