@@ -51,11 +51,15 @@ int device_count() {
   return count;
 }
 
+struct Block {
+  size_t bytes = 0;
+  int device = -1;  // the device a cudaMalloc block was allocated on; -1 for pinned host memory
+};
+
 struct Memory {
   std::mutex mutex;
-  std::map<uintptr_t, size_t> device;  // start -> bytes of every cudaMalloc block
-  std::map<uintptr_t, int> owner;      // start -> the device it was allocated on
-  std::map<uintptr_t, size_t> pinned;  // cudaHostAlloc blocks
+  std::map<uintptr_t, Block> device;  // start -> every cudaMalloc block
+  std::map<uintptr_t, Block> pinned;  // start -> every cudaHostAlloc block
   size_t device_used[kMaxDevices] = {};
 };
 
@@ -67,13 +71,13 @@ Memory& memory() {
 thread_local int current_device = 0;
 
 // The block of `blocks` that contains [p, p + bytes), or end() when p is in none.
-std::map<uintptr_t, size_t>::const_iterator containing(const std::map<uintptr_t, size_t>& blocks,
-                                                       const void* p) {
+std::map<uintptr_t, Block>::const_iterator containing(const std::map<uintptr_t, Block>& blocks,
+                                                      const void* p) {
   const auto address = reinterpret_cast<uintptr_t>(p);
   auto it = blocks.upper_bound(address);
   if (it == blocks.begin()) return blocks.end();
   --it;
-  return address < it->first + it->second ? it : blocks.end();
+  return address < it->first + it->second.bytes ? it : blocks.end();
 }
 
 // A copy or memset that starts inside a device block must end inside it: on a GPU the overrun
@@ -83,7 +87,7 @@ cudaError_t check_range(const void* p, size_t bytes, const char* what) {
   std::lock_guard<std::mutex> lock(m.mutex);
   const auto it = containing(m.device, p);
   if (it == m.device.end()) return cudaSuccess;
-  if (reinterpret_cast<uintptr_t>(p) + bytes > it->first + it->second) {
+  if (reinterpret_cast<uintptr_t>(p) + bytes > it->first + it->second.bytes) {
     std::fprintf(stderr, "fake CUDA runtime: %s of %zu bytes at %p runs past its allocation\n",
                  what, bytes, p);
     return cudaErrorInvalidValue;
@@ -216,8 +220,7 @@ cudaError_t cudaMalloc(void** ptr, size_t bytes) {
   void* p = std::aligned_alloc(256, rounded);
   if (p == nullptr) return cudaErrorMemoryAllocation;
   std::memset(p, 0xff, rounded);  // device memory starts with garbage; make it NaN
-  m.device[reinterpret_cast<uintptr_t>(p)] = bytes;
-  m.owner[reinterpret_cast<uintptr_t>(p)] = current_device;
+  m.device[reinterpret_cast<uintptr_t>(p)] = Block{bytes, current_device};
   used += bytes;
   *ptr = p;
   return cudaSuccess;
@@ -229,9 +232,7 @@ cudaError_t cudaFree(void* ptr) {
   std::lock_guard<std::mutex> lock(m.mutex);
   const auto it = m.device.find(reinterpret_cast<uintptr_t>(ptr));
   if (it == m.device.end()) return cudaErrorInvalidValue;
-  const auto owner = m.owner.find(it->first);
-  m.device_used[owner->second] -= it->second;
-  m.owner.erase(owner);
+  m.device_used[it->second.device] -= it->second.bytes;
   m.device.erase(it);
   std::free(ptr);
   return cudaSuccess;
@@ -243,7 +244,7 @@ cudaError_t cudaHostAlloc(void** ptr, size_t bytes, unsigned int) {
   if (*ptr == nullptr) return cudaErrorMemoryAllocation;
   Memory& m = memory();
   std::lock_guard<std::mutex> lock(m.mutex);
-  m.pinned[reinterpret_cast<uintptr_t>(*ptr)] = bytes;
+  m.pinned[reinterpret_cast<uintptr_t>(*ptr)] = Block{bytes, -1};
   return cudaSuccess;
 }
 
@@ -262,7 +263,7 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attributes, const vo
   std::lock_guard<std::mutex> lock(m.mutex);
   if (const auto it = containing(m.device, ptr); it != m.device.end()) {
     attributes->type = cudaMemoryTypeDevice;
-    attributes->device = m.owner.at(it->first);
+    attributes->device = it->second.device;
     attributes->devicePointer = const_cast<void*>(ptr);
   } else if (containing(m.pinned, ptr) != m.pinned.end()) {
     attributes->type = cudaMemoryTypeHost;
