@@ -105,9 +105,24 @@ bool overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
   return x < y + b_bytes && y < x + a_bytes;
 }
 
+// The start of every collective: a communicator, and a data type the fake models, whose element
+// size it returns through `element` (what `comm` holds is read only after this).
+ncclResult_t check_call(const ncclComm* comm, ncclDataType_t type, const char* call,
+                        size_t* element) {
+  if (comm == nullptr) {
+    std::fprintf(stderr, "fake NCCL: %s on a null communicator\n", call);
+    return ncclInvalidArgument;
+  }
+  *element = element_bytes(type);
+  if (*element == 0) {
+    std::fprintf(stderr, "fake NCCL: %s: unknown data type\n", call);
+    return ncclInvalidArgument;
+  }
+  return ncclSuccess;
+}
+
 ncclResult_t check_buffers(const ncclComm* comm, const void* send, size_t send_bytes,
                            const void* recv, size_t recv_bytes, const char* call) {
-  if (comm == nullptr) return fail(ncclInvalidArgument, "a collective on a null communicator");
   // MPI counts are ints; the fake carries test-sized buffers.
   if (std::max(send_bytes, recv_bytes) > static_cast<size_t>(INT_MAX))
     return fail(ncclInvalidUsage, "a buffer over 2 GiB, more than the fake carries");
@@ -350,8 +365,8 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* error) {
 
 ncclResult_t ncclAllGather(const void* send, void* recv, size_t send_count, ncclDataType_t type,
                            ncclComm_t comm, cudaStream_t) {
-  const size_t e = element_bytes(type);
-  if (e == 0) return fail(ncclInvalidArgument, "ncclAllGather: unknown data type");
+  size_t e = 0;
+  if (ncclResult_t r = check_call(comm, type, "ncclAllGather", &e); r != ncclSuccess) return r;
   const size_t bytes = send_count * e;
   if (ncclResult_t r = check_buffers(comm, send, bytes, recv,
                                      bytes * static_cast<size_t>(comm->size), "ncclAllGather");
@@ -367,8 +382,8 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t send_count, nccl
 
 ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recv_count, ncclDataType_t type,
                                ncclRedOp_t op, ncclComm_t comm, cudaStream_t) {
-  const size_t e = element_bytes(type);
-  if (e == 0) return fail(ncclInvalidArgument, "ncclReduceScatter: unknown data type");
+  size_t e = 0;
+  if (ncclResult_t r = check_call(comm, type, "ncclReduceScatter", &e); r != ncclSuccess) return r;
   const size_t bytes = recv_count * e, n = static_cast<size_t>(comm->size);
   if (ncclResult_t r = check_buffers(comm, send, bytes * n, recv, bytes, "ncclReduceScatter");
       r != ncclSuccess)
@@ -389,8 +404,8 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recv_count, 
 
 ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataType_t type,
                            ncclRedOp_t op, ncclComm_t comm, cudaStream_t) {
-  const size_t e = element_bytes(type);
-  if (e == 0) return fail(ncclInvalidArgument, "ncclAllReduce: unknown data type");
+  size_t e = 0;
+  if (ncclResult_t r = check_call(comm, type, "ncclAllReduce", &e); r != ncclSuccess) return r;
   const size_t bytes = count * e;
   if (ncclResult_t r = check_buffers(comm, send, bytes, recv, bytes, "ncclAllReduce");
       r != ncclSuccess)
@@ -403,13 +418,13 @@ ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataT
 
 ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataType_t type,
                            int root, ncclComm_t comm, cudaStream_t) {
-  const size_t e = element_bytes(type);
-  if (e == 0) return fail(ncclInvalidArgument, "ncclBroadcast: unknown data type");
-  if (comm != nullptr && (root < 0 || root >= comm->size))
+  size_t e = 0;
+  if (ncclResult_t r = check_call(comm, type, "ncclBroadcast", &e); r != ncclSuccess) return r;
+  if (root < 0 || root >= comm->size)
     return fail(ncclInvalidArgument, "ncclBroadcast: root outside the communicator");
   const size_t bytes = count * e;
   // Only the root's send buffer is read.
-  const bool is_root = comm != nullptr && comm->rank == root;
+  const bool is_root = comm->rank == root;
   if (ncclResult_t r = check_buffers(comm, is_root ? send : recv, is_root ? bytes : 0, recv, bytes,
                                      "ncclBroadcast");
       r != ncclSuccess)
