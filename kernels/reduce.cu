@@ -12,12 +12,18 @@ namespace {
 constexpr int kSumThreads = 256;
 constexpr int64_t kMaxSumBlocks = 1024;
 
+// The grid of a sum over n elements: it depends on n alone, which keeps the result's bits
+// independent of anything but the values and their alignment.
+int64_t sum_blocks(int64_t n) {
+  return std::min<int64_t>(kMaxSumBlocks, (n + kSumThreads * 8 - 1) / (kSumThreads * 8));
+}
+
+// This thread's share of the sum as block `block` of a grid of `grid` blocks: a fixed
+// grid-stride walk, N elements per step (N = 1: scalar loads), then the tail.
 template <int N, typename T, bool kSquares>
-__global__ void __launch_bounds__(kSumThreads)
-    partial_sum_kernel(const T* x, int64_t n, double* partial) {
-  __shared__ double red[33];
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+__device__ __forceinline__ double thread_sum(const T* x, int64_t n, int64_t block, int64_t grid) {
+  const int64_t stride = grid * blockDim.x;
+  const int64_t first = block * blockDim.x + threadIdx.x;
   double acc = 0.0;
   for (int64_t i = first; i < n / N; i += stride) {
     float v[N];
@@ -32,16 +38,100 @@ __global__ void __launch_bounds__(kSumThreads)
     const double d = to_float(x[i]);
     acc += kSquares ? d * d : d;
   }
-  acc = block_sum(acc, red);
+  return acc;
+}
+
+template <int N, typename T, bool kSquares>
+__global__ void __launch_bounds__(kSumThreads)
+    partial_sum_kernel(const T* x, int64_t n, double* partial) {
+  __shared__ double red[33];
+  const double acc = block_sum(thread_sum<N, T, kSquares>(x, n, blockIdx.x, gridDim.x), red);
   if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+// The block partials of `blocks` sums, in one block of kMaxSumBlocks threads.
+__device__ __forceinline__ double final_sum(const double* partial, int64_t blocks) {
+  __shared__ double red[33];
+  return block_sum(threadIdx.x < blocks ? partial[threadIdx.x] : 0.0, red);
 }
 
 __global__ void __launch_bounds__(kMaxSumBlocks)
     final_sum_kernel(const double* partial, int64_t blocks, double* result) {
-  __shared__ double red[33];
-  double acc = threadIdx.x < blocks ? partial[threadIdx.x] : 0.0;
-  acc = block_sum(acc, red);
+  const double acc = final_sum(partial, blocks);
   if (threadIdx.x == 0) *result = acc;
+}
+
+// Sums of squares of up to kSumListMax tensors of one dtype and load width in two launches:
+// each tensor gets the blocks its single-tensor sum would get (sum_blocks), and every block,
+// and then the final block of each tensor, computes exactly what it computes there, so a
+// tensor's result is the single-tensor result bit for bit. The list travels in the kernels'
+// arguments.
+constexpr int kSumListMax = 48;
+template <typename T>
+struct SumSquaresList {
+  const T* x[kSumListMax];
+  int64_t n[kSumListMax];
+  int64_t first_block[kSumListMax + 1];  // this launch's blocks of tensor k: [first_block[k], +1)
+  int64_t out[kSumListMax];              // the tensor's index in the caller's list
+  int count;
+};
+
+template <int N, typename T>
+__global__ void __launch_bounds__(kSumThreads)
+    partial_sum_squares_list_kernel(const SumSquaresList<T> list, double* partial) {
+  __shared__ double red[33];
+  int t = 0;
+  while (blockIdx.x >= list.first_block[t + 1]) ++t;
+  const int64_t block = blockIdx.x - list.first_block[t];
+  const int64_t grid = list.first_block[t + 1] - list.first_block[t];
+  const double acc = block_sum(thread_sum<N, T, true>(list.x[t], list.n[t], block, grid), red);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+// One block per tensor of the list: its partials (at partial + first_block[t]) into results.
+template <typename T>
+__global__ void __launch_bounds__(kMaxSumBlocks)
+    final_sum_squares_list_kernel(const SumSquaresList<T> list, const double* partial,
+                                  double* results) {
+  const int t = blockIdx.x;
+  const int64_t first = list.first_block[t];
+  const double acc = final_sum(partial + first, list.first_block[t + 1] - first);
+  if (threadIdx.x == 0) results[list.out[t]] = acc;
+}
+
+// Enqueues the sums of squares of the tensors of `spans` whose dtype is T and whose 16-byte
+// alignment is `vectorized`, kSumListMax at a time; `partial` holds kSumListMax *
+// kMaxSumBlocks doubles.
+template <typename T>
+void enqueue_sum_squares_lists(const TensorSpan* spans, int64_t count, bool vectorized,
+                               double* partial, double* results, cudaStream_t stream) {
+  SumSquaresList<T> list{};
+  auto launch = [&] {
+    if (list.count == 0) return;
+    const auto blocks = static_cast<unsigned>(list.first_block[list.count]);
+    if (vectorized)
+      partial_sum_squares_list_kernel<kVec<T>, T>
+          <<<blocks, kSumThreads, 0, stream>>>(list, partial);
+    else
+      partial_sum_squares_list_kernel<1, T><<<blocks, kSumThreads, 0, stream>>>(list, partial);
+    ST_CHECK_LAUNCH();
+    final_sum_squares_list_kernel<T>
+        <<<static_cast<unsigned>(list.count), kMaxSumBlocks, 0, stream>>>(list, partial, results);
+    ST_CHECK_LAUNCH();
+    list = SumSquaresList<T>{};
+  };
+  for (int64_t i = 0; i < count; ++i) {
+    const TensorSpan& s = spans[i];
+    const T* x = static_cast<const T*>(s.data);
+    if (s.n <= 0 || s.type != dtype_of<T>() || aligned(x, 16) != vectorized) continue;
+    const int k = list.count++;
+    list.x[k] = x;
+    list.n[k] = s.n;
+    list.out[k] = i;
+    list.first_block[k + 1] = list.first_block[k] + sum_blocks(s.n);
+    if (list.count == kSumListMax) launch();
+  }
+  launch();
 }
 
 template <int N, typename T>
@@ -78,8 +168,7 @@ void enqueue_sum(const void* x, DType type, int64_t n, bool squares, double* par
     ST_CUDA_CHECK(cudaMemsetAsync(result, 0, sizeof(double), stream));
     return;
   }
-  const int64_t blocks =
-      std::min<int64_t>(kMaxSumBlocks, (n + kSumThreads * 8 - 1) / (kSumThreads * 8));
+  const int64_t blocks = sum_blocks(n);
   ST_DISPATCH_FLOAT(type, T, {
     const T* p = static_cast<const T*>(x);
     constexpr int V = kVec<T>;
@@ -139,13 +228,19 @@ double sum(const void* x, DType type, int64_t n, bool squares, Scratch& scratch,
 void sum_squares_multi(const TensorSpan* tensors, int64_t count, double* out, Scratch& scratch,
                        cudaStream_t stream) {
   if (count <= 0) return;
-  // One partial buffer serves every tensor: the stream runs each final sum before the next
-  // tensor's partial sums overwrite it.
+  // A model's gradients in a few launches (one pair per dtype and load width, per kSumListMax
+  // tensors) rather than two per tensor: 111 tensors of llama-125m took 0.83 ms as 222 launches
+  // on an H100. Empty tensors keep the zero of the memset. The stream runs each list's final
+  // sums before the next list's partial sums overwrite the shared partial buffer.
   auto* partial = static_cast<double*>(
-      scratch.get(sizeof(double) * static_cast<size_t>(kMaxSumBlocks + count)));
-  double* results = partial + kMaxSumBlocks;
-  for (int64_t i = 0; i < count; ++i)
-    enqueue_sum(tensors[i].data, tensors[i].type, tensors[i].n, true, partial, results + i, stream);
+      scratch.get(sizeof(double) * static_cast<size_t>(kSumListMax * kMaxSumBlocks + count)));
+  double* results = partial + kSumListMax * kMaxSumBlocks;
+  ST_CUDA_CHECK(cudaMemsetAsync(results, 0, sizeof(double) * static_cast<size_t>(count), stream));
+  for (bool vectorized : {true, false}) {
+    enqueue_sum_squares_lists<float>(tensors, count, vectorized, partial, results, stream);
+    enqueue_sum_squares_lists<bf16>(tensors, count, vectorized, partial, results, stream);
+    enqueue_sum_squares_lists<f16>(tensors, count, vectorized, partial, results, stream);
+  }
   copy_to_host_and_wait(out, results, count, stream);
 }
 
