@@ -16,6 +16,10 @@
 //           diagonal; dQ += dS K.
 // dQ is recomputed in its own pass instead of being accumulated with atomics across key blocks,
 // which costs two extra matrix products per tile and makes every result bit-reproducible.
+// The other form (AttentionBackwardAlgo::AtomicDq, FlashAttention-2's): the dK/dV kernel stages
+// each step's dS in shared memory and adds dS K into an fp32 dQ buffer with atomics, and a last
+// pass scales and rounds it; 5 products per pair of tiles instead of 7, and dQ's last bits
+// depend on the order in which the hardware runs the key blocks.
 //
 // Data movement uses sm_80 instructions only (no wgmma or TMA), so one binary serves sm_80 and
 // sm_90:
@@ -454,14 +458,80 @@ struct DkDvTiles {
   static constexpr int kStage = kRows * kLd;  // elements of one Q or dO buffer
   static constexpr size_t kHalfWords = 2 * kKeys * kLd + 4 * kStage;
   static constexpr size_t kSmem = sizeof(uint16_t) * kHalfWords + sizeof(float) * 4 * kRows;
+  // The one-pass variant (atomic dQ) also stages the block's dS^T, [kKeys][kRows] padded by 8
+  // as every other tile, so that all warps can read all of its keys for dQ += dS K. In that
+  // product warp w owns query rows 16 (w % kDqWarpsM).. and kDqCols columns of d.
+  static constexpr int kDsLd = kRows + 8;
+  static constexpr size_t kSmemFusedDq = kSmem + sizeof(uint16_t) * kKeys * kDsLd;
+  static constexpr int kDqWarpsM = kRows / 16;
+  static constexpr int kDqCols = D * kDqWarpsM / kWarps;
+  static_assert(kDqCols % 16 == 0 && kWarps % kDqWarpsM == 0, "dQ product tiles cover D");
 };
 
+// p[0] += a, p[1] += b as atomics (p 8-byte aligned): one vector atomic on sm_90, two below.
+__device__ __forceinline__ void atomic_add_pair(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(p), make_float2(a, b));
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+#endif
+}
+
+// dQ[q0 .., :] += dS K for one step of the one-pass backward: dS^T is staged [key][query] in
+// `ds_s` (so ldmatrix.trans gives the A fragments of dS) and K is the block's [key][d] tile (B
+// fragments through ldmatrix.trans, as in the dQ pass). Each element is added by one lane of the
+// block, with one atomic add to the fp32 accumulator per element and step (pairs of elements
+// per atomic on sm_90).
 template <typename T, int D>
+__device__ __forceinline__ void accumulate_dq_tile(const uint16_t* ds_s, const uint16_t* ks,
+                                                   float* dq_head, int64_t q0, int64_t seq) {
+  using Tiles = DkDvTiles<D>;
+  constexpr int BK = Tiles::kKeys, LD = Tiles::kLd, LDS = Tiles::kDsLd, NC = Tiles::kDqCols;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int lr = lane & 7, lm = lane >> 3;
+  const int wm = warp % Tiles::kDqWarpsM, wn = warp / Tiles::kDqWarpsM;
+  if (q0 + wm * 16 >= seq) return;  // warp-uniform: the m-tile lies past the sequence
+  const int64_t row_a = q0 + wm * 16 + g, row_b = row_a + 8;
+  float acc[NC / 8][4];
+#pragma unroll
+  for (int n = 0; n < NC / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+#pragma unroll
+  for (int kc = 0; kc < BK / 16; ++kc) {
+    // Matrices 0..3 = (queries 0-7 / 8-15) x (keys 0-7), then x (keys 8-15), each stored as
+    // 8 key rows of 8 queries.
+    uint32_t a[4];
+    ldsm_x4_trans(a, ds_s + (kc * 16 + (lm >> 1) * 8 + lr) * LDS + wm * 16 + (lm & 1) * 8);
+#pragma unroll
+    for (int dp = 0; dp < NC / 16; ++dp) {
+      uint32_t kf[4];
+      ldsm_x4_trans(kf,
+                    ks + (kc * 16 + (lm & 1) * 8 + lr) * LD + wn * NC + dp * 16 + (lm >> 1) * 8);
+      const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+      mma<T>(acc[2 * dp], a, b0);
+      mma<T>(acc[2 * dp + 1], a, b1);
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < NC / 8; ++n) {
+    const int col = wn * NC + n * 8 + 2 * t4;
+    if (row_a < seq) atomic_add_pair(dq_head + row_a * D + col, acc[n][0], acc[n][1]);
+    if (row_b < seq) atomic_add_pair(dq_head + row_b * D + col, acc[n][2], acc[n][3]);
+  }
+}
+
+// kFuseDq = false: dK and dV only (the deterministic backward; dQ is its own pass).
+// kFuseDq = true: also dQ, FlashAttention-2's way: after dV and dK, each step's dS^T goes to
+// shared memory and the block adds dS K for the step's query tile into `dq_accum` (fp32,
+// unscaled, zeroed beforehand) with atomics. That saves the dQ pass's recomputation of S and dP
+// (5 products per pair of tiles instead of 7), but the order in which key blocks add to a query
+// row is the hardware's, so dQ is not bit-reproducible; dK and dV still are.
+template <typename T, int D, bool kFuseDq>
 __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
     flash_backward_dkdv_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                const uint16_t* dout, const float* lse, const float* delta,
-                               uint16_t* dk, uint16_t* dv, int heads_q, int group, int64_t seq,
-                               float scale_log2, float scale) {
+                               uint16_t* dk, uint16_t* dv, float* dq_accum, int heads_q, int group,
+                               int64_t seq, float scale_log2, float scale) {
   using Tiles = DkDvTiles<D>;
   constexpr int BK = Tiles::kKeys, BQ = Tiles::kRows, LD = Tiles::kLd, NT = Tiles::kThreads;
   static_assert(2 * BQ <= NT, "one thread per lse and delta row");
@@ -471,7 +541,8 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
   uint16_t* qs = vs + BK * LD;             // Q stages 0 and 1
   uint16_t* dos = qs + 2 * Tiles::kStage;  // dO stages 0 and 1
   float* lse_s = reinterpret_cast<float*>(smem_raw + sizeof(uint16_t) * Tiles::kHalfWords);
-  float* delta_s = lse_s + 2 * BQ;  // lse_s and delta_s: [2][BQ]
+  float* delta_s = lse_s + 2 * BQ;                                 // lse_s and delta_s: [2][BQ]
+  uint16_t* ds_s = reinterpret_cast<uint16_t*>(delta_s + 2 * BQ);  // [BK][kDsLd], kFuseDq only
 
   const int64_t k0 = static_cast<int64_t>(blockIdx.x) * BK;
   const int hk = blockIdx.y, b = blockIdx.z;
@@ -518,8 +589,13 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
       cp_async_commit();
     }
     const int64_t q0 = (first_tile + i % q_tiles) * BQ;
-    // Warp-uniform: keys after every query of the tile (or past seq) get nothing from it.
-    if (warp_key0 >= seq || warp_key0 > q0 + BQ - 1) continue;
+    // Warp-uniform: keys after every query of the tile (or past seq) get nothing from it. Such
+    // a warp skips the step, except that with kFuseDq it stages zeros as its rows of dS^T and
+    // joins the block's dQ product.
+    const bool active = warp_key0 < seq && warp_key0 <= q0 + BQ - 1;
+    if constexpr (!kFuseDq) {
+      if (!active) continue;
+    }
     const uint16_t* qst = qs + (i & 1) * Tiles::kStage;
     const uint16_t* dost = dos + (i & 1) * Tiles::kStage;
     const float* lse_t = lse_s + (i & 1) * BQ;
@@ -533,60 +609,79 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
     for (int n = 0; n < BQ / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
+    if (active) {
 #pragma unroll
-    for (int kc = 0; kc < D / 16; ++kc) {
-      uint32_t ak[4], av[4];
-      ldsm_x4(ak, ks + (warp * 16 + (lm & 1) * 8 + lr) * LD + kc * 16 + (lm >> 1) * 8);
-      ldsm_x4(av, vs + (warp * 16 + (lm & 1) * 8 + lr) * LD + kc * 16 + (lm >> 1) * 8);
+      for (int kc = 0; kc < D / 16; ++kc) {
+        uint32_t ak[4], av[4];
+        ldsm_x4(ak, ks + (warp * 16 + (lm & 1) * 8 + lr) * LD + kc * 16 + (lm >> 1) * 8);
+        ldsm_x4(av, vs + (warp * 16 + (lm & 1) * 8 + lr) * LD + kc * 16 + (lm >> 1) * 8);
 #pragma unroll
-      for (int np = 0; np < BQ / 16; ++np) {
-        uint32_t qf[4], df[4];
-        ldsm_x4(qf, qst + (np * 16 + (lm >> 1) * 8 + lr) * LD + kc * 16 + (lm & 1) * 8);
-        ldsm_x4(df, dost + (np * 16 + (lm >> 1) * 8 + lr) * LD + kc * 16 + (lm & 1) * 8);
-        const uint32_t bq0[2] = {qf[0], qf[1]}, bq1[2] = {qf[2], qf[3]};
-        const uint32_t bd0[2] = {df[0], df[1]}, bd1[2] = {df[2], df[3]};
-        mma<T>(st[2 * np], ak, bq0);
-        mma<T>(st[2 * np + 1], ak, bq1);
-        mma<T>(dpt[2 * np], av, bd0);
-        mma<T>(dpt[2 * np + 1], av, bd1);
-      }
-    }
-    // P^T = exp(S^T * scale - lse), zero where masked; dS^T = P^T (dP^T - delta). Only tiles
-    // that cross this warp's diagonal or the end of the sequence need the mask.
-    const bool need_mask = warp_key0 + 15 > q0 || q0 + BQ > seq || warp_key0 + 16 > seq;
-#pragma unroll
-    for (int n = 0; n < BQ / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = n * 8 + 2 * t4 + (e & 1);
-        float p = exp2f(fmaf(st[n][e], scale_log2, -lse_t[col] * kLog2e));
-        if (need_mask) {
-          const int64_t query = q0 + col, key = e < 2 ? key_a : key_b;
-          if (key > query || query >= seq || key >= seq) p = 0.0f;
+        for (int np = 0; np < BQ / 16; ++np) {
+          uint32_t qf[4], df[4];
+          ldsm_x4(qf, qst + (np * 16 + (lm >> 1) * 8 + lr) * LD + kc * 16 + (lm & 1) * 8);
+          ldsm_x4(df, dost + (np * 16 + (lm >> 1) * 8 + lr) * LD + kc * 16 + (lm & 1) * 8);
+          const uint32_t bq0[2] = {qf[0], qf[1]}, bq1[2] = {qf[2], qf[3]};
+          const uint32_t bd0[2] = {df[0], df[1]}, bd1[2] = {df[2], df[3]};
+          mma<T>(st[2 * np], ak, bq0);
+          mma<T>(st[2 * np + 1], ak, bq1);
+          mma<T>(dpt[2 * np], av, bd0);
+          mma<T>(dpt[2 * np + 1], av, bd1);
         }
-        st[n][e] = p;
-        dpt[n][e] = p * (dpt[n][e] - delta_t[col]);
       }
-    }
-    // dV += P^T dO and dK += dS^T Q: the B fragments come from the same row-major dO and Q
-    // tiles through ldmatrix.x4.trans, as V does in the forward.
+      // P^T = exp(S^T * scale - lse), zero where masked; dS^T = P^T (dP^T - delta). Only tiles
+      // that cross this warp's diagonal or the end of the sequence need the mask.
+      const bool need_mask = warp_key0 + 15 > q0 || q0 + BQ > seq || warp_key0 + 16 > seq;
 #pragma unroll
-    for (int kc = 0; kc < BQ / 16; ++kc) {
-      uint32_t ap[4], ads[4];
-      accumulators_as_a<T>(ap, st[2 * kc], st[2 * kc + 1]);
-      accumulators_as_a<T>(ads, dpt[2 * kc], dpt[2 * kc + 1]);
+      for (int n = 0; n < BQ / 8; ++n) {
 #pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t df[4], qf[4];
-        ldsm_x4_trans(df, dost + (kc * 16 + (lm & 1) * 8 + lr) * LD + dp * 16 + (lm >> 1) * 8);
-        ldsm_x4_trans(qf, qst + (kc * 16 + (lm & 1) * 8 + lr) * LD + dp * 16 + (lm >> 1) * 8);
-        const uint32_t bd0[2] = {df[0], df[1]}, bd1[2] = {df[2], df[3]};
-        const uint32_t bq0[2] = {qf[0], qf[1]}, bq1[2] = {qf[2], qf[3]};
-        mma<T>(dv_acc[2 * dp], ap, bd0);
-        mma<T>(dv_acc[2 * dp + 1], ap, bd1);
-        mma<T>(dk_acc[2 * dp], ads, bq0);
-        mma<T>(dk_acc[2 * dp + 1], ads, bq1);
+        for (int e = 0; e < 4; ++e) {
+          const int col = n * 8 + 2 * t4 + (e & 1);
+          float p = exp2f(fmaf(st[n][e], scale_log2, -lse_t[col] * kLog2e));
+          if (need_mask) {
+            const int64_t query = q0 + col, key = e < 2 ? key_a : key_b;
+            if (key > query || query >= seq || key >= seq) p = 0.0f;
+          }
+          st[n][e] = p;
+          dpt[n][e] = p * (dpt[n][e] - delta_t[col]);
+        }
       }
+      // dV += P^T dO and dK += dS^T Q: the B fragments come from the same row-major dO and Q
+      // tiles through ldmatrix.x4.trans, as V does in the forward.
+#pragma unroll
+      for (int kc = 0; kc < BQ / 16; ++kc) {
+        uint32_t ap[4], ads[4];
+        accumulators_as_a<T>(ap, st[2 * kc], st[2 * kc + 1]);
+        accumulators_as_a<T>(ads, dpt[2 * kc], dpt[2 * kc + 1]);
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+          uint32_t df[4], qf[4];
+          ldsm_x4_trans(df, dost + (kc * 16 + (lm & 1) * 8 + lr) * LD + dp * 16 + (lm >> 1) * 8);
+          ldsm_x4_trans(qf, qst + (kc * 16 + (lm & 1) * 8 + lr) * LD + dp * 16 + (lm >> 1) * 8);
+          const uint32_t bd0[2] = {df[0], df[1]}, bd1[2] = {df[2], df[3]};
+          const uint32_t bq0[2] = {qf[0], qf[1]}, bq1[2] = {qf[2], qf[3]};
+          mma<T>(dv_acc[2 * dp], ap, bd0);
+          mma<T>(dv_acc[2 * dp + 1], ap, bd1);
+          mma<T>(dk_acc[2 * dp], ads, bq0);
+          mma<T>(dk_acc[2 * dp + 1], ads, bq1);
+        }
+      }
+    }  // active
+
+    if constexpr (kFuseDq) {
+      // dS^T (zeros for an inactive warp) to shared memory: rows are this warp's keys, columns
+      // the tile's queries; rounded to T as the A fragments of dK's product are.
+      uint16_t* ds_a = ds_s + (warp * 16 + g) * Tiles::kDsLd + 2 * t4;
+      uint16_t* ds_b = ds_a + 8 * Tiles::kDsLd;
+#pragma unroll
+      for (int n = 0; n < BQ / 8; ++n) {
+        *reinterpret_cast<uint32_t*>(ds_a + n * 8) = pack2<T>(dpt[n][0], dpt[n][1]);
+        *reinterpret_cast<uint32_t*>(ds_b + n * 8) = pack2<T>(dpt[n][2], dpt[n][3]);
+      }
+      __syncthreads();  // every warp's keys of dS^T are staged
+      accumulate_dq_tile<T, D>(
+          ds_s, ks,
+          dq_accum + (static_cast<int64_t>(b) * heads_q + hk * group + i / q_tiles) * seq * D, q0,
+          seq);
     }
   }
 
@@ -967,25 +1062,52 @@ void tc_forward(const AttentionDims& d, const void* q, const void* k, const void
   ST_CHECK_LAUNCH();
 }
 
+// dq = T(accum * scale), two elements a thread: the one-pass backward's last step. n is even
+// (a multiple of the head dim).
+template <typename T>
+__global__ void finish_dq_kernel(const float* accum, uint16_t* dq, int64_t n, float scale) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n / 2;
+       i += stride)
+    *reinterpret_cast<uint32_t*>(dq + 2 * i) =
+        pack2<T>(accum[2 * i] * scale, accum[2 * i + 1] * scale);
+}
+
+// dq_accum null: the deterministic two-pass backward. Otherwise (B * Hq * S * D floats) the
+// one-pass backward with dQ accumulated there atomically.
 template <typename T, int D>
 void tc_backward(const AttentionDims& d, const void* q, const void* k, const void* v,
                  const void* dout, const float* lse, const float* delta, void* dq, void* dk,
-                 void* dv, cudaStream_t stream) {
+                 void* dv, float* dq_accum, cudaStream_t stream) {
   const int heads_q = static_cast<int>(d.heads_q);
   const int group = static_cast<int>(d.heads_q / d.heads_kv);
   const auto* q16 = static_cast<const uint16_t*>(q);
   const auto* k16 = static_cast<const uint16_t*>(k);
   const auto* v16 = static_cast<const uint16_t*>(v);
   const auto* do16 = static_cast<const uint16_t*>(dout);
-  {
-    using Tiles = DkDvTiles<D>;
-    auto kernel = flash_backward_dkdv_kernel<T, D>;
-    allow_smem(kernel, Tiles::kSmem);
-    const dim3 grid(ceil_div(d.seq, Tiles::kKeys), static_cast<unsigned>(d.heads_kv),
-                    static_cast<unsigned>(d.batch));
-    kernel<<<grid, Tiles::kThreads, Tiles::kSmem, stream>>>(
+  using DkDv = DkDvTiles<D>;
+  const dim3 dkdv_grid(ceil_div(d.seq, DkDv::kKeys), static_cast<unsigned>(d.heads_kv),
+                       static_cast<unsigned>(d.batch));
+  if (dq_accum != nullptr) {
+    const int64_t n = d.batch * d.heads_q * d.seq * D;
+    ST_CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, sizeof(float) * static_cast<size_t>(n), stream));
+    auto kernel = flash_backward_dkdv_kernel<T, D, true>;
+    allow_smem(kernel, DkDv::kSmemFusedDq);
+    kernel<<<dkdv_grid, DkDv::kThreads, DkDv::kSmemFusedDq, stream>>>(
         q16, k16, v16, do16, lse, delta, static_cast<uint16_t*>(dk), static_cast<uint16_t*>(dv),
-        heads_q, group, d.seq, d.scale * kLog2e, d.scale);
+        dq_accum, heads_q, group, d.seq, d.scale * kLog2e, d.scale);
+    ST_CHECK_LAUNCH();
+    finish_dq_kernel<T><<<grid_for(n / 2), kThreads, 0, stream>>>(
+        dq_accum, static_cast<uint16_t*>(dq), n, d.scale);
+    ST_CHECK_LAUNCH();
+    return;
+  }
+  {
+    auto kernel = flash_backward_dkdv_kernel<T, D, false>;
+    allow_smem(kernel, DkDv::kSmem);
+    kernel<<<dkdv_grid, DkDv::kThreads, DkDv::kSmem, stream>>>(
+        q16, k16, v16, do16, lse, delta, static_cast<uint16_t*>(dk), static_cast<uint16_t*>(dv),
+        nullptr, heads_q, group, d.seq, d.scale * kLog2e, d.scale);
     ST_CHECK_LAUNCH();
   }
   {
@@ -1045,7 +1167,8 @@ void attention_forward(const AttentionDims& d, const void* q, const void* k, con
 
 void attention_backward(const AttentionDims& d, const void* q, const void* k, const void* v,
                         const void* out, const float* lse, const void* dout, DType type, void* dq,
-                        void* dk, void* dv, Scratch& scratch, cudaStream_t stream) {
+                        void* dk, void* dv, AttentionBackwardAlgo algo, Scratch& scratch,
+                        cudaStream_t stream) {
   const int64_t rows = d.batch * d.heads_q * d.seq;
   if (rows == 0) return;
   check_dims(d);
@@ -1059,15 +1182,21 @@ void attention_backward(const AttentionDims& d, const void* q, const void* k, co
     ST_CHECK_LAUNCH();
   });
   if (tensor_core_path(type, d.head_dim, {q, k, v, dout, dq, dk, dv})) {
+    float* dq_accum = algo == AttentionBackwardAlgo::AtomicDq
+                          ? static_cast<float*>(scratch.get(sizeof(float) * rows * D))
+                          : nullptr;
     if (type == DType::BF16) {
-      ST_DISPATCH_HEAD_DIM(d.head_dim, HD,
-                           tc_backward<bf16, HD>(d, q, k, v, dout, lse, delta, dq, dk, dv, stream));
+      ST_DISPATCH_HEAD_DIM(
+          d.head_dim, HD,
+          tc_backward<bf16, HD>(d, q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, stream));
     } else {
-      ST_DISPATCH_HEAD_DIM(d.head_dim, HD,
-                           tc_backward<f16, HD>(d, q, k, v, dout, lse, delta, dq, dk, dv, stream));
+      ST_DISPATCH_HEAD_DIM(
+          d.head_dim, HD,
+          tc_backward<f16, HD>(d, q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, stream));
     }
     return;
   }
+  // The CUDA-core kernels have one backward, deterministic, whatever `algo` asks.
   const int64_t kv_rows = d.batch * d.heads_kv * d.seq;
   ST_DISPATCH_FLOAT(type, T, {
     const T* qt = static_cast<const T*>(q);

@@ -181,9 +181,11 @@ struct AttentionDims {
 // q, k, v, out of dtype `type`; lse f32 [B, Hq, S] (natural log).
 void attention_forward(const AttentionDims& dims, const void* q, const void* k, const void* v,
                        DType type, void* out, float* lse, cudaStream_t stream);
-// All of dtype `type`; dq, dk, dv overwritten. Deterministic (no atomics).
+// All of dtype `type`; dq, dk, dv overwritten. `algo` picks the tensor-core backward (the
+// CUDA-core kernels have one, deterministic).
 void attention_backward(const AttentionDims& dims, const void* q, const void* k, const void* v,
                         const void* out, const float* lse, const void* dout, DType type, void* dq,
-                        void* dk, void* dv, Scratch& scratch, cudaStream_t stream);
+                        void* dk, void* dv, AttentionBackwardAlgo algo, Scratch& scratch,
+                        cudaStream_t stream);
 
 }  // namespace shardtrain::kernels

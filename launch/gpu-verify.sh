@@ -270,6 +270,9 @@ phase_kernels() {
     if [[ -s "$kb" && -s "$sdpa" ]]; then
       step kernels "attention >= 0.5x SDPA (default backend)" 60 "$log" 1 -- \
         "${py[@]}" "$scripts/compare_attention.py" "$kb" "$sdpa" --json "$cmp"
+      # The one-pass backward (activation.attention_backward=atomic_dq) against the same figures.
+      step kernels "attention >= 0.5x SDPA, atomic_dq backward" 60 "$log" 1 -- \
+        "${py[@]}" "$scripts/compare_attention.py" "$kb" "$sdpa" --variant atomic_dq
       # The fastest SDPA backend per shape, for reference (not a pass/fail step).
       echo >>"$log"
       "${py[@]}" "$scripts/compare_attention.py" "$kb" "$sdpa" --backend best 2>&1 | tee -a "$log"

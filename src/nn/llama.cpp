@@ -49,9 +49,11 @@ Tensor Attention::forward(const Tensor& x) {
   Tensor k = ops::swap_dims_12(ops::rope(ops::reshape(k_proj->forward(x), {b, s, hkv, d}), rope));
   Tensor v = ops::swap_dims_12(ops::reshape(v_proj->forward(x), {b, s, hkv, d}));
 
-  ops::AttentionImpl impl_now = impl;
-  AttentionCoreFn core = [impl_now](const Tensor& q_, const Tensor& k_, const Tensor& v_) {
-    return ops::attention(q_, k_, v_, impl_now);
+  const ops::AttentionImpl impl_now = impl;
+  const AttentionBackwardAlgo backward_now = backward_algo;
+  AttentionCoreFn core = [impl_now, backward_now](const Tensor& q_, const Tensor& k_,
+                                                  const Tensor& v_) {
+    return ops::attention(q_, k_, v_, impl_now, backward_now);
   };
   if (core_wrappers != nullptr) {
     for (auto it = core_wrappers->rbegin(); it != core_wrappers->rend(); ++it) {
@@ -149,8 +151,11 @@ LlamaModel::LlamaModel(const LlamaConfig& c, Device device, ParameterStorage sto
   }
 }
 
-void LlamaModel::set_attention_impl(ops::AttentionImpl impl) {
-  for (auto& l : layers) l->self_attn.impl = impl;
+void LlamaModel::set_attention_impl(ops::AttentionImpl impl, AttentionBackwardAlgo backward) {
+  for (auto& l : layers) {
+    l->self_attn.impl = impl;
+    l->self_attn.backward_algo = backward;
+  }
 }
 
 void LlamaModel::init_parameter_range(uint64_t seed, const std::string& name, int64_t begin,

@@ -49,11 +49,13 @@ struct PlainAttentionBackward : NamedNode<PlainAttentionBackward> {
 struct FusedAttentionBackward : NamedNode<FusedAttentionBackward> {
   static constexpr const char* kName = "FusedAttentionBackward";
   SavedTensor q, k, v, out, lse;
+  AttentionBackwardAlgo algo = AttentionBackwardAlgo::Deterministic;
   std::vector<Tensor> apply(std::vector<Tensor> g) override {
     Tensor tq = q.unpack(), tk = k.unpack(), tv = v.unpack();
     Tensor dq = empty_like(tq), dk = empty_like(tk), dv = empty_like(tv);
     float sc = 1.0f / std::sqrt(static_cast<float>(tq.size(3)));
-    backend_of(tq).attention_backward(tq, tk, tv, out.unpack(), lse.unpack(), g[0], sc, dq, dk, dv);
+    backend_of(tq).attention_backward(tq, tk, tv, out.unpack(), lse.unpack(), g[0], sc, dq, dk, dv,
+                                      algo);
     return {dq, dk, dv};
   }
   void release_saved() override {
@@ -73,7 +75,8 @@ AttentionImpl parse_attention_impl(const std::string& name) {
                     "': expected plain (S x S scores) or fused (memory-efficient)");
 }
 
-Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, AttentionImpl impl) {
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, AttentionImpl impl,
+                 AttentionBackwardAlgo backward) {
   check_same(q, k, "attention");
   check_same(q, v, "attention");
   ST_CHECK_SHAPE(q.dim() == 4 && k.dim() == 4 && k.shape() == v.shape() && q.size(0) == k.size(0) &&
@@ -96,6 +99,7 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, AttentionImp
       node->v = SavedTensor(v);
       node->out = SavedTensor(out);
       node->lse = SavedTensor(lse);
+      node->algo = backward;
       autograd::attach(node, {&q, &k, &v}, {&out});
     }
     return out;

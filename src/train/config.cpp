@@ -548,6 +548,10 @@ const std::vector<Key>& schema() {
       Key("activation.attention", &C::activation, &ActivationConfig::attention)
           .one_of({"plain", "fused"})
           .help("fused never stores the attention matrix"),
+      Key("activation.attention_backward", &C::activation, &ActivationConfig::attention_backward)
+          .one_of({"deterministic", "atomic_dq"})
+          .help("fused backward on GPU tensor cores: atomic_dq sums dQ with atomics (one pass, "
+                "fewer products, not bit-reproducible)"),
       Key("activation.loss_chunk_tokens", &C::activation, &ActivationConfig::loss_chunk_tokens)
           .at_least(0)
           .help("tokens per chunk of the fused head + loss (recomputed logits); 0 = whole logits"),

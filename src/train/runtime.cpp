@@ -220,7 +220,8 @@ Runtime::Runtime(const Config& config) : config_(config), device_(training_devic
     else
       model_->init_weights(static_cast<uint64_t>(config_.train.seed));
   }
-  model_->set_attention_impl(ops::parse_attention_impl(config_.activation.attention));
+  model_->set_attention_impl(ops::parse_attention_impl(config_.activation.attention),
+                             parse_attention_backward(config_.activation.attention_backward));
   model_->set_loss_chunk_rows(config_.activation.loss_chunk_tokens);
 
   if (config_.lora.enabled) {

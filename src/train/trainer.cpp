@@ -157,6 +157,20 @@ TrainSummary train_with(const Config& config) {
                      config.precision.compute + " and head dim " + std::to_string(head_dim) +
                      " runs on the exact CUDA-core attention kernels, far slower than the "
                      "tensor-core ones (bf16 or fp16, head dim 64 or 128)");
+  // The one-pass backward changes what a run promises (bit-reproducible gradients), and it
+  // exists only for the tensor-core kernels: say which of the two this run gets.
+  if (config.activation.attention_backward == "atomic_dq") {
+    if (rt.device().is_cuda() && config.activation.attention == "fused" &&
+        cuda_attention_uses_tensor_cores(dtype_from_name(config.precision.compute), head_dim))
+      progress.message(
+          "note: activation.attention_backward=atomic_dq: the attention's dQ is summed with "
+          "atomics, so gradients (and a resumed run's losses) are not bit-reproducible");
+    else
+      progress.message(
+          "note: activation.attention_backward=atomic_dq takes effect only with "
+          "activation.attention=fused on a CUDA device in bf16 or fp16 with head dim 64 or 128; "
+          "this run's attention backward is the deterministic one");
+  }
 
   Checkpointing checkpoints(config, rt,
                             [&progress](const std::string& line) { progress.message(line); });

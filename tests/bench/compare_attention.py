@@ -6,7 +6,9 @@ their attention results by shape (batch, heads_q, heads_kv, seq, head_dim), and 
 shape and pass (forward, backward, forward+backward): shardtrain ms, SDPA ms, the speed ratio
 SDPA ms / shardtrain ms (1.0 = as fast as SDPA, 0.5 = half its speed) and PASS when the ratio is at
 least the target (default 0.5: shardtrain at least half as fast as SDPA). shardtrain's
-forward+backward is its forward plus its backward median.
+forward+backward is its forward plus its backward median. --variant picks which of shardtrain's
+backward algorithms is compared: deterministic (rows attention_bwd_<dtype>, the default) or
+atomic_dq (rows attention_bwd_atomic_dq_<dtype>).
 
   python3 tests/bench/compare_attention.py kernels.json sdpa.json
   python3 tests/bench/compare_attention.py kernels.json sdpa.json --backend best --json cmp.json
@@ -40,18 +42,32 @@ def key_from_text(shape):
         return None
 
 
-def shardtrain_times(data):
-    """{shape key: {"forward": ms, "backward": ms, "forward+backward": ms}} of a kernel bench."""
+VARIANTS = ("deterministic", "atomic_dq")
+
+
+def pass_of(name, variant):
+    """'forward' or 'backward' for a kernel-bench row name of the chosen backward variant, None
+    for other rows (another variant's backward, other kernels)."""
+    if not name.startswith("attention_"):
+        return None
+    if name.startswith("attention_fwd"):
+        return "forward"
+    atomic = name.startswith("attention_bwd_atomic_dq")
+    if name.startswith("attention_bwd") and atomic == (variant == "atomic_dq"):
+        return "backward"
+    return None
+
+
+def shardtrain_times(data, variant="deterministic"):
+    """{shape key: {"forward": ms, "backward": ms, "forward+backward": ms}} of a kernel bench,
+    with the backward of `variant`."""
     out = {}
     for r in data.get("results", []):
-        name = r.get("name", "")
-        if not name.startswith("attention_"):
+        which = pass_of(r.get("name", ""), variant)
+        if which is None:
             continue
         key = shape_key(r["params"]) if r.get("params") else key_from_text(r.get("shape", ""))
-        if key is None:
-            continue
-        which = "forward" if "_fwd" in name else "backward" if "_bwd" in name else None
-        if which is not None:
+        if key is not None:
             out.setdefault(key, {})[which] = float(r["median_ms"])
     for times in out.values():
         if "forward" in times and "backward" in times:
@@ -88,10 +104,10 @@ def shape_text(key):
     return f"B={b} {heads} S={s} D={d}"
 
 
-def compare(kernels, sdpa, backend="default", target=0.5):
+def compare(kernels, sdpa, backend="default", target=0.5, variant="deterministic"):
     """The comparison rows: dicts with shape, pass, shardtrain_ms, sdpa_ms, sdpa_backend,
     ratio (SDPA ms / shardtrain ms) and status PASS, FAIL or MISSING."""
-    ours = shardtrain_times(kernels)
+    ours = shardtrain_times(kernels, variant)
     ref = sdpa_times(sdpa, backend)
     rows = []
     for key in list(ours) + [k for k in ref if k not in ours]:
@@ -134,6 +150,8 @@ def main(argv=None):
                          "cudnn, efficient, or best (the fastest per shape and pass)")
     ap.add_argument("--target", type=float, default=0.5,
                     help="the least speed ratio that passes (default 0.5)")
+    ap.add_argument("--variant", choices=VARIANTS, default="deterministic",
+                    help="shardtrain's backward algorithm to compare (default deterministic)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
 
@@ -145,13 +163,14 @@ def main(argv=None):
         except (OSError, ValueError) as e:
             print(f"compare_attention: cannot read {path}: {e}", file=sys.stderr)
             return 2
-    rows = compare(data[0], data[1], args.backend, args.target)
+    rows = compare(data[0], data[1], args.backend, args.target, args.variant)
     if not rows:
         print("compare_attention: no attention results in either file", file=sys.stderr)
         return 2
     print(f"shardtrain ({data[0].get('device', '?')}) against PyTorch SDPA "
           f"({data[1].get('device', '?')}, torch {data[1].get('torch', '?')}, backend "
-          f"{args.backend}); causal bf16; speed = SDPA ms / shardtrain ms")
+          f"{args.backend}); causal bf16; shardtrain backward {args.variant}; "
+          f"speed = SDPA ms / shardtrain ms")
     print()
     print(table(rows, args.target))
     counts = {s: sum(r["status"] == s for r in rows) for s in ("PASS", "FAIL", "MISSING")}
@@ -160,7 +179,8 @@ def main(argv=None):
           f"{counts['MISSING']} missing (target: at least {args.target:g}x SDPA's speed)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"backend": args.backend, "target": args.target, "rows": rows}, f,
+            json.dump({"backend": args.backend, "target": args.target,
+                       "variant": args.variant, "rows": rows}, f,
                       indent=2)
             f.write("\n")
     return 0 if counts["FAIL"] == 0 and counts["MISSING"] == 0 else 1

@@ -184,9 +184,22 @@ void bench_attention(Bench& b, const AttentionShape& a) {
   b.run(
       "attention_fwd_bf16", shape, 0, fwd_flops,
       [&] { b.backend().attention_forward(q, k, v, scale, out, lse); }, params);
+  // The two backward algorithms (backend/attention.h): the default deterministic one, and the
+  // one pass that sums dQ with atomics.
   b.run(
       "attention_bwd_bf16", shape, 0, 2.5 * fwd_flops,
-      [&] { b.backend().attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv); }, params);
+      [&] {
+        b.backend().attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv,
+                                       AttentionBackwardAlgo::Deterministic);
+      },
+      params);
+  b.run(
+      "attention_bwd_atomic_dq_bf16", shape, 0, 2.5 * fwd_flops,
+      [&] {
+        b.backend().attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv,
+                                       AttentionBackwardAlgo::AtomicDq);
+      },
+      params);
 }
 
 void bench_rmsnorm(Bench& b) {

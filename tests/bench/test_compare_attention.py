@@ -36,6 +36,8 @@ KERNELS = {
         kernel("attention_bwd_bf16", 6.0, shape="B=4 H=16 S=2048 D=128 causal"),
         kernel("attention_fwd_bf16", 1.0, GQA),
         kernel("attention_bwd_bf16", 2.0, GQA),
+        # The one-pass backward: only --variant atomic_dq reads it.
+        kernel("attention_bwd_atomic_dq_bf16", 1.6, GQA),
         kernel("attention_fwd_bf16", 1.0, ONLY_OURS),
         kernel("attention_bwd_bf16", 3.0, ONLY_OURS),
     ],
@@ -99,6 +101,23 @@ class CompareAttention(unittest.TestCase):
         gb = by(rows, "B=2 Hq=32 Hkv=8 S=2048 D=128", "forward+backward")
         self.assertEqual(gb["sdpa_ms"], 2.0)
         self.assertEqual(gb["sdpa_backend"], "default")
+
+    def test_variant_picks_the_backward_rows(self):
+        rows = compare_attention.compare(KERNELS, SDPA, "default", 0.5, "atomic_dq")
+        g = by(rows, "B=2 Hq=32 Hkv=8 S=2048 D=128", "backward")
+        self.assertEqual(g["shardtrain_ms"], 1.6)
+        self.assertAlmostEqual(g["ratio"], 1.0 / 1.6)
+        self.assertEqual(g["status"], "PASS")
+        self.assertEqual(by(rows, "B=2 Hq=32 Hkv=8 S=2048 D=128", "forward+backward")
+                         ["shardtrain_ms"], 2.6)
+        # The forward is the same row for both variants; a shape without a one-pass figure has
+        # no backward.
+        self.assertEqual(by(rows, "B=2 Hq=32 Hkv=8 S=2048 D=128", "forward")["shardtrain_ms"],
+                         1.0)
+        self.assertEqual(by(rows, "B=4 H=16 S=2048 D=128", "backward")["status"], "MISSING")
+        # The default variant never reads the one-pass rows.
+        self.assertEqual(by(compare_attention.compare(KERNELS, SDPA), "B=2 Hq=32 Hkv=8 S=2048 D=128",
+                            "backward")["shardtrain_ms"], 2.0)
 
     def test_target(self):
         rows = compare_attention.compare(KERNELS, SDPA, "default", 0.3)

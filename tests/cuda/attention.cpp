@@ -35,7 +35,8 @@ float grad_tolerance(DType t) {
   return t == DType::F32 ? 1e-4f : t == DType::F16 ? 1e-2f : 4e-2f;
 }
 
-void check_attention(const Dims& d, DType t) {
+void check_attention(const Dims& d, DType t,
+                     AttentionBackwardAlgo algo = AttentionBackwardAlgo::Deterministic) {
   const std::string what = describe(d, t);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.D));
   Tensor q = random_cpu({d.B, d.Hq, d.S, d.D}, t, 200);
@@ -55,11 +56,12 @@ void check_attention(const Dims& d, DType t) {
   Tensor dout = random_cpu(q.shape(), t, 203);
   Tensor dq_want = empty(q.shape(), t), dk_want = empty(k.shape(), t),
          dv_want = empty(v.shape(), t);
-  cpu().attention_backward(q, k, v, out_want, lse_want, dout, scale, dq_want, dk_want, dv_want);
+  cpu().attention_backward(q, k, v, out_want, lse_want, dout, scale, dq_want, dk_want, dv_want,
+                           AttentionBackwardAlgo::Deterministic);
   Tensor g_out = out_want.to(cuda0()), g_lse = lse_want.to(cuda0()), g_dout = dout.to(cuda0());
   Tensor dq = empty(q.shape(), t, cuda0()), dk = empty(k.shape(), t, cuda0()),
          dv = empty(v.shape(), t, cuda0());
-  gpu().attention_backward(gq, gk, gv, g_out, g_lse, g_dout, scale, dq, dk, dv);
+  gpu().attention_backward(gq, gk, gv, g_out, g_lse, g_dout, scale, dq, dk, dv, algo);
   // Gradients are judged at unit scale at least (the inputs are N(0, 1)): with S = 1, dq and dk
   // are exactly zero in exact arithmetic and both backends return only rounding residues of
   // dP - delta, about 1e-6 each.
@@ -67,11 +69,15 @@ void check_attention(const Dims& d, DType t) {
   testing::expect_close_scaled(dk, dk_want, grad_tolerance(t), what + " dk", 1.0f);
   testing::expect_close_scaled(dv, dv_want, grad_tolerance(t), what + " dv", 1.0f);
 
-  // No atomics: a second backward gives the same bits.
+  // A second backward gives the same bits, except dQ of the one-pass backward on tensor cores,
+  // whose atomic sums may come out in another order (still within the tolerance).
   Tensor dq2 = empty(q.shape(), t, cuda0()), dk2 = empty(k.shape(), t, cuda0()),
          dv2 = empty(v.shape(), t, cuda0());
-  gpu().attention_backward(gq, gk, gv, g_out, g_lse, g_dout, scale, dq2, dk2, dv2);
-  testing::expect_bitwise_equal(dq2, dq, what + " dq determinism");
+  gpu().attention_backward(gq, gk, gv, g_out, g_lse, g_dout, scale, dq2, dk2, dv2, algo);
+  if (algo == AttentionBackwardAlgo::AtomicDq && cuda_attention_uses_tensor_cores(t, d.D))
+    testing::expect_close_scaled(dq2, dq_want, grad_tolerance(t), what + " second dq", 1.0f);
+  else
+    testing::expect_bitwise_equal(dq2, dq, what + " dq determinism");
   testing::expect_bitwise_equal(dk2, dk, what + " dk determinism");
   testing::expect_bitwise_equal(dv2, dv, what + " dv determinism");
 }
@@ -81,6 +87,17 @@ TEST(CudaAttention, TensorCoreKernelsMatchCpu) {
   for (DType t : {DType::BF16, DType::F16})
     for (int64_t D : {64, 128})
       for (int64_t S : {1, 17, 128, 300}) check_attention({2, 4, 4, S, D}, t);
+}
+
+TEST(CudaAttention, OnePassBackwardWithAtomicDqMatchesCpu) {
+  REQUIRE_CUDA();
+  for (DType t : {DType::BF16, DType::F16})
+    for (int64_t D : {64, 128})
+      for (int64_t S : {1, 17, 128, 300})
+        check_attention({2, 4, 4, S, D}, t, AttentionBackwardAlgo::AtomicDq);
+  check_attention({1, 8, 2, 77, 64}, DType::BF16, AttentionBackwardAlgo::AtomicDq);
+  check_attention({2, 4, 1, 130, 128}, DType::BF16, AttentionBackwardAlgo::AtomicDq);
+  check_attention({1, 2, 2, 65, 64}, DType::F32, AttentionBackwardAlgo::AtomicDq);  // CUDA cores
 }
 
 TEST(CudaAttention, GroupedQueryHeads) {

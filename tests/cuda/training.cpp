@@ -179,13 +179,14 @@ struct ModelOptions {
   std::string strategy = "none";
   bool reentrant = false;
   DType compute = DType::F32;
+  AttentionBackwardAlgo attention_backward = AttentionBackwardAlgo::Deterministic;
 };
 
 // Built as the Runtime builds it: strategy wrappers first, mixed precision innermost.
 std::unique_ptr<nn::LlamaModel> make_model(const ModelOptions& o) {
   auto model = std::make_unique<nn::LlamaModel>(o.config, o.device);
   model->init_weights(1234);
-  model->set_attention_impl(o.attention);
+  model->set_attention_impl(o.attention, o.attention_backward);
   activation::ActivationOptions act;
   act.strategy = o.strategy;
   act.reentrant = o.reentrant;
@@ -379,6 +380,43 @@ TEST(AttentionCuda, FusedMatchesPlainOnTheWholeModel) {
       }
     }
   }
+}
+
+// The one-pass backward (dQ summed with atomics) on the whole model, bf16 on tensor cores: it
+// computes dK and dV as the deterministic backward does and dQ with its sums in another order,
+// so dQ's fp32 sums differ in their last bits and, rounded to bf16, by an ulp here and there.
+// Every parameter's gradient stays within 1e-2 in relative L2 of the deterministic backward's
+// (a fifth of the bf16 fused-against-plain bound above), and the loss, computed before any
+// backward, is the same.
+TEST(AttentionCuda, AtomicDqBackwardMatchesTheDeterministicOne) {
+  REQUIRE_CUDA();
+  const nn::LlamaConfig c = tensor_core_config();
+  const Tokens batch = make_tokens(kTcBatch, kTcSeq, c.vocab_size, 37, testing::cuda0());
+  ModelOptions o{c, testing::cuda0(), ops::AttentionImpl::Fused};
+  o.compute = DType::BF16;
+  Allocator& dev = allocator_for(testing::cuda0());
+  // The allocations a step makes on the device.
+  auto step = [&](StepFigures& figures) {
+    auto model = make_model(o);
+    const int64_t before = dev.stats().num_allocs;
+    figures = run_step(*model, batch);
+    return dev.stats().num_allocs - before;
+  };
+  StepFigures deterministic, atomic;
+  step(deterministic);  // the backend's lasting buffers (cuBLASLt's workspace) come first
+  const int64_t deterministic_allocs = step(deterministic);
+  o.attention_backward = AttentionBackwardAlgo::AtomicDq;
+  const int64_t atomic_allocs = step(atomic);
+  EXPECT_EQ(atomic.loss, deterministic.loss);
+  ASSERT_EQ(atomic.grads.size(), deterministic.grads.size());
+  for (const auto& [name, want] : deterministic.grads)
+    EXPECT_LE(relative_l2(atomic.grads.at(name), want), 1e-2) << "bf16 gradient of " << name;
+  // The gradients may well be the same bits (dQ is rounded to bf16, which hides most fp32
+  // differences), so what shows that every layer ran the one-pass backward is its fp32 dQ
+  // buffer: one workspace allocation more per layer, and nothing else different.
+  EXPECT_EQ(atomic_allocs - deterministic_allocs, c.num_layers)
+      << atomic_allocs << " device allocations with atomic_dq, " << deterministic_allocs
+      << " deterministic";
 }
 
 }  // namespace

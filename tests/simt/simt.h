@@ -213,10 +213,17 @@ constexpr std::common_type_t<A, B> max(A a, B b) {
 
 // ---- atomics and library calls the kernels make ---------------------------------------------
 
-// Fibers never preempt each other, so a read-modify-write is atomic as it stands.
+// Fibers never preempt each other, so a read-modify-write is atomic as it stands. Blocks run one
+// after another, so atomic float sums come out in block order: bit-reproducible here, unlike on
+// the hardware.
 inline unsigned long long atomicMin(unsigned long long* address, unsigned long long value) {
   const unsigned long long old = *address;
   if (value < old) *address = value;
+  return old;
+}
+inline float atomicAdd(float* address, float value) {
+  const float old = *address;
+  *address = old + value;
   return old;
 }
 

@@ -927,7 +927,8 @@ TEST(CpuBackend, AttentionMatchesNaiveReference) {
       expect_close(lse, r.lse, 1e-5, "attention lse");
 
       Tensor dq = empty(q.shape(), t), dk = empty(k.shape(), t), dv = empty(v.shape(), t);
-      cpu().attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv);
+      cpu().attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv,
+                               AttentionBackwardAlgo::Deterministic);
       // 16-bit: the saved output is rounded, which perturbs the softmax row term a little.
       const double tol = t == DType::F32 ? 2e-5 : tol_for(t) * 2;
       expect_close(dq, r.dq, tol, "attention dq");
@@ -1008,7 +1009,8 @@ TEST(CpuBackend, AttentionMatchesSoftmaxGemmComposition) {
   cpu().attention_forward(q, k, v, scale, fout, lse);
   expect_close(fout, values(out), 1e-5, "fused vs composed out");
   Tensor fdq = empty(q.shape()), fdk = empty(k.shape()), fdv = empty(v.shape());
-  cpu().attention_backward(q, k, v, fout, lse, dout, scale, fdq, fdk, fdv);
+  cpu().attention_backward(q, k, v, fout, lse, dout, scale, fdq, fdk, fdv,
+                           AttentionBackwardAlgo::Deterministic);
   expect_close(fdq, values(dq), 2e-5, "fused vs composed dq");
   expect_close(fdk, values(dk), 2e-5, "fused vs composed dk");
   expect_close(fdv, values(dv), 2e-5, "fused vs composed dv");
@@ -1026,7 +1028,8 @@ TEST(CpuBackend, AttentionBackwardIsDeterministic) {
     std::vector<Tensor> grads = {empty(q.shape(), DType::F32), empty(k.shape(), DType::F32),
                                  empty(v.shape(), DType::F32)};
     with_threads(threads, [&] {
-      cpu().attention_backward(q, k, v, out, lse, dout, 0.25f, grads[0], grads[1], grads[2]);
+      cpu().attention_backward(q, k, v, out, lse, dout, 0.25f, grads[0], grads[1], grads[2],
+                               AttentionBackwardAlgo::Deterministic);
     });
     return grads;
   };

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "shardtrain/backend/attention.h"
 #include "shardtrain/backend/rope.h"
 #include "shardtrain/tensor/tensor.h"
 
@@ -105,10 +106,12 @@ class Backend {
   // h / (Hq/Hkv)); out [B, Hq, S, D]; lse f32 [B, Hq, S] (log-sum-exp of scaled scores per row).
   virtual void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, float scale,
                                  Tensor& out, Tensor& lse) = 0;
-  // Overwrites dq [B,Hq,S,D], dk and dv [B,Hkv,S,D].
+  // Overwrites dq [B,Hq,S,D], dk and dv [B,Hkv,S,D]. `algo` may let dQ be summed in a
+  // run-dependent order where the backend has such a kernel (backend/attention.h).
   virtual void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                                   const Tensor& out, const Tensor& lse, const Tensor& dout,
-                                  float scale, Tensor& dq, Tensor& dk, Tensor& dv) = 0;
+                                  float scale, Tensor& dq, Tensor& dk, Tensor& dv,
+                                  AttentionBackwardAlgo algo) = 0;
 
   // SwiGLU: out = silu(gate) * up, silu(x) = x * sigmoid(x). All same shape.
   virtual void swiglu_forward(const Tensor& gate, const Tensor& up, Tensor& out) = 0;

@@ -68,6 +68,7 @@ class Attention : public Module {
   std::unique_ptr<Linear> q_proj, k_proj, v_proj, o_proj;
   const std::vector<AttentionCoreWrapper>* core_wrappers = nullptr;
   ops::AttentionImpl impl = ops::AttentionImpl::Plain;
+  AttentionBackwardAlgo backward_algo = AttentionBackwardAlgo::Deterministic;  // fused only
 
  private:
   LlamaConfig config_;
@@ -130,7 +131,8 @@ class LlamaModel : public Module {
     core_wrappers_.push_back(std::move(w));
   }
   void add_model_wrapper(ModelWrapper w) { model_wrappers_.push_back(std::move(w)); }
-  void set_attention_impl(ops::AttentionImpl impl);
+  void set_attention_impl(ops::AttentionImpl impl,
+                          AttentionBackwardAlgo backward = AttentionBackwardAlgo::Deterministic);
 
   const LlamaConfig& config() const { return config_; }
   Device device() const { return device_; }
@@ -145,7 +147,7 @@ class LlamaModel : public Module {
   std::unique_ptr<Linear> lm_head;  // null when tied to embed_tokens
 
  private:
-  Tensor final_hidden(const Tensor& ids);  // the final norm's output [B*S, H]
+  Tensor final_hidden(const Tensor& ids);                       // the final norm's output [B*S, H]
   Tensor run_wrapped(const TensorFn& body, const Tensor& ids);  // body inside model_wrappers_
   Tensor run_layer(int i, const Tensor& x);
   LlamaConfig config_;

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "shardtrain/backend/attention.h"
 #include "shardtrain/backend/rope.h"
 #include "shardtrain/tensor/tensor.h"
 
@@ -48,8 +49,10 @@ enum class AttentionImpl { Plain, Fused };
 AttentionImpl parse_attention_impl(const std::string& name);  // "plain" | "fused"
 // Causal grouped-query attention: q [B, Hq, S, D], k/v [B, Hkv, S, D] -> [B, Hq, S, D], scaled
 // by 1/sqrt(D). Plain materialises the S x S probabilities (saved for backward); Fused keeps
-// only the output and a log-sum-exp per row.
-Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, AttentionImpl impl);
+// only the output and a log-sum-exp per row, and its backward runs as `backward` asks
+// (backend/attention.h; Plain's backward is deterministic).
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, AttentionImpl impl,
+                 AttentionBackwardAlgo backward = AttentionBackwardAlgo::Deterministic);
 
 // Summed cross-entropy over rows whose target is not -100: logits [N, V], targets I64 [N].
 // Returns an f32 scalar [1]; `counted` (if given) receives the number of counted rows.

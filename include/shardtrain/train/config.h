@@ -163,6 +163,8 @@ struct ActivationConfig {
   std::string checkpoint_impl = "non_reentrant";  // non_reentrant | reentrant
   int64_t offload_min_bytes = 0;    // activations smaller than this stay on the device
   std::string attention = "plain";  // plain | fused
+  // deterministic | atomic_dq: how the fused attention's backward sums dQ (backend/attention.h)
+  std::string attention_backward = "deterministic";
   // Tokens per chunk of the fused head + cross-entropy (the logits never exist for more tokens
   // than this); 0 = the head's logits are materialised whole.
   int64_t loss_chunk_tokens = 0;

@@ -91,7 +91,8 @@ void CpuBackend::attention_forward(const Tensor& q, const Tensor& k, const Tenso
 
 void CpuBackend::attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const Tensor& out, const Tensor& lse, const Tensor& dout,
-                                    float scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+                                    float scale, Tensor& dq, Tensor& dk, Tensor& dv,
+                                    AttentionBackwardAlgo /*algo: one deterministic backward*/) {
   const AttentionDims d(q, k);
   const int64_t rows = d.B * d.Hq * d.S;
   if (rows == 0 || d.D == 0) {

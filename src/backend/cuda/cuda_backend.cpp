@@ -302,7 +302,8 @@ void CudaBackend::attention_forward(const Tensor& q, const Tensor& k, const Tens
 
 void CudaBackend::attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                                      const Tensor& out, const Tensor& lse, const Tensor& dout,
-                                     float scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+                                     float scale, Tensor& dq, Tensor& dk, Tensor& dv,
+                                     AttentionBackwardAlgo algo) {
   Call call({&q, &k, &v, &out, &lse, &dout, &dq, &dk, &dv}, "attention_backward");
   require_f32(lse, "attention lse");
   const kernels::AttentionDims d = attention_dims(q, k, scale);
@@ -319,7 +320,7 @@ void CudaBackend::attention_backward(const Tensor& q, const Tensor& k, const Ten
   StagedOutput dqo(dq, t, call), dko(dk, t, call), dvo(dv, t, call);
   kernels::attention_backward(d, qt.data_ptr(), kt.data_ptr(), vt.data_ptr(), ot.data_ptr(),
                               static_cast<const float*>(lse.data_ptr()), dot.data_ptr(), t,
-                              dqo.data(), dko.data(), dvo.data(), call.scratch, call.stream);
+                              dqo.data(), dko.data(), dvo.data(), algo, call.scratch, call.stream);
   dqo.finish();
   dko.finish();
   dvo.finish();

@@ -109,7 +109,7 @@ class CudaBackend final : public Backend {
                          Tensor& out, Tensor& lse) override;
   void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                           const Tensor& lse, const Tensor& dout, float scale, Tensor& dq,
-                          Tensor& dk, Tensor& dv) override;
+                          Tensor& dk, Tensor& dv, AttentionBackwardAlgo algo) override;
 
   void swiglu_forward(const Tensor& gate, const Tensor& up, Tensor& out) override;
   void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
