@@ -346,10 +346,12 @@ phase_train() {
   #     tokens), as a real run accumulates: the AdamW step over 1.2 B fp32 parameters (about
   #     35 GB of memory traffic, some 12 ms) is then paid once per 4 micro-batches, not each.
   #     0.7 s per step at 40%: 1 + 4 steps, strategy none only.
+  #   llama-1b-atomic-dq: llama-1b, strategy none, with the one-pass attention backward
+  #     (activation.attention_backward=atomic_dq): its effect on the step beside the row above.
   # The limits below cover the 4% case with room; the built-in corpus (byte tokens) is the
   # data, since only the token ids' count matters to the speed.
   local run cfg warmup steps limit strategies extra
-  local -a bench_runs=(llama-125m llama-1b llama-1b-accum4)
+  local -a bench_runs=(llama-125m llama-1b llama-1b-accum4 llama-1b-atomic-dq)
   for run in "${bench_runs[@]}"; do
     extra=()
     case "$run" in
@@ -358,6 +360,10 @@ phase_train() {
       llama-1b-accum4)
         cfg=llama-1b warmup=1 steps=4 limit=150 strategies=none
         extra=(--set train.global_batch=16)
+        ;;
+      llama-1b-atomic-dq)
+        cfg=llama-1b warmup=2 steps=8 limit=150 strategies=none
+        extra=(--set activation.attention_backward=atomic_dq)
         ;;
     esac
     step train "bench $run bf16 $strategies fused" "$limit" "$log" 1 -- \
