@@ -186,20 +186,16 @@ void bench_attention(Bench& b, const AttentionShape& a) {
       [&] { b.backend().attention_forward(q, k, v, scale, out, lse); }, params);
   // The two backward algorithms (backend/attention.h): the default deterministic one, and the
   // one pass that sums dQ with atomics.
-  b.run(
-      "attention_bwd_bf16", shape, 0, 2.5 * fwd_flops,
-      [&] {
-        b.backend().attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv,
-                                       AttentionBackwardAlgo::Deterministic);
-      },
-      params);
-  b.run(
-      "attention_bwd_atomic_dq_bf16", shape, 0, 2.5 * fwd_flops,
-      [&] {
-        b.backend().attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv,
-                                       AttentionBackwardAlgo::AtomicDq);
-      },
-      params);
+  const std::pair<const char*, AttentionBackwardAlgo> backwards[] = {
+      {"attention_bwd_bf16", AttentionBackwardAlgo::Deterministic},
+      {"attention_bwd_atomic_dq_bf16", AttentionBackwardAlgo::AtomicDq}};
+  for (const auto& backward : backwards) {
+    const AttentionBackwardAlgo algo = backward.second;
+    b.run(
+        backward.first, shape, 0, 2.5 * fwd_flops,
+        [&] { b.backend().attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv, algo); },
+        params);
+  }
 }
 
 void bench_rmsnorm(Bench& b) {
