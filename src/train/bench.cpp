@@ -430,7 +430,12 @@ BenchReport run_bench(const Config& config, const BenchOptions& options) {
     s << "hidden " << m.hidden_size << ", " << m.num_layers << " layers, " << m.num_heads
       << " heads (" << m.effective_num_kv_heads() << " kv), vocab " << m.vocab_size << "; seq "
       << config.train.seq_len << ", micro-batch " << config.train.micro_batch << ", attention "
-      << config.activation.attention << ", loss "
+      << config.activation.attention
+      << (config.activation.attention == "fused" &&
+                  config.activation.attention_backward != "deterministic"
+              ? " (backward " + config.activation.attention_backward + ")"
+              : std::string())
+      << ", loss "
       << (config.activation.loss_chunk_tokens > 0
               ? "in chunks of " + std::to_string(config.activation.loss_chunk_tokens) + " tokens"
               : std::string("over whole logits"))
