@@ -11,7 +11,9 @@
 //   delta_i = sum_d dO_i * O_i                        (one warp per row)
 //   dK, dV: a block owns 64 keys of one kv head and loops over the query heads of its group and
 //           the query tiles at or after its keys, recomputing P = exp(S - lse) and
-//           dS = P * (dO V^T - delta); dV += P^T dO, dK += dS^T Q.
+//           dS = P * (dO V^T - delta); dV += P^T dO, dK += dS^T Q. When that grid would be small
+//           (few kv heads, small batch) the group is split over several blocks, whose fp32
+//           partials a last pass adds in a fixed order (group_split below).
 //   dQ:     a block owns 64 query rows (128 at D = 128) and loops over key tiles up to the
 //           diagonal; dQ += dS K.
 // dQ is recomputed in its own pass instead of being accumulated with atomics across key blocks,
@@ -530,8 +532,9 @@ template <typename T, int D, bool kFuseDq>
 __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
     flash_backward_dkdv_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                const uint16_t* dout, const float* lse, const float* delta,
-                               uint16_t* dk, uint16_t* dv, float* dq_accum, int heads_q, int group,
-                               int64_t seq, float scale_log2, float scale) {
+                               uint16_t* dk, uint16_t* dv, float* dk_part, float* dv_part,
+                               float* dq_accum, int heads_q, int group, int split, int64_t seq,
+                               float scale_log2, float scale) {
   using Tiles = DkDvTiles<D>;
   constexpr int BK = Tiles::kKeys, BQ = Tiles::kRows, LD = Tiles::kLd, NT = Tiles::kThreads;
   static_assert(2 * BQ <= NT, "one thread per lse and delta row");
@@ -545,16 +548,19 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
   uint16_t* ds_s = reinterpret_cast<uint16_t*>(delta_s + 2 * BQ);  // [BK][kDsLd], kFuseDq only
 
   const int64_t k0 = static_cast<int64_t>(blockIdx.x) * BK;
-  const int hk = blockIdx.y, b = blockIdx.z;
+  const int hk = blockIdx.y, b = blockIdx.z / split, part = blockIdx.z % split;
   const int heads_kv = heads_q / group;
   const int64_t kv_head = static_cast<int64_t>(b) * heads_kv + hk;
+  // This block's query heads: part `part` of the `split` equal parts of the group.
+  const int heads_here = group / split;
+  const int64_t head0 = static_cast<int64_t>(b) * heads_q + hk * group + part * heads_here;
   const int64_t first_tile = k0 / BQ;  // earlier queries cannot see these keys
   const int q_tiles = static_cast<int>((seq + BQ - 1) / BQ - first_tile);
-  const int steps = group * q_tiles;
+  const int steps = heads_here * q_tiles;
 
-  // Step i: query head hk * group + i / q_tiles, tile first_tile + i % q_tiles, into stage i & 1.
+  // Step i: query head head0 + i / q_tiles, tile first_tile + i % q_tiles, into stage i & 1.
   auto load_step = [&](int i) {
-    const int64_t head = static_cast<int64_t>(b) * heads_q + hk * group + i / q_tiles;
+    const int64_t head = head0 + i / q_tiles;
     const int64_t q0 = (first_tile + i % q_tiles) * BQ;
     const int stage = i & 1;
     copy_rows_async<BQ, D, LD, NT>(qs + stage * Tiles::kStage, q + head * seq * D, q0, seq);
@@ -678,13 +684,32 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
         *reinterpret_cast<uint32_t*>(ds_b + n * 8) = pack2<T>(dpt[n][2], dpt[n][3]);
       }
       __syncthreads();  // every warp's keys of dS^T are staged
-      accumulate_dq_tile<T, D>(
-          ds_s, ks,
-          dq_accum + (static_cast<int64_t>(b) * heads_q + hk * group + i / q_tiles) * seq * D, q0,
-          seq);
+      accumulate_dq_tile<T, D>(ds_s, ks, dq_accum + (head0 + i / q_tiles) * seq * D, q0, seq);
     }
   }
 
+  if (split > 1) {
+    // This part's share, in fp32, for sum_group_parts_kernel to add up in part order.
+    float* dkp = dk_part + (kv_head * split + part) * seq * D;
+    float* dvp = dv_part + (kv_head * split + part) * seq * D;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      const int col = dt * 8 + 2 * t4;
+      if (key_a < seq) {
+        *reinterpret_cast<float2*>(dkp + key_a * D + col) =
+            make_float2(dk_acc[dt][0] * scale, dk_acc[dt][1] * scale);
+        *reinterpret_cast<float2*>(dvp + key_a * D + col) =
+            make_float2(dv_acc[dt][0], dv_acc[dt][1]);
+      }
+      if (key_b < seq) {
+        *reinterpret_cast<float2*>(dkp + key_b * D + col) =
+            make_float2(dk_acc[dt][2] * scale, dk_acc[dt][3] * scale);
+        *reinterpret_cast<float2*>(dvp + key_b * D + col) =
+            make_float2(dv_acc[dt][2], dv_acc[dt][3]);
+      }
+    }
+    return;
+  }
   uint16_t* dkb = dk + kv_head * seq * D;
   uint16_t* dvb = dv + kv_head * seq * D;
 #pragma unroll
@@ -700,6 +725,33 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
           pack2<T>(dk_acc[dt][2] * scale, dk_acc[dt][3] * scale);
       *reinterpret_cast<uint32_t*>(dvb + key_b * D + col) = pack2<T>(dv_acc[dt][2], dv_acc[dt][3]);
     }
+  }
+}
+
+// dk[h] = T(sum over p of dk_part[h][p]) and the same for dv, p in increasing order, two elements
+// a thread: the last pass of a dK/dV kernel whose group of query heads was split over `split`
+// blocks. Partials are [kv heads][split][per_head]; per_head (S * D) is even.
+template <typename T>
+__global__ void sum_group_parts_kernel(const float* dk_part, const float* dv_part, uint16_t* dk,
+                                       uint16_t* dv, int64_t kv_heads, int64_t per_head,
+                                       int split) {
+  const int64_t pairs = kv_heads * per_head / 2;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < pairs;
+       i += stride) {
+    const int64_t h = 2 * i / per_head, e = 2 * i - h * per_head;
+    const int64_t first = h * split * per_head + e;
+    float2 k = make_float2(0.0f, 0.0f), v = make_float2(0.0f, 0.0f);
+    for (int p = 0; p < split; ++p) {
+      const float2 kp = *reinterpret_cast<const float2*>(dk_part + first + p * per_head);
+      const float2 vp = *reinterpret_cast<const float2*>(dv_part + first + p * per_head);
+      k.x += kp.x;
+      k.y += kp.y;
+      v.x += vp.x;
+      v.y += vp.y;
+    }
+    *reinterpret_cast<uint32_t*>(dk + 2 * i) = pack2<T>(k.x, k.y);
+    *reinterpret_cast<uint32_t*>(dv + 2 * i) = pack2<T>(v.x, v.y);
   }
 }
 
@@ -1073,12 +1125,35 @@ __global__ void finish_dq_kernel(const float* accum, uint16_t* dq, int64_t n, fl
         pack2<T>(accum[2 * i] * scale, accum[2 * i + 1] * scale);
 }
 
-// dq_accum null: the deterministic two-pass backward. Otherwise (B * Hq * S * D floats) the
-// one-pass backward with dQ accumulated there atomically.
+// How many blocks share one kv head's group of query heads in the dK/dV kernel (a divisor of the
+// group). A block walks its query heads one after another, so with few kv heads and a small
+// batch the grid is small and its longest blocks (the first keys, which every query sees) set
+// the time: at B=1, Hq=32, Hkv=8, S=2048 the kernel has 256 blocks for the 264 slots of an H100,
+// the first of them 4 x 32 steps long. Splitting the group gives more and shorter blocks, for
+// the price of fp32 partials and a pass that adds them (in a fixed order: still
+// deterministic). Automatic (requested 0): the smallest split that gives the grid two blocks per
+// slot (two blocks of the kernel fit an SM); `requested` > 0 forces one (tests).
+int group_split(const AttentionDims& d, int64_t blocks, int requested) {
+  const int group = static_cast<int>(d.heads_q / d.heads_kv);
+  if (requested > 0) {
+    ST_CHECK(group % requested == 0 && d.batch * requested <= 65535,
+             "attention backward: ", requested, " parts of a group of ", group,
+             " query heads (batch ", d.batch, ")");
+    return requested;
+  }
+  const int64_t slots = 2 * static_cast<int64_t>(cuda::multiprocessor_count(-1));
+  for (int s = 1; s < group; ++s)
+    if (group % s == 0 && (blocks * s >= 2 * slots || d.batch * group > 65535)) return s;
+  return group;
+}
+
+// The tensor-core backward: dK/dV (one pass, with dQ too under AtomicDq, whose fp32 sums are
+// then scaled and rounded), or dK/dV and then the dQ pass.
 template <typename T, int D>
 void tc_backward(const AttentionDims& d, const void* q, const void* k, const void* v,
                  const void* dout, const float* lse, const float* delta, void* dq, void* dk,
-                 void* dv, float* dq_accum, cudaStream_t stream) {
+                 void* dv, const AttentionBackwardOptions& options, Scratch& scratch,
+                 cudaStream_t stream) {
   const int heads_q = static_cast<int>(d.heads_q);
   const int group = static_cast<int>(d.heads_q / d.heads_kv);
   const auto* q16 = static_cast<const uint16_t*>(q);
@@ -1086,41 +1161,58 @@ void tc_backward(const AttentionDims& d, const void* q, const void* k, const voi
   const auto* v16 = static_cast<const uint16_t*>(v);
   const auto* do16 = static_cast<const uint16_t*>(dout);
   using DkDv = DkDvTiles<D>;
-  const dim3 dkdv_grid(ceil_div(d.seq, DkDv::kKeys), static_cast<unsigned>(d.heads_kv),
-                       static_cast<unsigned>(d.batch));
-  if (dq_accum != nullptr) {
-    const int64_t n = d.batch * d.heads_q * d.seq * D;
-    ST_CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, sizeof(float) * static_cast<size_t>(n), stream));
-    auto kernel = flash_backward_dkdv_kernel<T, D, true>;
-    allow_smem(kernel, DkDv::kSmemFusedDq);
-    kernel<<<dkdv_grid, DkDv::kThreads, DkDv::kSmemFusedDq, stream>>>(
+  const int64_t key_blocks = ceil_div(d.seq, DkDv::kKeys);
+  const int split = group_split(d, key_blocks * d.heads_kv * d.batch, options.group_split);
+  const int64_t per_head = d.seq * D;
+  float *dk_part = nullptr, *dv_part = nullptr;
+  if (split > 1) {
+    const size_t bytes =
+        sizeof(float) * static_cast<size_t>(d.batch * d.heads_kv * split * per_head);
+    dk_part = static_cast<float*>(scratch.get(bytes));
+    dv_part = static_cast<float*>(scratch.get(bytes));
+  }
+  const bool fuse_dq = options.algo == AttentionBackwardAlgo::AtomicDq;
+  const int64_t dq_elements = d.batch * d.heads_q * per_head;
+  float* dq_accum = nullptr;
+  if (fuse_dq) {
+    dq_accum = static_cast<float*>(scratch.get(sizeof(float) * static_cast<size_t>(dq_elements)));
+    ST_CUDA_CHECK(
+        cudaMemsetAsync(dq_accum, 0, sizeof(float) * static_cast<size_t>(dq_elements), stream));
+  }
+  {
+    auto kernel =
+        fuse_dq ? flash_backward_dkdv_kernel<T, D, true> : flash_backward_dkdv_kernel<T, D, false>;
+    const size_t smem = fuse_dq ? DkDv::kSmemFusedDq : DkDv::kSmem;
+    allow_smem(kernel, smem);
+    const dim3 grid(static_cast<unsigned>(key_blocks), static_cast<unsigned>(d.heads_kv),
+                    static_cast<unsigned>(d.batch * split));
+    kernel<<<grid, DkDv::kThreads, smem, stream>>>(
         q16, k16, v16, do16, lse, delta, static_cast<uint16_t*>(dk), static_cast<uint16_t*>(dv),
-        dq_accum, heads_q, group, d.seq, d.scale * kLog2e, d.scale);
+        dk_part, dv_part, dq_accum, heads_q, group, split, d.seq, d.scale * kLog2e, d.scale);
     ST_CHECK_LAUNCH();
-    finish_dq_kernel<T><<<grid_for(n / 2), kThreads, 0, stream>>>(
-        dq_accum, static_cast<uint16_t*>(dq), n, d.scale);
+  }
+  if (split > 1) {
+    sum_group_parts_kernel<T>
+        <<<grid_for(d.batch * d.heads_kv * per_head / 2), kThreads, 0, stream>>>(
+            dk_part, dv_part, static_cast<uint16_t*>(dk), static_cast<uint16_t*>(dv),
+            d.batch * d.heads_kv, per_head, split);
+    ST_CHECK_LAUNCH();
+  }
+  if (fuse_dq) {
+    finish_dq_kernel<T><<<grid_for(dq_elements / 2), kThreads, 0, stream>>>(
+        dq_accum, static_cast<uint16_t*>(dq), dq_elements, d.scale);
     ST_CHECK_LAUNCH();
     return;
   }
-  {
-    auto kernel = flash_backward_dkdv_kernel<T, D, false>;
-    allow_smem(kernel, DkDv::kSmem);
-    kernel<<<dkdv_grid, DkDv::kThreads, DkDv::kSmem, stream>>>(
-        q16, k16, v16, do16, lse, delta, static_cast<uint16_t*>(dk), static_cast<uint16_t*>(dv),
-        nullptr, heads_q, group, d.seq, d.scale * kLog2e, d.scale);
-    ST_CHECK_LAUNCH();
-  }
-  {
-    using Tiles = DqTiles<D>;
-    auto kernel = flash_backward_dq_kernel<T, D>;
-    allow_smem(kernel, Tiles::kSmem);
-    const dim3 grid(ceil_div(d.seq, Tiles::kRows), static_cast<unsigned>(d.heads_q),
-                    static_cast<unsigned>(d.batch));
-    kernel<<<grid, Tiles::kThreads, Tiles::kSmem, stream>>>(
-        q16, k16, v16, do16, lse, delta, static_cast<uint16_t*>(dq), heads_q, group, d.seq,
-        d.scale * kLog2e, d.scale);
-    ST_CHECK_LAUNCH();
-  }
+  using Tiles = DqTiles<D>;
+  auto kernel = flash_backward_dq_kernel<T, D>;
+  allow_smem(kernel, Tiles::kSmem);
+  const dim3 grid(ceil_div(d.seq, Tiles::kRows), static_cast<unsigned>(d.heads_q),
+                  static_cast<unsigned>(d.batch));
+  kernel<<<grid, Tiles::kThreads, Tiles::kSmem, stream>>>(q16, k16, v16, do16, lse, delta,
+                                                          static_cast<uint16_t*>(dq), heads_q,
+                                                          group, d.seq, d.scale * kLog2e, d.scale);
+  ST_CHECK_LAUNCH();
 }
 
 #define ST_DISPATCH_HEAD_DIM(head_dim, D, ...) \
@@ -1167,8 +1259,8 @@ void attention_forward(const AttentionDims& d, const void* q, const void* k, con
 
 void attention_backward(const AttentionDims& d, const void* q, const void* k, const void* v,
                         const void* out, const float* lse, const void* dout, DType type, void* dq,
-                        void* dk, void* dv, AttentionBackwardAlgo algo, Scratch& scratch,
-                        cudaStream_t stream) {
+                        void* dk, void* dv, const AttentionBackwardOptions& options,
+                        Scratch& scratch, cudaStream_t stream) {
   const int64_t rows = d.batch * d.heads_q * d.seq;
   if (rows == 0) return;
   check_dims(d);
@@ -1182,21 +1274,18 @@ void attention_backward(const AttentionDims& d, const void* q, const void* k, co
     ST_CHECK_LAUNCH();
   });
   if (tensor_core_path(type, d.head_dim, {q, k, v, dout, dq, dk, dv})) {
-    float* dq_accum = algo == AttentionBackwardAlgo::AtomicDq
-                          ? static_cast<float*>(scratch.get(sizeof(float) * rows * D))
-                          : nullptr;
     if (type == DType::BF16) {
-      ST_DISPATCH_HEAD_DIM(
-          d.head_dim, HD,
-          tc_backward<bf16, HD>(d, q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, stream));
+      ST_DISPATCH_HEAD_DIM(d.head_dim, HD,
+                           tc_backward<bf16, HD>(d, q, k, v, dout, lse, delta, dq, dk, dv, options,
+                                                 scratch, stream));
     } else {
       ST_DISPATCH_HEAD_DIM(
           d.head_dim, HD,
-          tc_backward<f16, HD>(d, q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, stream));
+          tc_backward<f16, HD>(d, q, k, v, dout, lse, delta, dq, dk, dv, options, scratch, stream));
     }
     return;
   }
-  // The CUDA-core kernels have one backward, deterministic, whatever `algo` asks.
+  // The CUDA-core kernels have one backward, deterministic, whatever `options` ask.
   const int64_t kv_rows = d.batch * d.heads_kv * d.seq;
   ST_DISPATCH_FLOAT(type, T, {
     const T* qt = static_cast<const T*>(q);

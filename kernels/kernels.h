@@ -181,11 +181,18 @@ struct AttentionDims {
 // q, k, v, out of dtype `type`; lse f32 [B, Hq, S] (natural log).
 void attention_forward(const AttentionDims& dims, const void* q, const void* k, const void* v,
                        DType type, void* out, float* lse, cudaStream_t stream);
-// All of dtype `type`; dq, dk, dv overwritten. `algo` picks the tensor-core backward (the
-// CUDA-core kernels have one, deterministic).
+// How the tensor-core backward runs (the CUDA-core kernels have one way, deterministic).
+struct AttentionBackwardOptions {
+  AttentionBackwardAlgo algo = AttentionBackwardAlgo::Deterministic;
+  // Blocks that share one kv head's group of query heads in the dK/dV kernel, each adding fp32
+  // partials that a last pass sums in a fixed order: 0 = chosen from the grid size and the GPU
+  // (more than 1 only when the grid would be small); otherwise a divisor of the group.
+  int group_split = 0;
+};
+// All of dtype `type`; dq, dk, dv overwritten.
 void attention_backward(const AttentionDims& dims, const void* q, const void* k, const void* v,
                         const void* out, const float* lse, const void* dout, DType type, void* dq,
-                        void* dk, void* dv, AttentionBackwardAlgo algo, Scratch& scratch,
-                        cudaStream_t stream);
+                        void* dk, void* dv, const AttentionBackwardOptions& options,
+                        Scratch& scratch, cudaStream_t stream);
 
 }  // namespace shardtrain::kernels

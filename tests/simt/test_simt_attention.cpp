@@ -1,7 +1,8 @@
 // The fused attention kernels of kernels/flash_attention.cu, compiled for the CPU and run on the
 // simt emulator, against the CPU backend: the tensor-core kernels (bf16/f16, head dims 64 and
 // 128) and the CUDA-core ones (f32, other head dims), ragged sequence lengths, grouped-query
-// heads, both backward algorithms, and every schedule giving bit-identical results.
+// heads (their group walked by one block, and split over several), both backward algorithms, and
+// every schedule giving bit-identical results.
 #include <cmath>
 
 #include "simt_kernel_checks.h"
@@ -39,7 +40,8 @@ float grad_tolerance(DType t) {
 // (the tiles' rows are padded by 16 bytes so that every ldmatrix is one wavefront per matrix).
 std::vector<Tensor> run_emulated(const Case& c, const Tensor& q, const Tensor& k, const Tensor& v,
                                  const Tensor& out_ref, const Tensor& lse_ref, const Tensor& dout,
-                                 AttentionBackwardAlgo algo, const std::string& run) {
+                                 const kernels::AttentionBackwardOptions& options,
+                                 const std::string& run) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
   const kernels::AttentionDims dims{c.B, c.Hq, c.Hkv, c.S, c.D, scale};
   const Operand dq_(q), dk_(k), dv_(v), dout_(dout), out_in(out_ref), lse_in(lse_ref);
@@ -50,8 +52,8 @@ std::vector<Tensor> run_emulated(const Case& c, const Tensor& q, const Tensor& k
                              lse.f32(), nullptr);
   testing::GuardedScratch scratch;
   kernels::attention_backward(dims, dq_.data(), dk_.data(), dv_.data(), out_in.data(), lse_in.f32(),
-                              dout_.data(), c.dtype, dq.data(), dk.data(), dv.data(), algo, scratch,
-                              nullptr);
+                              dout_.data(), c.dtype, dq.data(), dk.data(), dv.data(), options,
+                              scratch, nullptr);
   const int64_t mma = simt::stats().mma;
   EXPECT_EQ(mma > 0, cuda_attention_uses_tensor_cores(c.dtype, c.D))
       << run << ": tensor-core path taken " << mma;
@@ -78,38 +80,47 @@ void check_case(const Case& c) {
   cpu().attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv,
                            AttentionBackwardAlgo::Deterministic);
 
-  std::vector<Tensor> results[2];
-  const AttentionBackwardAlgo algos[2] = {AttentionBackwardAlgo::Deterministic,
-                                          AttentionBackwardAlgo::AtomicDq};
-  for (int a = 0; a < 2; ++a) {
-    const std::string label =
-        what + (algos[a] == AttentionBackwardAlgo::AtomicDq ? ", atomic_dq" : ", deterministic");
-    testing::under_every_schedule(
-        label,
-        [&](const std::string& run) {
-          return run_emulated(c, q, k, v, out, lse, dout, algos[a], run);
-        },
-        [&](const std::vector<Tensor>& got, const std::string& run) {
-          testing::expect_close(got[1], lse, 2e-4f, 1e-5f, run + " lse");
-          testing::expect_close_scaled(got[0], out, out_tolerance(c.dtype), run + " out");
-          testing::expect_close_scaled(got[2], dq, grad_tolerance(c.dtype), run + " dq");
-          testing::expect_close_scaled(got[3], dk, grad_tolerance(c.dtype), run + " dk");
-          testing::expect_close_scaled(got[4], dv, grad_tolerance(c.dtype), run + " dv");
-          results[a] = got;
-        });
-  }
-  // The one-pass backward computes dK and dV exactly as the two-pass one does; only dQ's sums
-  // are taken in another order.
-  testing::expect_bitwise_equal(results[1][3], results[0][3], what + " dk of both algorithms");
-  testing::expect_bitwise_equal(results[1][4], results[0][4], what + " dv of both algorithms");
-  const float products[2] = {results[0][5].to_float_vector()[0],
-                             results[1][5].to_float_vector()[0]};
-  if (cuda_attention_uses_tensor_cores(c.dtype, c.D)) {
-    // One pass does not recompute S and dP for dQ: fewer products than the two passes.
-    EXPECT_LT(products[1], products[0]) << what << ": the one-pass backward did not run";
-  } else {  // one backward: the same work and the same bits
-    EXPECT_EQ(products[1], products[0]) << what;
-    testing::expect_bitwise_equal(results[1][2], results[0][2], what + " dq of both algorithms");
+  // Both algorithms, each with the group of query heads walked by one block and split over one
+  // block per query head (their dK/dV partials added by a last pass).
+  const int group = static_cast<int>(c.Hq / c.Hkv);
+  std::vector<int> splits = {1};
+  if (group > 1) splits.push_back(group);
+  for (int split : splits) {
+    std::vector<Tensor> results[2];
+    const AttentionBackwardAlgo algos[2] = {AttentionBackwardAlgo::Deterministic,
+                                            AttentionBackwardAlgo::AtomicDq};
+    for (int a = 0; a < 2; ++a) {
+      const std::string label =
+          what + (algos[a] == AttentionBackwardAlgo::AtomicDq ? ", atomic_dq" : ", deterministic") +
+          ", group split " + std::to_string(split);
+      testing::under_every_schedule(
+          label,
+          [&](const std::string& run) {
+            return run_emulated(c, q, k, v, out, lse, dout, {algos[a], split}, run);
+          },
+          [&](const std::vector<Tensor>& got, const std::string& run) {
+            testing::expect_close(got[1], lse, 2e-4f, 1e-5f, run + " lse");
+            testing::expect_close_scaled(got[0], out, out_tolerance(c.dtype), run + " out");
+            testing::expect_close_scaled(got[2], dq, grad_tolerance(c.dtype), run + " dq");
+            testing::expect_close_scaled(got[3], dk, grad_tolerance(c.dtype), run + " dk");
+            testing::expect_close_scaled(got[4], dv, grad_tolerance(c.dtype), run + " dv");
+            results[a] = got;
+          });
+    }
+    // The one-pass backward computes dK and dV exactly as the two-pass one does; only dQ's
+    // sums are taken in another order.
+    const std::string both = what + ", group split " + std::to_string(split);
+    testing::expect_bitwise_equal(results[1][3], results[0][3], both + " dk of both algorithms");
+    testing::expect_bitwise_equal(results[1][4], results[0][4], both + " dv of both algorithms");
+    const float products[2] = {results[0][5].to_float_vector()[0],
+                               results[1][5].to_float_vector()[0]};
+    if (cuda_attention_uses_tensor_cores(c.dtype, c.D)) {
+      // One pass does not recompute S and dP for dQ: fewer products than the two passes.
+      EXPECT_LT(products[1], products[0]) << both << ": the one-pass backward did not run";
+    } else {  // one backward: the same work and the same bits
+      EXPECT_EQ(products[1], products[0]) << both;
+      testing::expect_bitwise_equal(results[1][2], results[0][2], both + " dq of both algorithms");
+    }
   }
 }
 

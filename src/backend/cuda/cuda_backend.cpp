@@ -320,7 +320,8 @@ void CudaBackend::attention_backward(const Tensor& q, const Tensor& k, const Ten
   StagedOutput dqo(dq, t, call), dko(dk, t, call), dvo(dv, t, call);
   kernels::attention_backward(d, qt.data_ptr(), kt.data_ptr(), vt.data_ptr(), ot.data_ptr(),
                               static_cast<const float*>(lse.data_ptr()), dot.data_ptr(), t,
-                              dqo.data(), dko.data(), dvo.data(), algo, call.scratch, call.stream);
+                              dqo.data(), dko.data(), dvo.data(), {algo, 0}, call.scratch,
+                              call.stream);
   dqo.finish();
   dko.finish();
   dvo.finish();
