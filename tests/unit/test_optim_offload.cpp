@@ -43,11 +43,12 @@ std::vector<float> random_second_moments(int64_t n, uint64_t seed) {
 const CpuAdamKernel kKernels[] = {CpuAdamKernel::Scalar, CpuAdamKernel::Avx2,
                                   CpuAdamKernel::Avx512};
 
-void skip_unless_supported(CpuAdamKernel k) {
-  if (!optim::cpu_adam_kernel_supported(k))
-    GTEST_SKIP() << "this CPU lacks the instructions of the '" << optim::cpu_adam_kernel_name(k)
-                 << "' kernel";
-}
+// GTEST_SKIP returns from the function it is written in, so a helper that skipped would let the
+// test body run on: the check is a macro that returns from the test itself.
+#define SKIP_UNLESS_SUPPORTED(kernel)                        \
+  if (!optim::cpu_adam_kernel_supported(kernel))             \
+  GTEST_SKIP() << "this CPU lacks the instructions of the '" \
+               << optim::cpu_adam_kernel_name(kernel) << "' kernel"
 
 // ---- the CPU AdamW kernels ---------------------------------------------------------------------
 
@@ -57,7 +58,7 @@ const int64_t kLengths[] = {1, 7, 8, 9, 15, 16, 17, 31, 4095, 4096, 4097, 40001}
 class CpuAdamKernelTest : public ::testing::TestWithParam<CpuAdamKernel> {};
 
 TEST_P(CpuAdamKernelTest, BitwiseEqualToTheCpuBackendOnRandomData) {
-  skip_unless_supported(GetParam());
+  SKIP_UNLESS_SUPPORTED(GetParam());
   Backend& cpu = backend_for(Device::cpu());
   for (DType grad_dtype : {DType::F32, DType::BF16}) {
     for (int64_t n : kLengths) {
@@ -86,7 +87,7 @@ TEST_P(CpuAdamKernelTest, BitwiseEqualToTheCpuBackendOnRandomData) {
 }
 
 TEST_P(CpuAdamKernelTest, FirstStepMovesEachWeightByLrTimesTheGradientSign) {
-  skip_unless_supported(GetParam());
+  SKIP_UNLESS_SUPPORTED(GetParam());
   // Step 1 from zero moments: m/bc1 = g and sqrt(v/bc2) = |g|, so p -= lr * g / (|g| + eps).
   const int64_t n = 37;
   std::vector<float> p = random_floats(n, 5, 1.0f), g = random_floats(n, 6, 1.0f);
