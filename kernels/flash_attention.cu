@@ -522,6 +522,37 @@ __device__ __forceinline__ void accumulate_dq_tile(const uint16_t* ds_s, const u
   }
 }
 
+// Two adjacent elements of a row: into an fp32 buffer as they are, into a T tensor rounded.
+template <typename T>
+__device__ __forceinline__ void store_pair(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+template <typename T>
+__device__ __forceinline__ void store_pair(uint16_t* p, float a, float b) {
+  *reinterpret_cast<uint32_t*>(p) = pack2<T>(a, b);
+}
+
+// This lane's rows (key_a and key_b) of the dK/dV kernel's accumulators into [seq][D] rows at
+// dkb and dvb, dK scaled: the results (Out = uint16_t) or one part's fp32 partials (Out = float).
+template <typename T, int D, typename Out>
+__device__ __forceinline__ void store_dk_dv(Out* dkb, Out* dvb, const float (&dk_acc)[D / 8][4],
+                                            const float (&dv_acc)[D / 8][4], int64_t key_a,
+                                            int64_t key_b, int64_t seq, float scale) {
+  const int t4 = threadIdx.x & 3;
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    const int col = dt * 8 + 2 * t4;
+    if (key_a < seq) {
+      store_pair<T>(dkb + key_a * D + col, dk_acc[dt][0] * scale, dk_acc[dt][1] * scale);
+      store_pair<T>(dvb + key_a * D + col, dv_acc[dt][0], dv_acc[dt][1]);
+    }
+    if (key_b < seq) {
+      store_pair<T>(dkb + key_b * D + col, dk_acc[dt][2] * scale, dk_acc[dt][3] * scale);
+      store_pair<T>(dvb + key_b * D + col, dv_acc[dt][2], dv_acc[dt][3]);
+    }
+  }
+}
+
 // kFuseDq = false: dK and dV only (the deterministic backward; dQ is its own pass).
 // kFuseDq = true: also dQ, FlashAttention-2's way: after dV and dK, each step's dS^T goes to
 // shared memory and the block adds dS K for the step's query tile into `dq_accum` (fp32,
@@ -688,44 +719,13 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
     }
   }
 
-  if (split > 1) {
-    // This part's share, in fp32, for sum_group_parts_kernel to add up in part order.
-    float* dkp = dk_part + (kv_head * split + part) * seq * D;
-    float* dvp = dv_part + (kv_head * split + part) * seq * D;
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      const int col = dt * 8 + 2 * t4;
-      if (key_a < seq) {
-        *reinterpret_cast<float2*>(dkp + key_a * D + col) =
-            make_float2(dk_acc[dt][0] * scale, dk_acc[dt][1] * scale);
-        *reinterpret_cast<float2*>(dvp + key_a * D + col) =
-            make_float2(dv_acc[dt][0], dv_acc[dt][1]);
-      }
-      if (key_b < seq) {
-        *reinterpret_cast<float2*>(dkp + key_b * D + col) =
-            make_float2(dk_acc[dt][2] * scale, dk_acc[dt][3] * scale);
-        *reinterpret_cast<float2*>(dvp + key_b * D + col) =
-            make_float2(dv_acc[dt][2], dv_acc[dt][3]);
-      }
-    }
-    return;
-  }
-  uint16_t* dkb = dk + kv_head * seq * D;
-  uint16_t* dvb = dv + kv_head * seq * D;
-#pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt) {
-    const int col = dt * 8 + 2 * t4;
-    if (key_a < seq) {
-      *reinterpret_cast<uint32_t*>(dkb + key_a * D + col) =
-          pack2<T>(dk_acc[dt][0] * scale, dk_acc[dt][1] * scale);
-      *reinterpret_cast<uint32_t*>(dvb + key_a * D + col) = pack2<T>(dv_acc[dt][0], dv_acc[dt][1]);
-    }
-    if (key_b < seq) {
-      *reinterpret_cast<uint32_t*>(dkb + key_b * D + col) =
-          pack2<T>(dk_acc[dt][2] * scale, dk_acc[dt][3] * scale);
-      *reinterpret_cast<uint32_t*>(dvb + key_b * D + col) = pack2<T>(dv_acc[dt][2], dv_acc[dt][3]);
-    }
-  }
+  if (split > 1)  // this part's share, in fp32, for sum_group_parts_kernel to add up in order
+    store_dk_dv<T, D>(dk_part + (kv_head * split + part) * seq * D,
+                      dv_part + (kv_head * split + part) * seq * D, dk_acc, dv_acc, key_a, key_b,
+                      seq, scale);
+  else
+    store_dk_dv<T, D>(dk + kv_head * seq * D, dv + kv_head * seq * D, dk_acc, dv_acc, key_a, key_b,
+                      seq, scale);
 }
 
 // dk[h] = T(sum over p of dk_part[h][p]) and the same for dv, p in increasing order, two elements
