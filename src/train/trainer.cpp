@@ -151,8 +151,11 @@ TrainSummary train_with(const Config& config) {
   // The fused attention's CUDA-core kernels made an fp32 llama-125m step take 1.5 s on an H100
   // where bf16 on tensor cores takes 53 ms (docs/benchmarks.md): worth a word at the start.
   const int64_t head_dim = rt.model().config().head_dim();
-  if (rt.device().is_cuda() && config.activation.attention == "fused" &&
-      !cuda_attention_uses_tensor_cores(dtype_from_name(config.precision.compute), head_dim))
+  const bool fused_on_gpu = rt.device().is_cuda() && config.activation.attention == "fused";
+  const bool tensor_core_attention =
+      fused_on_gpu &&
+      cuda_attention_uses_tensor_cores(dtype_from_name(config.precision.compute), head_dim);
+  if (fused_on_gpu && !tensor_core_attention)
     progress.message("note: activation.attention=fused with precision.compute=" +
                      config.precision.compute + " and head dim " + std::to_string(head_dim) +
                      " runs on the exact CUDA-core attention kernels, far slower than the "
@@ -160,8 +163,7 @@ TrainSummary train_with(const Config& config) {
   // The one-pass backward changes what a run promises (bit-reproducible gradients), and it
   // exists only for the tensor-core kernels: say which of the two this run gets.
   if (config.activation.attention_backward == "atomic_dq") {
-    if (rt.device().is_cuda() && config.activation.attention == "fused" &&
-        cuda_attention_uses_tensor_cores(dtype_from_name(config.precision.compute), head_dim))
+    if (tensor_core_attention)
       progress.message(
           "note: activation.attention_backward=atomic_dq: the attention's dQ is summed with "
           "atomics, so gradients (and a resumed run's losses) are not bit-reproducible");
