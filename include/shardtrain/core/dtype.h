@@ -38,8 +38,44 @@ inline float bf16_to_float(uint16_t h) {
   return bits_float(static_cast<uint32_t>(h) << 16);
 }
 
-uint16_t float_to_f16(float f);
-float f16_to_float(uint16_t h);
+// `a` where `take_a`, else `b`, as bit masks: a conditional would let the compiler move each
+// side's float arithmetic under a branch (it may not execute it speculatively), and a loop with
+// branches does not vectorize.
+inline uint32_t select_bits(bool take_a, uint32_t a, uint32_t b) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(take_a);
+  return (a & mask) | (b & ~mask);
+}
+
+// Branch-free, so that loops over arrays vectorize (fp16 tensors on the CPU backend are
+// converted element by element on every load and store). Each case is computed and the right one
+// selected; the float arithmetic is exact or rounds exactly as the format requires.
+inline uint16_t float_to_f16(float f) {
+  const uint32_t x = float_bits(f);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t abs = x & 0x7fffffffu;
+  // Normal halves: rebias the exponent (127 -> 15) and round the 23-bit mantissa to 10 bits,
+  // nearest even. Wraps for small inputs, whose result is not selected.
+  const uint32_t normal = (abs + 0xfffu + ((abs >> 13) & 1u) - (112u << 23)) >> 13;
+  // Below 2^-14 (subnormal halves and zero): adding 0.5, whose float ulp is the half subnormal
+  // unit 2^-24, makes the FPU round the magnitude to a whole number of units, nearest even, and
+  // leaves that number in the sum's low mantissa bits. 2^-14 itself comes out as 0x400.
+  const uint32_t subnormal = float_bits(bits_float(abs) + 0.5f) - 0x3f000000u;
+  uint32_t h = select_bits(abs < 0x38800000u, subnormal, normal);
+  h = select_bits(abs >= 0x477ff000u, 0x7c00u, h);  // rounds to >= 65520: infinity
+  h = select_bits(abs > 0x7f800000u, 0x7e00u | ((abs >> 13) & 0x3ffu), h);  // NaN: quiet
+  return static_cast<uint16_t>(sign | h);
+}
+
+inline float f16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t rest = h & 0x7fffu;
+  // Placing the exponent and mantissa in a float's low bits and multiplying by 2^112 rebias the
+  // exponent (15 -> 127) exactly, and turns a subnormal half (read as a subnormal float) into the
+  // normal float of the same value.
+  const uint32_t finite = float_bits(bits_float(rest << 13) * 0x1p112f);
+  const uint32_t special = 0x7f800000u | (rest << 13);  // infinity, or NaN keeping its payload
+  return bits_float(sign | select_bits(rest >= 0x7c00u, special, finite));
+}
 
 // Rounds a float through a 16-bit type and back (what storing in that dtype does to a value).
 inline float round_to(DType t, float f);

@@ -97,6 +97,7 @@ inline void load_floats(const void* base, DType type, int64_t offset, int64_t n,
     }
     case DType::F16: {
       const uint16_t* s = static_cast<const uint16_t*>(base) + offset;
+#pragma omp simd
       for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_float(s[i]);
       return;
     }
@@ -121,6 +122,7 @@ inline void store_floats(const float* src, int64_t n, void* base, DType type, in
     }
     case DType::F16: {
       uint16_t* d = static_cast<uint16_t*>(base) + offset;
+#pragma omp simd
       for (int64_t i = 0; i < n; ++i) d[i] = float_to_f16(src[i]);
       return;
     }
