@@ -46,15 +46,21 @@ std::vector<double> run(const std::vector<std::string>& overrides, int64_t steps
 
 TEST(LossCurves, EveryActivationStrategyGivesTheSameCurveBitwise) {
   // 100 steps, five times the learning-rate warm-up: every step takes the strategy's recompute
-  // and offload paths, so a difference would show in the first steps already, and 200 steps
-  // cost twice the CI time (over 6 minutes on a 2-core machine without AVX-512).
+  // and offload paths, so a difference would show in the first steps already. Each step is two
+  // micro-batches of 4 sequences, so the strategies' hooks also meet gradient accumulation, at
+  // half the tokens of tiny.yaml's steps: six runs of its 16 sequences a step took over
+  // 3 minutes on a 2-core machine without AVX-512.
   const int64_t steps = 100;
-  std::vector<double> none = run({"activation.strategy=none"}, steps);
+  auto strategy = [](const std::string& name) {
+    return std::vector<std::string>{"train.micro_batch=4", "train.global_batch=8",
+                                    "activation.strategy=" + name};
+  };
+  std::vector<double> none = run(strategy("none"), steps);
   ASSERT_EQ(none.size(), static_cast<size_t>(steps));
   EXPECT_LT(none.back(), none.front() - 1.0) << "the run did not learn";
   for (const char* s :
        {"per_layer", "sqrt_segment", "selective", "offload", "offload_checkpoint"}) {
-    std::vector<double> curve = run({std::string("activation.strategy=") + s}, steps);
+    std::vector<double> curve = run(strategy(s), steps);
     ASSERT_EQ(curve.size(), none.size()) << s;
     for (size_t i = 0; i < curve.size(); ++i)
       ASSERT_EQ(curve[i], none[i]) << s << " differs at step " << i + 1;
@@ -62,21 +68,24 @@ TEST(LossCurves, EveryActivationStrategyGivesTheSameCurveBitwise) {
 }
 
 TEST(LossCurves, HalfPrecisionTracksFp32) {
-  // Stated tolerance: the 10-step moving averages of the loss stay within 0.15 nats of fp32's at
-  // every step (single steps differ more while the loss falls fastest, where a small shift in
-  // time is a large gap), and the mean absolute gap over the last 100 steps is below 0.04 nats
-  // for bf16 and 0.02 nats for fp16 (8 and 11 mantissa bits). Measured on 2026-11-21: bf16
-  // 0.0215, fp16 0.0103.
+  // tiny.yaml's 300 steps at 8 sequences a step (half its batch, for CI time). Stated tolerance:
+  // the 10-step moving averages of the loss stay within 0.15 nats of fp32's at every step
+  // (single steps differ more while the loss falls fastest, where a small shift in time is a
+  // large gap), and the mean absolute gap over the last 100 steps is below 0.04 nats for bf16 and
+  // 0.025 nats for fp16. Measured on 2026-11-27 (2 cores, AVX2): bf16 0.0144, fp16 0.0147, largest
+  // moving-average gaps 0.036 and 0.031. The figures move with the CPU's BLAS kernels (at 16
+  // sequences a step, fp16's was 0.0103 with AVX-512 and 0.0140 with AVX2).
   const int64_t steps = 300;
-  std::vector<double> fp32 = run({}, steps);
+  const std::string batch = "train.micro_batch=8";
+  std::vector<double> fp32 = run({batch}, steps);
   auto moving_average = [](const std::vector<double>& v, size_t i) {
     size_t from = i >= 9 ? i - 9 : 0;
     double sum = 0;
     for (size_t k = from; k <= i; ++k) sum += v[k];
     return sum / static_cast<double>(i - from + 1);
   };
-  for (auto [precision, mean_tol] : {std::pair{"bf16", 0.04}, {"fp16", 0.02}}) {
-    std::vector<double> curve = run({std::string("precision.compute=") + precision}, steps);
+  for (auto [precision, mean_tol] : {std::pair{"bf16", 0.04}, {"fp16", 0.025}}) {
+    std::vector<double> curve = run({batch, std::string("precision.compute=") + precision}, steps);
     ASSERT_EQ(curve.size(), fp32.size());
     double gap = 0, worst_average = 0;
     for (size_t i = 0; i < curve.size(); ++i) {
