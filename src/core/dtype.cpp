@@ -1,7 +1,5 @@
 #include "shardtrain/core/dtype.h"
 
-#include <cmath>
-
 #include "shardtrain/core/error.h"
 
 namespace shardtrain {
