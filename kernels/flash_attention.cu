@@ -67,6 +67,9 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+// How far (log2 units) the forward lets a row's scores pass its running max before raising it:
+// probabilities stay below 2^8 = 256, which bf16, f16 and the fp32 sums hold with room to spare.
+constexpr float kRescaleSlack = 8.0f;
 
 // ---- tensor-core helpers --------------------------------------------------------------------
 
@@ -104,6 +107,22 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], const
   simt::mma_m16n8k16(std::is_same_v<T, bf16>, c, a, b);
 #else
   __trap();  // the host code never launches these kernels below sm_80
+#endif
+}
+
+// 2^x with the hardware's approximation (ex2.approx, relative error about 2^-22), subnormal
+// inputs and results flushed to zero. exp2f compiles to the same MUFU.EX2 guarded by three more
+// instructions that keep subnormal results (counted in sm_90 SASS: 3 per call), and a softmax
+// issues one per score, as many as its other arithmetic. A probability below 2^-126 adds nothing
+// that bf16 or f16 products could hold.
+__device__ __forceinline__ float exp2_ftz(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+#else
+  const float y = exp2f(x);  // the emulator and host passes: exact, flushed as the hardware does
+  return y < 1.17549435e-38f ? 0.0f : y;
 #endif
 }
 
@@ -366,6 +385,11 @@ __global__ void __launch_bounds__(FwdTiles<D>::kThreads, FwdTiles<D>::kMinBlocks
       }
     }
     // Online softmax in the log2 domain: p = exp2(s * scale_log2 - m), one FFMA per score.
+    // The running max m is raised lazily: only when a row's new scores pass it by more than
+    // kRescaleSlack (the first tile always does), so p stays below 2^kRescaleSlack and the
+    // softmax is still exact: O and l are scaled by the same 2^(-m) and lse adds m back. Most
+    // tiles then leave every row's m alone and the warp skips rescaling O (D / 2 multiplies a
+    // lane per m-tile, as many as the exponentials).
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi) {
       float mx_a = -INFINITY, mx_b = -INFINITY;
@@ -374,35 +398,41 @@ __global__ void __launch_bounds__(FwdTiles<D>::kThreads, FwdTiles<D>::kMinBlocks
         mx_a = fmaxf(mx_a, fmaxf(s[mi][nt][0], s[mi][nt][1]));
         mx_b = fmaxf(mx_b, fmaxf(s[mi][nt][2], s[mi][nt][3]));
       }
-      const float new_a = fmaxf(m_run[mi][0], quad_max(mx_a) * scale_log2);
-      const float new_b = fmaxf(m_run[mi][1], quad_max(mx_b) * scale_log2);
-      // Key 0 is visible to every row, so the max is finite after the first tile (a tile that
-      // masks a whole m-tile comes after it); the guard keeps exp2(-inf - -inf) out regardless.
-      const float base_a = new_a == -INFINITY ? 0.0f : new_a;
-      const float base_b = new_b == -INFINITY ? 0.0f : new_b;
-      const float alpha_a = exp2f(m_run[mi][0] - base_a), alpha_b = exp2f(m_run[mi][1] - base_b);
-      m_run[mi][0] = new_a;
-      m_run[mi][1] = new_b;
-      float sum_a = 0.0f, sum_b = 0.0f;
+      mx_a = quad_max(mx_a) * scale_log2;
+      mx_b = quad_max(mx_b) * scale_log2;
+      // A warp raises the max of all its rows when one of them needs it (-inf + slack is -inf:
+      // a row's first visible key always does), and then rescales O and l by alpha.
+      if (__any_sync(0xffffffffu,
+                     mx_a > m_run[mi][0] + kRescaleSlack || mx_b > m_run[mi][1] + kRescaleSlack)) {
+        const float new_a = fmaxf(m_run[mi][0], mx_a), new_b = fmaxf(m_run[mi][1], mx_b);
+        // Key 0 is visible to every row, so the max is finite after the first tile (a tile that
+        // masks a whole m-tile comes after it); the guard keeps exp2(-inf - -inf) out regardless.
+        const float alpha_a = new_a == -INFINITY ? 1.0f : exp2_ftz(m_run[mi][0] - new_a);
+        const float alpha_b = new_b == -INFINITY ? 1.0f : exp2_ftz(m_run[mi][1] - new_b);
+        m_run[mi][0] = new_a;
+        m_run[mi][1] = new_b;
+        l_run[mi][0] *= alpha_a;
+        l_run[mi][1] *= alpha_b;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          o[mi][dt][0] *= alpha_a;
+          o[mi][dt][1] *= alpha_a;
+          o[mi][dt][2] *= alpha_b;
+          o[mi][dt][3] *= alpha_b;
+        }
+      }
+      const float base_a = m_run[mi][0] == -INFINITY ? 0.0f : m_run[mi][0];
+      const float base_b = m_run[mi][1] == -INFINITY ? 0.0f : m_run[mi][1];
+      // Per-lane partial row sums: the four lanes of a row share its max and alpha, so the
+      // partials are combined once at the end.
 #pragma unroll
       for (int nt = 0; nt < BC / 8; ++nt) {
-        s[mi][nt][0] = exp2f(fmaf(s[mi][nt][0], scale_log2, -base_a));
-        s[mi][nt][1] = exp2f(fmaf(s[mi][nt][1], scale_log2, -base_a));
-        s[mi][nt][2] = exp2f(fmaf(s[mi][nt][2], scale_log2, -base_b));
-        s[mi][nt][3] = exp2f(fmaf(s[mi][nt][3], scale_log2, -base_b));
-        sum_a += s[mi][nt][0] + s[mi][nt][1];
-        sum_b += s[mi][nt][2] + s[mi][nt][3];
-      }
-      // Per-lane partial row sums: alpha is the same for the four lanes of a row, so the
-      // partials are combined once at the end.
-      l_run[mi][0] = l_run[mi][0] * alpha_a + sum_a;
-      l_run[mi][1] = l_run[mi][1] * alpha_b + sum_b;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        o[mi][dt][0] *= alpha_a;
-        o[mi][dt][1] *= alpha_a;
-        o[mi][dt][2] *= alpha_b;
-        o[mi][dt][3] *= alpha_b;
+        s[mi][nt][0] = exp2_ftz(fmaf(s[mi][nt][0], scale_log2, -base_a));
+        s[mi][nt][1] = exp2_ftz(fmaf(s[mi][nt][1], scale_log2, -base_a));
+        s[mi][nt][2] = exp2_ftz(fmaf(s[mi][nt][2], scale_log2, -base_b));
+        s[mi][nt][3] = exp2_ftz(fmaf(s[mi][nt][3], scale_log2, -base_b));
+        l_run[mi][0] += s[mi][nt][0] + s[mi][nt][1];
+        l_run[mi][1] += s[mi][nt][2] + s[mi][nt][3];
       }
     }
 
@@ -673,7 +703,7 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = n * 8 + 2 * t4 + (e & 1);
-          float p = exp2f(fmaf(st[n][e], scale_log2, -lse_t[col] * kLog2e));
+          float p = exp2_ftz(fmaf(st[n][e], scale_log2, -lse_t[col] * kLog2e));
           if (need_mask) {
             const int64_t query = q0 + col, key = e < 2 ? key_a : key_b;
             if (key > query || query >= seq || key >= seq) p = 0.0f;
@@ -881,7 +911,7 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int half = e >> 1;
-          float p = exp2f(fmaf(s[mi][n][e], scale_log2, -lse_r[mi][half]));
+          float p = exp2_ftz(fmaf(s[mi][n][e], scale_log2, -lse_r[mi][half]));
           if (need_mask) {
             const int64_t key = k0 + n * 8 + 2 * t4 + (e & 1);
             const int64_t row = warp_row0 + 16 * mi + g + 8 * half;

@@ -36,11 +36,13 @@ float grad_tolerance(DType t) {
 }
 
 void check_attention(const Dims& d, DType t,
-                     AttentionBackwardAlgo algo = AttentionBackwardAlgo::Deterministic) {
-  const std::string what = describe(d, t);
+                     AttentionBackwardAlgo algo = AttentionBackwardAlgo::Deterministic,
+                     bool growing = false) {
+  const std::string what = describe(d, t) + (growing ? ", growing keys" : "");
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.D));
   Tensor q = random_cpu({d.B, d.Hq, d.S, d.D}, t, 200);
   Tensor k = random_cpu({d.B, d.Hkv, d.S, d.D}, t, 201);
+  if (growing) k = testing::growing_keys(k);
   Tensor v = random_cpu({d.B, d.Hkv, d.S, d.D}, t, 202);
   Tensor gq = q.to(cuda0()), gk = k.to(cuda0()), gv = v.to(cuda0());
 
@@ -87,6 +89,12 @@ TEST(CudaAttention, TensorCoreKernelsMatchCpu) {
   for (DType t : {DType::BF16, DType::F16})
     for (int64_t D : {64, 128})
       for (int64_t S : {1, 17, 128, 300}) check_attention({2, 4, 4, S, D}, t);
+}
+
+TEST(CudaAttention, ScoresThatGrowAlongTheKeysMatchCpu) {
+  REQUIRE_CUDA();
+  for (DType t : {DType::BF16, DType::F16})
+    for (int64_t D : {64, 128}) check_attention({1, 2, 2, 300, D}, t, {}, true);
 }
 
 TEST(CudaAttention, OnePassBackwardWithAtomicDqMatchesCpu) {

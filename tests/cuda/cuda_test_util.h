@@ -49,6 +49,18 @@ inline Tensor random_cpu(const Shape& shape, DType dtype, uint64_t seed, float s
   return randn(shape, gen, stddev, dtype, Device::cpu());
 }
 
+// Attention keys [B, H, S, D] with key j scaled by 1 + j / 16, so that later keys give ever
+// larger scores (about 85 in log2 units at S = 300 for N(0, 1) inputs): the fused forward must
+// then raise its rows' running max well after the first key tile, which N(0, 1) inputs almost
+// never make it do (it lets scores pass the max by up to 2^8 before rescaling).
+inline Tensor growing_keys(const Tensor& k) {
+  std::vector<float> x = k.to_float_vector();
+  const int64_t S = k.shape()[2], D = k.shape()[3];
+  for (size_t i = 0; i < x.size(); ++i)
+    x[i] *= 1.0f + static_cast<float>((static_cast<int64_t>(i) / D) % S) / 16.0f;
+  return from_floats(x, k.shape(), k.dtype());
+}
+
 inline std::vector<int64_t> random_ids(int64_t n, int64_t limit, uint64_t seed) {
   Generator gen(seed);
   std::vector<float> u(static_cast<size_t>(n));

@@ -17,12 +17,14 @@ using testing::random_cpu;
 struct Case {
   int64_t B, Hq, Hkv, S, D;
   DType dtype;
+  bool growing_keys = false;  // see growing_keys() below
 };
 
 std::string describe(const Case& c) {
   return std::string(dtype_name(c.dtype)) + " B=" + std::to_string(c.B) +
          " Hq=" + std::to_string(c.Hq) + " Hkv=" + std::to_string(c.Hkv) +
-         " S=" + std::to_string(c.S) + " D=" + std::to_string(c.D);
+         " S=" + std::to_string(c.S) + " D=" + std::to_string(c.D) +
+         (c.growing_keys ? ", growing keys" : "");
 }
 
 // The same bounds as tests/cuda/attention.cpp: 16-bit runs round P and dS to 16 bits before the
@@ -70,7 +72,8 @@ void check_case(const Case& c) {
   SCOPED_TRACE(what);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
   const Tensor q = random_cpu({c.B, c.Hq, c.S, c.D}, c.dtype, 300);
-  const Tensor k = random_cpu({c.B, c.Hkv, c.S, c.D}, c.dtype, 301);
+  Tensor k = random_cpu({c.B, c.Hkv, c.S, c.D}, c.dtype, 301);
+  if (c.growing_keys) k = testing::growing_keys(k);
   const Tensor v = random_cpu({c.B, c.Hkv, c.S, c.D}, c.dtype, 302);
   const Tensor dout = random_cpu(q.shape(), c.dtype, 303);
   Tensor out = empty(q.shape(), c.dtype), lse = empty({c.B, c.Hq, c.S});
@@ -135,6 +138,8 @@ TEST(SimtAttention, TensorCoreKernelsMatchTheCpuBackendUnderEverySchedule) {
     check_case({1, 4, 1, 300, 64, t});
     check_case({1, 2, 1, 257, 128, t});
     check_case({1, 1, 1, 256, 64, t});
+    check_case({1, 2, 1, 300, 64, t, true});
+    check_case({1, 1, 1, 257, 128, t, true});
   }
 }
 
