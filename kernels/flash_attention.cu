@@ -497,6 +497,10 @@ struct DkDvTiles {
   static constexpr size_t kSmemFusedDq = kSmem + sizeof(uint16_t) * kKeys * kDsLd;
   static constexpr int kDqWarpsM = kRows / 16;
   static constexpr int kDqCols = D * kDqWarpsM / kWarps;
+  // D = 64: the warp's K and V fragments (32 registers) stay in registers for all its steps,
+  // which takes 8 of the 72 ldmatrix of a step off shared memory; the kernel still fits two
+  // blocks an SM. At D = 128 they would take 128 registers.
+  static constexpr bool kKVInRegisters = D <= 64;
   static_assert(kDqCols % 16 == 0 && kWarps % kDqWarpsM == 0, "dQ product tiles cover D");
 };
 
@@ -648,12 +652,27 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk_acc[i][e] = dv_acc[i][e] = 0.0f;
 
+  // This lane's ldmatrix address in the block's K and V tiles (A fragments of the warp's 16
+  // keys), and the fragments themselves for the whole loop when they fit.
+  const int kv_frag = (warp * 16 + (lm & 1) * 8 + lr) * LD + (lm >> 1) * 8;
+  constexpr int kHeld = Tiles::kKVInRegisters ? D / 16 : 1;
+  uint32_t k_held[kHeld][4], v_held[kHeld][4];
+
   for (int i = 0; i < steps; ++i) {
     cp_async_wait_all();
     __syncthreads();  // step i is visible; every warp is done with step i - 1's buffers
     if (i + 1 < steps) {
       load_step(i + 1);
       cp_async_commit();
+    }
+    if constexpr (Tiles::kKVInRegisters) {
+      if (i == 0) {
+#pragma unroll
+        for (int kc = 0; kc < kHeld; ++kc) {
+          ldsm_x4(k_held[kc], ks + kv_frag + kc * 16);
+          ldsm_x4(v_held[kc], vs + kv_frag + kc * 16);
+        }
+      }
     }
     const int64_t q0 = (first_tile + i % q_tiles) * BQ;
     // Warp-uniform: keys after every query of the tile (or past seq) get nothing from it. Such
@@ -680,8 +699,16 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
 #pragma unroll
       for (int kc = 0; kc < D / 16; ++kc) {
         uint32_t ak[4], av[4];
-        ldsm_x4(ak, ks + (warp * 16 + (lm & 1) * 8 + lr) * LD + kc * 16 + (lm >> 1) * 8);
-        ldsm_x4(av, vs + (warp * 16 + (lm & 1) * 8 + lr) * LD + kc * 16 + (lm >> 1) * 8);
+        if constexpr (Tiles::kKVInRegisters) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            ak[e] = k_held[kc][e];
+            av[e] = v_held[kc][e];
+          }
+        } else {
+          ldsm_x4(ak, ks + kv_frag + kc * 16);
+          ldsm_x4(av, vs + kv_frag + kc * 16);
+        }
 #pragma unroll
         for (int np = 0; np < BQ / 16; ++np) {
           uint32_t qf[4], df[4];
@@ -800,10 +827,15 @@ struct DqTiles {
   static constexpr int kRows = kWarpRows * kWarps, kKeys = D <= 64 ? 64 : 32, kLd = D + 8;
   static constexpr int kStage = kKeys * kLd;  // elements of one K or V buffer
   static constexpr size_t kSmem = sizeof(uint16_t) * (2 * kRows * kLd + 4 * kStage);
+  // D = 64: the warp's Q and dO fragments (32 registers) stay in registers for the whole key
+  // loop, as Q does in the forward, which takes 8 of the 56 ldmatrix of a tile off shared
+  // memory. At D = 128 they would take 128.
+  static constexpr bool kQdOInRegisters = kMTiles == 1 && D <= 64;
+  static constexpr int kMinBlocks = D <= 64 ? 3 : 1;
 };
 
 template <typename T, int D>
-__global__ void __launch_bounds__(DqTiles<D>::kThreads)
+__global__ void __launch_bounds__(DqTiles<D>::kThreads, DqTiles<D>::kMinBlocks)
     flash_backward_dq_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                              const uint16_t* dout, const float* lse, const float* delta,
                              uint16_t* dq, int heads_q, int group, int64_t seq, float scale_log2,
@@ -854,6 +886,11 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads)
     for (int i = 0; i < D / 8; ++i)
       dq_acc[mi][i][0] = dq_acc[mi][i][1] = dq_acc[mi][i][2] = dq_acc[mi][i][3] = 0.0f;
 
+  // Q and dO fragments for the whole loop when they fit (m-tile 0, columns 16 kc..).
+  constexpr int kHeld = Tiles::kQdOInRegisters ? D / 16 : 1;
+  uint32_t q_held[kHeld][4], do_held[kHeld][4];
+  const int frag_row = warp * WR + (lm & 1) * 8 + lr;  // this lane's ldmatrix row, m-tile 0
+
   for (int64_t kt = 0; kt < tiles; ++kt) {
     cp_async_wait_all();
     __syncthreads();  // tile kt is visible; every warp is done with tile kt - 1's buffers
@@ -862,6 +899,15 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads)
       copy_rows_async<BK, D, LD, NT>(ks + next * Tiles::kStage, kb, (kt + 1) * BK, seq);
       copy_rows_async<BK, D, LD, NT>(vs + next * Tiles::kStage, vb, (kt + 1) * BK, seq);
       cp_async_commit();
+    }
+    if constexpr (Tiles::kQdOInRegisters) {
+      if (kt == 0) {
+#pragma unroll
+        for (int kc = 0; kc < kHeld; ++kc) {
+          ldsm_x4(q_held[kc], qs + frag_row * LD + kc * 16 + (lm >> 1) * 8);
+          ldsm_x4(do_held[kc], dos + frag_row * LD + kc * 16 + (lm >> 1) * 8);
+        }
+      }
     }
     const int64_t k0 = kt * BK;
     if (warp_row0 >= seq || k0 > warp_row0 + WR - 1) continue;  // warp-uniform, as in the forward
@@ -882,9 +928,17 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads)
       uint32_t aq[MI][4], ad[MI][4];
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi) {
-        const int row = warp * WR + mi * 16 + (lm & 1) * 8 + lr;
-        ldsm_x4(aq[mi], qs + row * LD + kc * 16 + (lm >> 1) * 8);
-        ldsm_x4(ad[mi], dos + row * LD + kc * 16 + (lm >> 1) * 8);
+        if constexpr (Tiles::kQdOInRegisters) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            aq[mi][e] = q_held[kc][e];
+            ad[mi][e] = do_held[kc][e];
+          }
+        } else {
+          const int row = frag_row + mi * 16;
+          ldsm_x4(aq[mi], qs + row * LD + kc * 16 + (lm >> 1) * 8);
+          ldsm_x4(ad[mi], dos + row * LD + kc * 16 + (lm >> 1) * 8);
+        }
       }
 #pragma unroll
       for (int np = 0; np < BK / 16; ++np) {
