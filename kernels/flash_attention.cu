@@ -596,7 +596,7 @@ __device__ __forceinline__ void store_dk_dv(Out* dkb, Out* dvb, const float (&dk
 template <typename T, int D, bool kFuseDq>
 __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
     flash_backward_dkdv_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                               const uint16_t* dout, const float* lse, const float* delta,
+                               const uint16_t* dout, const float* lse_log2, const float* delta,
                                uint16_t* dk, uint16_t* dv, float* dk_part, float* dv_part,
                                float* dq_accum, int heads_q, int group, int split, int64_t seq,
                                float scale_log2, float scale) {
@@ -609,7 +609,8 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
   uint16_t* qs = vs + BK * LD;             // Q stages 0 and 1
   uint16_t* dos = qs + 2 * Tiles::kStage;  // dO stages 0 and 1
   float* lse_s = reinterpret_cast<float*>(smem_raw + sizeof(uint16_t) * Tiles::kHalfWords);
-  float* delta_s = lse_s + 2 * BQ;                                 // lse_s and delta_s: [2][BQ]
+  // lse_s (log2 domain) and delta_s: [2][BQ], 8-byte aligned (kHalfWords is a multiple of 4).
+  float* delta_s = lse_s + 2 * BQ;
   uint16_t* ds_s = reinterpret_cast<uint16_t*>(delta_s + 2 * BQ);  // [BK][kDsLd], kFuseDq only
 
   const int64_t k0 = static_cast<int64_t>(blockIdx.x) * BK;
@@ -633,7 +634,7 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
     if (threadIdx.x < 2 * BQ) {  // lse and delta rows; past seq they are zero (and masked)
       const int r = threadIdx.x % BQ;
       const bool is_lse = threadIdx.x < BQ, valid = q0 + r < seq;
-      const float* src = (is_lse ? lse : delta) + head * seq;
+      const float* src = (is_lse ? lse_log2 : delta) + head * seq;
       cp_async4((is_lse ? lse_s : delta_s) + stage * BQ + r, valid ? src + q0 + r : src, valid);
     }
   };
@@ -727,16 +728,19 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
       const bool need_mask = warp_key0 + 15 > q0 || q0 + BQ > seq || warp_key0 + 16 > seq;
 #pragma unroll
       for (int n = 0; n < BQ / 8; ++n) {
+        // This lane's two query columns: one 8-byte shared load each for lse and delta.
+        const float2 lse2 = *reinterpret_cast<const float2*>(lse_t + n * 8 + 2 * t4);
+        const float2 delta2 = *reinterpret_cast<const float2*>(delta_t + n * 8 + 2 * t4);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = n * 8 + 2 * t4 + (e & 1);
-          float p = exp2_ftz(fmaf(st[n][e], scale_log2, -lse_t[col] * kLog2e));
+          float p = exp2_ftz(fmaf(st[n][e], scale_log2, -((e & 1) ? lse2.y : lse2.x)));
           if (need_mask) {
             const int64_t query = q0 + col, key = e < 2 ? key_a : key_b;
             if (key > query || query >= seq || key >= seq) p = 0.0f;
           }
           st[n][e] = p;
-          dpt[n][e] = p * (dpt[n][e] - delta_t[col]);
+          dpt[n][e] = p * (dpt[n][e] - ((e & 1) ? delta2.y : delta2.x));
         }
       }
       // dV += P^T dO and dK += dS^T Q: the B fragments come from the same row-major dO and Q
@@ -837,7 +841,7 @@ struct DqTiles {
 template <typename T, int D>
 __global__ void __launch_bounds__(DqTiles<D>::kThreads, DqTiles<D>::kMinBlocks)
     flash_backward_dq_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                             const uint16_t* dout, const float* lse, const float* delta,
+                             const uint16_t* dout, const float* lse_log2, const float* delta,
                              uint16_t* dq, int heads_q, int group, int64_t seq, float scale_log2,
                              float scale) {
   using Tiles = DqTiles<D>;
@@ -875,7 +879,7 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads, DqTiles<D>::kMinBlocks)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int64_t row = warp_row0 + 16 * mi + g + 8 * half;
-      lse_r[mi][half] = row < seq ? lse[head * seq + row] * kLog2e : INFINITY;
+      lse_r[mi][half] = row < seq ? lse_log2[head * seq + row] : INFINITY;
       delta_r[mi][half] = row < seq ? delta[head * seq + row] : 0.0f;
     }
   }
@@ -1153,16 +1157,21 @@ __global__ void simt_backward_dkdv_kernel(const T* q, const T* k, const T* v, co
   lane_store(dv + row * D, D, dv_acc, 1.0f);
 }
 
-// delta[row] = sum_d dout[row, d] * out[row, d]
+// delta[row] = sum_d dout[row, d] * out[row, d], and lse_log2[row] = lse[row] * log2(e) when
+// lse_log2 is given (the tensor-core kernels work in the log2 domain).
 template <typename T>
-__global__ void delta_kernel(const T* out, const T* dout, float* delta, int64_t rows, int D) {
+__global__ void delta_kernel(const T* out, const T* dout, const float* lse, float* delta,
+                             float* lse_log2, int64_t rows, int D) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kSimtWarps + (threadIdx.x >> 5);
   if (row >= rows) return;
   const int lane = threadIdx.x & 31;
   float s = 0.0f;
   for (int d = lane; d < D; d += 32) s += to_float(out[row * D + d]) * to_float(dout[row * D + d]);
   s = warp_sum(s);
-  if (lane == 0) delta[row] = s;
+  if (lane == 0) {
+    delta[row] = s;
+    if (lse_log2 != nullptr) lse_log2[row] = lse[row] * kLog2e;
+  }
 }
 
 // ---- launching ------------------------------------------------------------------------------
@@ -1232,10 +1241,10 @@ int group_split(const AttentionDims& d, int64_t blocks, int requested) {
 }
 
 // The tensor-core backward: dK/dV (one pass, with dQ too under AtomicDq, whose fp32 sums are
-// then scaled and rounded), or dK/dV and then the dQ pass.
+// then scaled and rounded), or dK/dV and then the dQ pass. lse_log2 is lse * log2(e).
 template <typename T, int D>
 void tc_backward(const AttentionDims& d, const void* q, const void* k, const void* v,
-                 const void* dout, const float* lse, const float* delta, void* dq, void* dk,
+                 const void* dout, const float* lse_log2, const float* delta, void* dq, void* dk,
                  void* dv, const AttentionBackwardOptions& options, Scratch& scratch,
                  cudaStream_t stream) {
   const int heads_q = static_cast<int>(d.heads_q);
@@ -1271,8 +1280,9 @@ void tc_backward(const AttentionDims& d, const void* q, const void* k, const voi
     const dim3 grid(static_cast<unsigned>(key_blocks), static_cast<unsigned>(d.heads_kv),
                     static_cast<unsigned>(d.batch * split));
     kernel<<<grid, DkDv::kThreads, smem, stream>>>(
-        q16, k16, v16, do16, lse, delta, static_cast<uint16_t*>(dk), static_cast<uint16_t*>(dv),
-        dk_part, dv_part, dq_accum, heads_q, group, split, d.seq, d.scale * kLog2e, d.scale);
+        q16, k16, v16, do16, lse_log2, delta, static_cast<uint16_t*>(dk),
+        static_cast<uint16_t*>(dv), dk_part, dv_part, dq_accum, heads_q, group, split, d.seq,
+        d.scale * kLog2e, d.scale);
     ST_CHECK_LAUNCH();
   }
   if (split > 1) {
@@ -1293,7 +1303,7 @@ void tc_backward(const AttentionDims& d, const void* q, const void* k, const voi
   allow_smem(kernel, Tiles::kSmem);
   const dim3 grid(ceil_div(d.seq, Tiles::kRows), static_cast<unsigned>(d.heads_q),
                   static_cast<unsigned>(d.batch));
-  kernel<<<grid, Tiles::kThreads, Tiles::kSmem, stream>>>(q16, k16, v16, do16, lse, delta,
+  kernel<<<grid, Tiles::kThreads, Tiles::kSmem, stream>>>(q16, k16, v16, do16, lse_log2, delta,
                                                           static_cast<uint16_t*>(dq), heads_q,
                                                           group, d.seq, d.scale * kLog2e, d.scale);
   ST_CHECK_LAUNCH();
@@ -1352,20 +1362,22 @@ void attention_backward(const AttentionDims& d, const void* q, const void* k, co
   const int heads_q = static_cast<int>(d.heads_q);
   const int group = static_cast<int>(d.heads_q / d.heads_kv);
   const int D = static_cast<int>(d.head_dim);
+  const bool tensor_cores = tensor_core_path(type, d.head_dim, {q, k, v, dout, dq, dk, dv});
+  float* lse_log2 = tensor_cores ? static_cast<float*>(scratch.get(sizeof(float) * rows)) : nullptr;
   ST_DISPATCH_FLOAT(type, T, {
     delta_kernel<T><<<ceil_div(rows, kSimtWarps), 32 * kSimtWarps, 0, stream>>>(
-        static_cast<const T*>(out), static_cast<const T*>(dout), delta, rows, D);
+        static_cast<const T*>(out), static_cast<const T*>(dout), lse, delta, lse_log2, rows, D);
     ST_CHECK_LAUNCH();
   });
-  if (tensor_core_path(type, d.head_dim, {q, k, v, dout, dq, dk, dv})) {
+  if (tensor_cores) {
     if (type == DType::BF16) {
       ST_DISPATCH_HEAD_DIM(d.head_dim, HD,
-                           tc_backward<bf16, HD>(d, q, k, v, dout, lse, delta, dq, dk, dv, options,
-                                                 scratch, stream));
+                           tc_backward<bf16, HD>(d, q, k, v, dout, lse_log2, delta, dq, dk, dv,
+                                                 options, scratch, stream));
     } else {
-      ST_DISPATCH_HEAD_DIM(
-          d.head_dim, HD,
-          tc_backward<f16, HD>(d, q, k, v, dout, lse, delta, dq, dk, dv, options, scratch, stream));
+      ST_DISPATCH_HEAD_DIM(d.head_dim, HD,
+                           tc_backward<f16, HD>(d, q, k, v, dout, lse_log2, delta, dq, dk, dv,
+                                                options, scratch, stream));
     }
     return;
   }
