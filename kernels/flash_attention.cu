@@ -479,14 +479,23 @@ __global__ void __launch_bounds__(FwdTiles<D>::kThreads, FwdTiles<D>::kMinBlocks
 
 // ---- tensor-core backward: dK and dV --------------------------------------------------------
 
-// A block owns 64 keys (4 warps x 16) of one kv head and walks the query tiles at or after its
-// keys, for every query head of its group, as one sequence of steps; the Q and dO tiles of a step
-// (with their lse and delta) are double-buffered. Query tiles are 64 rows at D = 64 and 32 at
-// D = 128, where the dK and dV accumulators alone take 128 registers a thread.
-template <int D>
+// A block owns the keys of 4 warps, kMTiles m-tiles of 16 keys a warp, of one kv head, and walks
+// the query tiles at or after its keys, for every query head of its group, as one sequence of
+// steps; the Q and dO tiles of a step (with their lse and delta) are double-buffered.
+// - kMTiles = 2 (the default at D = 64): 32 keys a warp, 128 a block, query tiles of 32. Every
+//   Q and dO fragment read from shared memory feeds two products, as K and V do in the forward
+//   at D = 128: 48 ldmatrix for 128 products per warp and step, where one m-tile takes 64 (with
+//   its K and V fragments held in registers) for the same work. The accumulators take 128
+//   registers, and two blocks still fit an SM.
+// - kMTiles = 1: 16 keys a warp, 64 a block; query tiles of 64 rows at D = 64, with the warp's
+//   K and V fragments in registers for all its steps, and of 32 at D = 128, where the dK and
+//   dV accumulators alone take 128 registers a thread (the only form there).
+template <int D, int MI>
 struct DkDvTiles {
-  static constexpr int kWarps = 4, kThreads = 32 * kWarps;
-  static constexpr int kKeys = 16 * kWarps, kRows = D <= 64 ? 64 : 32, kLd = D + 8;
+  static constexpr int kD = D;
+  static constexpr int kWarps = 4, kThreads = 32 * kWarps, kWarpKeys = 16 * MI;
+  static constexpr int kKeys = kWarpKeys * kWarps, kRows = D <= 64 && MI == 1 ? 64 : 32;
+  static constexpr int kLd = D + 8;
   static constexpr int kStage = kRows * kLd;  // elements of one Q or dO buffer
   static constexpr size_t kHalfWords = 2 * kKeys * kLd + 4 * kStage;
   static constexpr size_t kSmem = sizeof(uint16_t) * kHalfWords + sizeof(float) * 4 * kRows;
@@ -497,12 +506,17 @@ struct DkDvTiles {
   static constexpr size_t kSmemFusedDq = kSmem + sizeof(uint16_t) * kKeys * kDsLd;
   static constexpr int kDqWarpsM = kRows / 16;
   static constexpr int kDqCols = D * kDqWarpsM / kWarps;
-  // D = 64: the warp's K and V fragments (32 registers) stay in registers for all its steps,
-  // which takes 8 of the 72 ldmatrix of a step off shared memory; the kernel still fits two
-  // blocks an SM. At D = 128 they would take 128 registers.
-  static constexpr bool kKVInRegisters = D <= 64;
+  // The warp's K and V fragments (32 registers at D = 64) in registers for all its steps, which
+  // takes 8 of the 72 ldmatrix of a step off shared memory.
+  static constexpr bool kKVInRegisters = D <= 64 && MI == 1;
   static_assert(kDqCols % 16 == 0 && kWarps % kDqWarpsM == 0, "dQ product tiles cover D");
+  static_assert(MI == 1 || D <= 64, "two key m-tiles a warp need 256 accumulators at D = 128");
 };
+
+// The key m-tiles a warp of the dK/dV kernel takes unless told otherwise.
+constexpr int default_dkdv_m_tiles(int64_t head_dim) {
+  return head_dim <= 64 ? 2 : 1;
+}
 
 // p[0] += a, p[1] += b as atomics (p 8-byte aligned): one vector atomic on sm_90, two below.
 __device__ __forceinline__ void atomic_add_pair(float* p, float a, float b) {
@@ -519,11 +533,11 @@ __device__ __forceinline__ void atomic_add_pair(float* p, float a, float b) {
 // fragments through ldmatrix.trans, as in the dQ pass). Each element is added by one lane of the
 // block, with one atomic add to the fp32 accumulator per element and step (pairs of elements
 // per atomic on sm_90).
-template <typename T, int D>
+template <typename T, typename Tiles>
 __device__ __forceinline__ void accumulate_dq_tile(const uint16_t* ds_s, const uint16_t* ks,
                                                    float* dq_head, int64_t q0, int64_t seq) {
-  using Tiles = DkDvTiles<D>;
-  constexpr int BK = Tiles::kKeys, LD = Tiles::kLd, LDS = Tiles::kDsLd, NC = Tiles::kDqCols;
+  constexpr int D = Tiles::kD, BK = Tiles::kKeys, LD = Tiles::kLd, LDS = Tiles::kDsLd;
+  constexpr int NC = Tiles::kDqCols;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const int lr = lane & 7, lm = lane >> 3;
   const int wm = warp % Tiles::kDqWarpsM, wn = warp / Tiles::kDqWarpsM;
@@ -566,8 +580,9 @@ __device__ __forceinline__ void store_pair(uint16_t* p, float a, float b) {
   *reinterpret_cast<uint32_t*>(p) = pack2<T>(a, b);
 }
 
-// This lane's rows (key_a and key_b) of the dK/dV kernel's accumulators into [seq][D] rows at
-// dkb and dvb, dK scaled: the results (Out = uint16_t) or one part's fp32 partials (Out = float).
+// This lane's rows (key_a and key_b) of one m-tile of the dK/dV kernel's accumulators into
+// [seq][D] rows at dkb and dvb, dK scaled: the results (Out = uint16_t) or one part's fp32
+// partials (Out = float).
 template <typename T, int D, typename Out>
 __device__ __forceinline__ void store_dk_dv(Out* dkb, Out* dvb, const float (&dk_acc)[D / 8][4],
                                             const float (&dv_acc)[D / 8][4], int64_t key_a,
@@ -593,15 +608,16 @@ __device__ __forceinline__ void store_dk_dv(Out* dkb, Out* dvb, const float (&dk
 // unscaled, zeroed beforehand) with atomics. That saves the dQ pass's recomputation of S and dP
 // (5 products per pair of tiles instead of 7), but the order in which key blocks add to a query
 // row is the hardware's, so dQ is not bit-reproducible; dK and dV still are.
-template <typename T, int D, bool kFuseDq>
-__global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
+template <typename T, int D, int MI, bool kFuseDq>
+__global__ void __launch_bounds__(DkDvTiles<D, MI>::kThreads)
     flash_backward_dkdv_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                const uint16_t* dout, const float* lse_log2, const float* delta,
                                uint16_t* dk, uint16_t* dv, float* dk_part, float* dv_part,
                                float* dq_accum, int heads_q, int group, int split, int64_t seq,
                                float scale_log2, float scale) {
-  using Tiles = DkDvTiles<D>;
+  using Tiles = DkDvTiles<D, MI>;
   constexpr int BK = Tiles::kKeys, BQ = Tiles::kRows, LD = Tiles::kLd, NT = Tiles::kThreads;
+  constexpr int WK = Tiles::kWarpKeys;
   static_assert(2 * BQ <= NT, "one thread per lse and delta row");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   uint16_t* ks = reinterpret_cast<uint16_t*>(smem_raw);
@@ -645,17 +661,19 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const int lr = lane & 7, lm = lane >> 3;  // ldmatrix.x4: row lr of matrix lm
-  const int64_t warp_key0 = k0 + warp * 16;
-  const int64_t key_a = warp_key0 + g, key_b = key_a + 8;
-  float dk_acc[D / 8][4], dv_acc[D / 8][4];
+  // Keys of m-tile mi: warp_key0 + 16 mi + g and + 8.
+  const int64_t warp_key0 = k0 + warp * WK, key_lane = warp_key0 + g;
+  float dk_acc[MI][D / 8][4], dv_acc[MI][D / 8][4];
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i)
+  for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dk_acc[i][e] = dv_acc[i][e] = 0.0f;
+    for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk_acc[mi][i][e] = dv_acc[mi][i][e] = 0.0f;
 
-  // This lane's ldmatrix address in the block's K and V tiles (A fragments of the warp's 16
-  // keys), and the fragments themselves for the whole loop when they fit.
-  const int kv_frag = (warp * 16 + (lm & 1) * 8 + lr) * LD + (lm >> 1) * 8;
+  // This lane's ldmatrix address in the block's K and V tiles (A fragments of the warp's keys,
+  // m-tile 0), and the fragments themselves for the whole loop when they fit.
+  const int kv_frag = (warp * WK + (lm & 1) * 8 + lr) * LD + (lm >> 1) * 8;
   constexpr int kHeld = Tiles::kKVInRegisters ? D / 16 : 1;
   uint32_t k_held[kHeld][4], v_held[kHeld][4];
 
@@ -688,27 +706,32 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
     const float* lse_t = lse_s + (i & 1) * BQ;
     const float* delta_t = delta_s + (i & 1) * BQ;
 
-    // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BQ queries. K and V rows are A
+    // S^T = K Q^T and dP^T = V dO^T for this warp's keys x BQ queries. K and V rows are A
     // fragments; Q and dO (row-major [query][d]) give B fragments of two 8-query tiles per
-    // ldmatrix.x4, as K does in the forward.
-    float st[BQ / 8][4], dpt[BQ / 8][4];
+    // ldmatrix.x4, as K does in the forward, each feeding the products of every m-tile.
+    float st[MI][BQ / 8][4], dpt[MI][BQ / 8][4];
 #pragma unroll
-    for (int n = 0; n < BQ / 8; ++n)
+    for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
+      for (int n = 0; n < BQ / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[mi][n][e] = dpt[mi][n][e] = 0.0f;
     if (active) {
 #pragma unroll
       for (int kc = 0; kc < D / 16; ++kc) {
-        uint32_t ak[4], av[4];
-        if constexpr (Tiles::kKVInRegisters) {
+        uint32_t ak[MI][4], av[MI][4];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            ak[e] = k_held[kc][e];
-            av[e] = v_held[kc][e];
+        for (int mi = 0; mi < MI; ++mi) {
+          if constexpr (Tiles::kKVInRegisters) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              ak[mi][e] = k_held[kc][e];
+              av[mi][e] = v_held[kc][e];
+            }
+          } else {
+            ldsm_x4(ak[mi], ks + kv_frag + mi * 16 * LD + kc * 16);
+            ldsm_x4(av[mi], vs + kv_frag + mi * 16 * LD + kc * 16);
           }
-        } else {
-          ldsm_x4(ak, ks + kv_frag + kc * 16);
-          ldsm_x4(av, vs + kv_frag + kc * 16);
         }
 #pragma unroll
         for (int np = 0; np < BQ / 16; ++np) {
@@ -717,39 +740,49 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
           ldsm_x4(df, dost + (np * 16 + (lm >> 1) * 8 + lr) * LD + kc * 16 + (lm & 1) * 8);
           const uint32_t bq0[2] = {qf[0], qf[1]}, bq1[2] = {qf[2], qf[3]};
           const uint32_t bd0[2] = {df[0], df[1]}, bd1[2] = {df[2], df[3]};
-          mma<T>(st[2 * np], ak, bq0);
-          mma<T>(st[2 * np + 1], ak, bq1);
-          mma<T>(dpt[2 * np], av, bd0);
-          mma<T>(dpt[2 * np + 1], av, bd1);
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi) {
+            mma<T>(st[mi][2 * np], ak[mi], bq0);
+            mma<T>(st[mi][2 * np + 1], ak[mi], bq1);
+            mma<T>(dpt[mi][2 * np], av[mi], bd0);
+            mma<T>(dpt[mi][2 * np + 1], av[mi], bd1);
+          }
         }
       }
       // P^T = exp(S^T * scale - lse), zero where masked; dS^T = P^T (dP^T - delta). Only tiles
       // that cross this warp's diagonal or the end of the sequence need the mask.
-      const bool need_mask = warp_key0 + 15 > q0 || q0 + BQ > seq || warp_key0 + 16 > seq;
+      const bool need_mask = warp_key0 + WK - 1 > q0 || q0 + BQ > seq || warp_key0 + WK > seq;
 #pragma unroll
-      for (int n = 0; n < BQ / 8; ++n) {
-        // This lane's two query columns: one 8-byte shared load each for lse and delta.
-        const float2 lse2 = *reinterpret_cast<const float2*>(lse_t + n * 8 + 2 * t4);
-        const float2 delta2 = *reinterpret_cast<const float2*>(delta_t + n * 8 + 2 * t4);
+      for (int mi = 0; mi < MI; ++mi) {
+        const int64_t key_a = key_lane + 16 * mi, key_b = key_a + 8;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = n * 8 + 2 * t4 + (e & 1);
-          float p = exp2_ftz(fmaf(st[n][e], scale_log2, -((e & 1) ? lse2.y : lse2.x)));
-          if (need_mask) {
-            const int64_t query = q0 + col, key = e < 2 ? key_a : key_b;
-            if (key > query || query >= seq || key >= seq) p = 0.0f;
+        for (int n = 0; n < BQ / 8; ++n) {
+          // This lane's two query columns: one 8-byte shared load each for lse and delta.
+          const float2 lse2 = *reinterpret_cast<const float2*>(lse_t + n * 8 + 2 * t4);
+          const float2 delta2 = *reinterpret_cast<const float2*>(delta_t + n * 8 + 2 * t4);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = n * 8 + 2 * t4 + (e & 1);
+            float p = exp2_ftz(fmaf(st[mi][n][e], scale_log2, -((e & 1) ? lse2.y : lse2.x)));
+            if (need_mask) {
+              const int64_t query = q0 + col, key = e < 2 ? key_a : key_b;
+              if (key > query || query >= seq || key >= seq) p = 0.0f;
+            }
+            st[mi][n][e] = p;
+            dpt[mi][n][e] = p * (dpt[mi][n][e] - ((e & 1) ? delta2.y : delta2.x));
           }
-          st[n][e] = p;
-          dpt[n][e] = p * (dpt[n][e] - ((e & 1) ? delta2.y : delta2.x));
         }
       }
       // dV += P^T dO and dK += dS^T Q: the B fragments come from the same row-major dO and Q
       // tiles through ldmatrix.x4.trans, as V does in the forward.
 #pragma unroll
       for (int kc = 0; kc < BQ / 16; ++kc) {
-        uint32_t ap[4], ads[4];
-        accumulators_as_a<T>(ap, st[2 * kc], st[2 * kc + 1]);
-        accumulators_as_a<T>(ads, dpt[2 * kc], dpt[2 * kc + 1]);
+        uint32_t ap[MI][4], ads[MI][4];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+          accumulators_as_a<T>(ap[mi], st[mi][2 * kc], st[mi][2 * kc + 1]);
+          accumulators_as_a<T>(ads[mi], dpt[mi][2 * kc], dpt[mi][2 * kc + 1]);
+        }
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
           uint32_t df[4], qf[4];
@@ -757,10 +790,13 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
           ldsm_x4_trans(qf, qst + (kc * 16 + (lm & 1) * 8 + lr) * LD + dp * 16 + (lm >> 1) * 8);
           const uint32_t bd0[2] = {df[0], df[1]}, bd1[2] = {df[2], df[3]};
           const uint32_t bq0[2] = {qf[0], qf[1]}, bq1[2] = {qf[2], qf[3]};
-          mma<T>(dv_acc[2 * dp], ap, bd0);
-          mma<T>(dv_acc[2 * dp + 1], ap, bd1);
-          mma<T>(dk_acc[2 * dp], ads, bq0);
-          mma<T>(dk_acc[2 * dp + 1], ads, bq1);
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi) {
+            mma<T>(dv_acc[mi][2 * dp], ap[mi], bd0);
+            mma<T>(dv_acc[mi][2 * dp + 1], ap[mi], bd1);
+            mma<T>(dk_acc[mi][2 * dp], ads[mi], bq0);
+            mma<T>(dk_acc[mi][2 * dp + 1], ads[mi], bq1);
+          }
         }
       }
     }  // active
@@ -768,25 +804,32 @@ __global__ void __launch_bounds__(DkDvTiles<D>::kThreads)
     if constexpr (kFuseDq) {
       // dS^T (zeros for an inactive warp) to shared memory: rows are this warp's keys, columns
       // the tile's queries; rounded to T as the A fragments of dK's product are.
-      uint16_t* ds_a = ds_s + (warp * 16 + g) * Tiles::kDsLd + 2 * t4;
-      uint16_t* ds_b = ds_a + 8 * Tiles::kDsLd;
 #pragma unroll
-      for (int n = 0; n < BQ / 8; ++n) {
-        *reinterpret_cast<uint32_t*>(ds_a + n * 8) = pack2<T>(dpt[n][0], dpt[n][1]);
-        *reinterpret_cast<uint32_t*>(ds_b + n * 8) = pack2<T>(dpt[n][2], dpt[n][3]);
+      for (int mi = 0; mi < MI; ++mi) {
+        uint16_t* ds_a = ds_s + (warp * WK + 16 * mi + g) * Tiles::kDsLd + 2 * t4;
+        uint16_t* ds_b = ds_a + 8 * Tiles::kDsLd;
+#pragma unroll
+        for (int n = 0; n < BQ / 8; ++n) {
+          *reinterpret_cast<uint32_t*>(ds_a + n * 8) = pack2<T>(dpt[mi][n][0], dpt[mi][n][1]);
+          *reinterpret_cast<uint32_t*>(ds_b + n * 8) = pack2<T>(dpt[mi][n][2], dpt[mi][n][3]);
+        }
       }
       __syncthreads();  // every warp's keys of dS^T are staged
-      accumulate_dq_tile<T, D>(ds_s, ks, dq_accum + (head0 + i / q_tiles) * seq * D, q0, seq);
+      accumulate_dq_tile<T, Tiles>(ds_s, ks, dq_accum + (head0 + i / q_tiles) * seq * D, q0, seq);
     }
   }
 
-  if (split > 1)  // this part's share, in fp32, for sum_group_parts_kernel to add up in order
-    store_dk_dv<T, D>(dk_part + (kv_head * split + part) * seq * D,
-                      dv_part + (kv_head * split + part) * seq * D, dk_acc, dv_acc, key_a, key_b,
-                      seq, scale);
-  else
-    store_dk_dv<T, D>(dk + kv_head * seq * D, dv + kv_head * seq * D, dk_acc, dv_acc, key_a, key_b,
-                      seq, scale);
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+    const int64_t key_a = key_lane + 16 * mi, key_b = key_a + 8;
+    if (split > 1)  // this part's share, in fp32, for sum_group_parts_kernel to add up in order
+      store_dk_dv<T, D>(dk_part + (kv_head * split + part) * seq * D,
+                        dv_part + (kv_head * split + part) * seq * D, dk_acc[mi], dv_acc[mi], key_a,
+                        key_b, seq, scale);
+    else
+      store_dk_dv<T, D>(dk + kv_head * seq * D, dv + kv_head * seq * D, dk_acc[mi], dv_acc[mi],
+                        key_a, key_b, seq, scale);
+  }
 }
 
 // dk[h] = T(sum over p of dk_part[h][p]) and the same for dv, p in increasing order, two elements
@@ -1240,22 +1283,16 @@ int group_split(const AttentionDims& d, int64_t blocks, int requested) {
   return group;
 }
 
-// The tensor-core backward: dK/dV (one pass, with dQ too under AtomicDq, whose fp32 sums are
-// then scaled and rounded), or dK/dV and then the dQ pass. lse_log2 is lse * log2(e).
-template <typename T, int D>
-void tc_backward(const AttentionDims& d, const void* q, const void* k, const void* v,
-                 const void* dout, const float* lse_log2, const float* delta, void* dq, void* dk,
-                 void* dv, const AttentionBackwardOptions& options, Scratch& scratch,
-                 cudaStream_t stream) {
-  const int heads_q = static_cast<int>(d.heads_q);
+// The dK/dV kernel with MI key m-tiles a warp (and dQ's fp32 sums into dq_accum when that is
+// given), then the pass that adds the group parts' partials when the group was split.
+template <typename T, int D, int MI>
+void dkdv_pass(const AttentionDims& d, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+               const uint16_t* dout, const float* lse_log2, const float* delta, void* dk, void* dv,
+               float* dq_accum, int requested_split, Scratch& scratch, cudaStream_t stream) {
+  using Tiles = DkDvTiles<D, MI>;
   const int group = static_cast<int>(d.heads_q / d.heads_kv);
-  const auto* q16 = static_cast<const uint16_t*>(q);
-  const auto* k16 = static_cast<const uint16_t*>(k);
-  const auto* v16 = static_cast<const uint16_t*>(v);
-  const auto* do16 = static_cast<const uint16_t*>(dout);
-  using DkDv = DkDvTiles<D>;
-  const int64_t key_blocks = ceil_div(d.seq, DkDv::kKeys);
-  const int split = group_split(d, key_blocks * d.heads_kv * d.batch, options.group_split);
+  const int64_t key_blocks = ceil_div(d.seq, Tiles::kKeys);
+  const int split = group_split(d, key_blocks * d.heads_kv * d.batch, requested_split);
   const int64_t per_head = d.seq * D;
   float *dk_part = nullptr, *dv_part = nullptr;
   if (split > 1) {
@@ -1264,33 +1301,61 @@ void tc_backward(const AttentionDims& d, const void* q, const void* k, const voi
     dk_part = static_cast<float*>(scratch.get(bytes));
     dv_part = static_cast<float*>(scratch.get(bytes));
   }
-  const bool fuse_dq = options.algo == AttentionBackwardAlgo::AtomicDq;
-  const int64_t dq_elements = d.batch * d.heads_q * per_head;
-  float* dq_accum = nullptr;
-  if (fuse_dq) {
-    dq_accum = static_cast<float*>(scratch.get(sizeof(float) * static_cast<size_t>(dq_elements)));
-    ST_CUDA_CHECK(
-        cudaMemsetAsync(dq_accum, 0, sizeof(float) * static_cast<size_t>(dq_elements), stream));
-  }
-  {
-    auto kernel =
-        fuse_dq ? flash_backward_dkdv_kernel<T, D, true> : flash_backward_dkdv_kernel<T, D, false>;
-    const size_t smem = fuse_dq ? DkDv::kSmemFusedDq : DkDv::kSmem;
-    allow_smem(kernel, smem);
-    const dim3 grid(static_cast<unsigned>(key_blocks), static_cast<unsigned>(d.heads_kv),
-                    static_cast<unsigned>(d.batch * split));
-    kernel<<<grid, DkDv::kThreads, smem, stream>>>(
-        q16, k16, v16, do16, lse_log2, delta, static_cast<uint16_t*>(dk),
-        static_cast<uint16_t*>(dv), dk_part, dv_part, dq_accum, heads_q, group, split, d.seq,
-        d.scale * kLog2e, d.scale);
-    ST_CHECK_LAUNCH();
-  }
+  const bool fuse_dq = dq_accum != nullptr;
+  auto kernel = fuse_dq ? flash_backward_dkdv_kernel<T, D, MI, true>
+                        : flash_backward_dkdv_kernel<T, D, MI, false>;
+  const size_t smem = fuse_dq ? Tiles::kSmemFusedDq : Tiles::kSmem;
+  allow_smem(kernel, smem);
+  const dim3 grid(static_cast<unsigned>(key_blocks), static_cast<unsigned>(d.heads_kv),
+                  static_cast<unsigned>(d.batch * split));
+  kernel<<<grid, Tiles::kThreads, smem, stream>>>(
+      q, k, v, dout, lse_log2, delta, static_cast<uint16_t*>(dk), static_cast<uint16_t*>(dv),
+      dk_part, dv_part, dq_accum, static_cast<int>(d.heads_q), group, split, d.seq,
+      d.scale * kLog2e, d.scale);
+  ST_CHECK_LAUNCH();
   if (split > 1) {
     sum_group_parts_kernel<T>
         <<<grid_for(d.batch * d.heads_kv * per_head / 2), kThreads, 0, stream>>>(
             dk_part, dv_part, static_cast<uint16_t*>(dk), static_cast<uint16_t*>(dv),
             d.batch * d.heads_kv, per_head, split);
     ST_CHECK_LAUNCH();
+  }
+}
+
+// The tensor-core backward: dK/dV (one pass, with dQ too under AtomicDq, whose fp32 sums are
+// then scaled and rounded), or dK/dV and then the dQ pass. lse_log2 is lse * log2(e).
+template <typename T, int D>
+void tc_backward(const AttentionDims& d, const void* q, const void* k, const void* v,
+                 const void* dout, const float* lse_log2, const float* delta, void* dq, void* dk,
+                 void* dv, const AttentionBackwardOptions& options, Scratch& scratch,
+                 cudaStream_t stream) {
+  const auto* q16 = static_cast<const uint16_t*>(q);
+  const auto* k16 = static_cast<const uint16_t*>(k);
+  const auto* v16 = static_cast<const uint16_t*>(v);
+  const auto* do16 = static_cast<const uint16_t*>(dout);
+  const bool fuse_dq = options.algo == AttentionBackwardAlgo::AtomicDq;
+  const int64_t dq_elements = d.batch * d.heads_q * d.seq * D;
+  float* dq_accum = nullptr;
+  if (fuse_dq) {
+    dq_accum = static_cast<float*>(scratch.get(sizeof(float) * static_cast<size_t>(dq_elements)));
+    ST_CUDA_CHECK(
+        cudaMemsetAsync(dq_accum, 0, sizeof(float) * static_cast<size_t>(dq_elements), stream));
+  }
+  const int m_tiles =
+      options.dkdv_m_tiles > 0 ? options.dkdv_m_tiles : default_dkdv_m_tiles(d.head_dim);
+  ST_CHECK(m_tiles == 1 || (m_tiles == 2 && D <= 64), "attention backward: ", m_tiles,
+           " key m-tiles a warp at head dim ", D, " (1, or 2 at head dim 64)");
+  if constexpr (D <= 64) {
+    if (m_tiles == 2) {
+      dkdv_pass<T, D, 2>(d, q16, k16, v16, do16, lse_log2, delta, dk, dv, dq_accum,
+                         options.group_split, scratch, stream);
+    } else {
+      dkdv_pass<T, D, 1>(d, q16, k16, v16, do16, lse_log2, delta, dk, dv, dq_accum,
+                         options.group_split, scratch, stream);
+    }
+  } else {
+    dkdv_pass<T, D, 1>(d, q16, k16, v16, do16, lse_log2, delta, dk, dv, dq_accum,
+                       options.group_split, scratch, stream);
   }
   if (fuse_dq) {
     finish_dq_kernel<T><<<grid_for(dq_elements / 2), kThreads, 0, stream>>>(
@@ -1303,9 +1368,9 @@ void tc_backward(const AttentionDims& d, const void* q, const void* k, const voi
   allow_smem(kernel, Tiles::kSmem);
   const dim3 grid(ceil_div(d.seq, Tiles::kRows), static_cast<unsigned>(d.heads_q),
                   static_cast<unsigned>(d.batch));
-  kernel<<<grid, Tiles::kThreads, Tiles::kSmem, stream>>>(q16, k16, v16, do16, lse_log2, delta,
-                                                          static_cast<uint16_t*>(dq), heads_q,
-                                                          group, d.seq, d.scale * kLog2e, d.scale);
+  kernel<<<grid, Tiles::kThreads, Tiles::kSmem, stream>>>(
+      q16, k16, v16, do16, lse_log2, delta, static_cast<uint16_t*>(dq), static_cast<int>(d.heads_q),
+      static_cast<int>(d.heads_q / d.heads_kv), d.seq, d.scale * kLog2e, d.scale);
   ST_CHECK_LAUNCH();
 }
 

@@ -188,6 +188,9 @@ struct AttentionBackwardOptions {
   // partials that a last pass sums in a fixed order: 0 = chosen from the grid size and the GPU
   // (more than 1 only when the grid would be small); otherwise a divisor of the group.
   int group_split = 0;
+  // 16-key m-tiles that each warp of the dK/dV kernel owns: 0 = the default for the head dim
+  // (2 at 64, 1 at 128); 1 or 2 forced, 2 only at head dim 64.
+  int dkdv_m_tiles = 0;
 };
 // All of dtype `type`; dq, dk, dv overwritten.
 void attention_backward(const AttentionDims& dims, const void* q, const void* k, const void* v,

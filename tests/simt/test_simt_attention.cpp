@@ -1,8 +1,9 @@
 // The fused attention kernels of kernels/flash_attention.cu, compiled for the CPU and run on the
 // simt emulator, against the CPU backend: the tensor-core kernels (bf16/f16, head dims 64 and
 // 128) and the CUDA-core ones (f32, other head dims), ragged sequence lengths, grouped-query
-// heads (their group walked by one block, and split over several), both backward algorithms, and
-// every schedule giving bit-identical results.
+// heads (their group walked by one block, and split over several), both backward algorithms, one
+// and two key m-tiles a warp in the dK/dV kernel, and every schedule giving bit-identical
+// results.
 #include <cmath>
 
 #include "simt_kernel_checks.h"
@@ -88,6 +89,7 @@ void check_case(const Case& c) {
   const int group = static_cast<int>(c.Hq / c.Hkv);
   std::vector<int> splits = {1};
   if (group > 1) splits.push_back(group);
+  std::vector<Tensor> deterministic_whole_group;  // split 1, default key m-tiles
   for (int split : splits) {
     std::vector<Tensor> results[2];
     const AttentionBackwardAlgo algos[2] = {AttentionBackwardAlgo::Deterministic,
@@ -115,6 +117,7 @@ void check_case(const Case& c) {
     const std::string both = what + ", group split " + std::to_string(split);
     testing::expect_bitwise_equal(results[1][3], results[0][3], both + " dk of both algorithms");
     testing::expect_bitwise_equal(results[1][4], results[0][4], both + " dv of both algorithms");
+    if (split == 1) deterministic_whole_group = results[0];
     const float products[2] = {results[0][5].to_float_vector()[0],
                                results[1][5].to_float_vector()[0]};
     if (cuda_attention_uses_tensor_cores(c.dtype, c.D)) {
@@ -124,6 +127,25 @@ void check_case(const Case& c) {
       EXPECT_EQ(products[1], products[0]) << both;
       testing::expect_bitwise_equal(results[1][2], results[0][2], both + " dq of both algorithms");
     }
+  }
+  // At head dim 64 the dK/dV kernel's warps take two 16-key m-tiles by default. With one (the
+  // form kept for head dim 128) each key still sums the same products over the same 16-query
+  // chunks in the same order, so every result is the same to the bit.
+  if (cuda_attention_uses_tensor_cores(c.dtype, c.D) && c.D == 64) {
+    const std::string label = what + ", deterministic, one key m-tile a warp";
+    testing::under_every_schedule(
+        label,
+        [&](const std::string& run) {
+          kernels::AttentionBackwardOptions options{AttentionBackwardAlgo::Deterministic, 1};
+          options.dkdv_m_tiles = 1;
+          return run_emulated(c, q, k, v, out, lse, dout, options, run);
+        },
+        [&](const std::vector<Tensor>& got, const std::string& run) {
+          for (int i : {2, 3, 4})
+            testing::expect_bitwise_equal(
+                got[i], deterministic_whole_group[i],
+                run + " against two key m-tiles, result " + std::to_string(i));
+        });
   }
 }
 
