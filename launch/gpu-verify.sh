@@ -276,6 +276,11 @@ phase_kernels() {
       # The fastest SDPA backend per shape, for reference (not a pass/fail step).
       echo >>"$log"
       "${py[@]}" "$scripts/compare_attention.py" "$kb" "$sdpa" --backend best 2>&1 | tee -a "$log"
+      # The deterministic backward with one 16-key m-tile a warp in its dK/dV kernel (the
+      # default takes two at head dim 64; timed there only), for reference.
+      echo >>"$log"
+      "${py[@]}" "$scripts/compare_attention.py" "$kb" "$sdpa" --variant one_key_mtile 2>&1 |
+        tee -a "$log"
     else
       record SKIP kernels "attention comparison" 0 "kernel bench or SDPA figures missing"
     fi

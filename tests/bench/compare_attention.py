@@ -7,8 +7,9 @@ shape and pass (forward, backward, forward+backward): shardtrain ms, SDPA ms, th
 SDPA ms / shardtrain ms (1.0 = as fast as SDPA, 0.5 = half its speed) and PASS when the ratio is at
 least the target (default 0.5: shardtrain at least half as fast as SDPA). shardtrain's
 forward+backward is its forward plus its backward median. --variant picks which of shardtrain's
-backward algorithms is compared: deterministic (rows attention_bwd_<dtype>, the default) or
-atomic_dq (rows attention_bwd_atomic_dq_<dtype>).
+backward forms is compared: deterministic (rows attention_bwd_<dtype>, the default), atomic_dq
+(rows attention_bwd_atomic_dq_<dtype>) or one_key_mtile (rows attention_bwd_one_key_mtile_<dtype>:
+the deterministic backward with one 16-key m-tile a warp in its dK/dV kernel, head dim 64 only).
 
   python3 tests/bench/compare_attention.py kernels.json sdpa.json
   python3 tests/bench/compare_attention.py kernels.json sdpa.json --backend best --json cmp.json
@@ -42,18 +43,20 @@ def key_from_text(shape):
         return None
 
 
-VARIANTS = ("deterministic", "atomic_dq")
+# shardtrain's backward forms and the part of the kernel-bench row name between attention_bwd_ and
+# the dtype: attention_bwd_bf16, attention_bwd_atomic_dq_bf16, attention_bwd_one_key_mtile_bf16
+# (the dK/dV kernel with one key m-tile a warp, timed at head dim 64 only).
+VARIANTS = {"deterministic": "", "atomic_dq": "atomic_dq_", "one_key_mtile": "one_key_mtile_"}
+BACKWARD_ROW = re.compile(r"attention_bwd_(?P<form>(?:[a-z0-9]+_)*?)(?P<dtype>bf16|f16|fp16|f32)")
 
 
 def pass_of(name, variant):
     """'forward' or 'backward' for a kernel-bench row name of the chosen backward variant, None
     for other rows (another variant's backward, other kernels)."""
-    if not name.startswith("attention_"):
-        return None
     if name.startswith("attention_fwd"):
         return "forward"
-    atomic = name.startswith("attention_bwd_atomic_dq")
-    if name.startswith("attention_bwd") and atomic == (variant == "atomic_dq"):
+    m = BACKWARD_ROW.fullmatch(name)
+    if m and m.group("form") == VARIANTS[variant]:
         return "backward"
     return None
 
@@ -150,8 +153,8 @@ def main(argv=None):
                          "cudnn, efficient, or best (the fastest per shape and pass)")
     ap.add_argument("--target", type=float, default=0.5,
                     help="the least speed ratio that passes (default 0.5)")
-    ap.add_argument("--variant", choices=VARIANTS, default="deterministic",
-                    help="shardtrain's backward algorithm to compare (default deterministic)")
+    ap.add_argument("--variant", choices=list(VARIANTS), default="deterministic",
+                    help="shardtrain's backward form to compare (default deterministic)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
 

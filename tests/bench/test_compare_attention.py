@@ -38,6 +38,8 @@ KERNELS = {
         kernel("attention_bwd_bf16", 2.0, GQA),
         # The one-pass backward: only --variant atomic_dq reads it.
         kernel("attention_bwd_atomic_dq_bf16", 1.6, GQA),
+        # The one-key-m-tile form: only --variant one_key_mtile reads it.
+        kernel("attention_bwd_one_key_mtile_bf16", 2.4, GQA),
         kernel("attention_fwd_bf16", 1.0, ONLY_OURS),
         kernel("attention_bwd_bf16", 3.0, ONLY_OURS),
     ],
@@ -118,6 +120,23 @@ class CompareAttention(unittest.TestCase):
         # The default variant never reads the one-pass rows.
         self.assertEqual(by(compare_attention.compare(KERNELS, SDPA), "B=2 Hq=32 Hkv=8 S=2048 D=128",
                             "backward")["shardtrain_ms"], 2.0)
+
+    def test_one_key_mtile_variant(self):
+        rows = compare_attention.compare(KERNELS, SDPA, "default", 0.5, "one_key_mtile")
+        self.assertEqual(by(rows, "B=2 Hq=32 Hkv=8 S=2048 D=128", "backward")["shardtrain_ms"], 2.4)
+        self.assertEqual(by(rows, "B=4 H=16 S=2048 D=128", "backward")["status"], "MISSING")
+        for variant, ms in (("deterministic", 2.0), ("atomic_dq", 1.6)):
+            self.assertEqual(by(compare_attention.compare(KERNELS, SDPA, "default", 0.5, variant),
+                                "B=2 Hq=32 Hkv=8 S=2048 D=128", "backward")["shardtrain_ms"], ms)
+
+    def test_row_names(self):
+        self.assertEqual(compare_attention.pass_of("attention_fwd_bf16", "atomic_dq"), "forward")
+        self.assertEqual(compare_attention.pass_of("attention_bwd_bf16", "deterministic"),
+                         "backward")
+        self.assertIsNone(compare_attention.pass_of("attention_bwd_atomic_dq_bf16", "deterministic"))
+        self.assertIsNone(compare_attention.pass_of("attention_bwd_one_key_mtile_bf16",
+                                                    "atomic_dq"))
+        self.assertIsNone(compare_attention.pass_of("rmsnorm_bwd_bf16", "deterministic"))
 
     def test_target(self):
         rows = compare_attention.compare(KERNELS, SDPA, "default", 0.3)
