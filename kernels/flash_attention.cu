@@ -5,13 +5,15 @@
 // tiles of 64 keys up to the diagonal. Scores S = Q K^T and the product P V run on tensor cores
 // (mma.sync m16n8k16, bf16/f16 inputs, fp32 accumulation); the softmax is online (running row
 // max and sum in fp32 registers), so memory is O(S) and the S x S matrix never exists. The
-// log-sum-exp of every row is saved for the backward pass.
+// log-sum-exp of every row is saved for the backward pass. A row's running max is raised only
+// when its scores pass it by more than 2^8 (kRescaleSlack), so most tiles skip rescaling O.
 //
 // Backward (FlashAttention-2 style, deterministic: no atomics):
 //   delta_i = sum_d dO_i * O_i                        (one warp per row)
-//   dK, dV: a block owns 64 keys of one kv head and loops over the query heads of its group and
-//           the query tiles at or after its keys, recomputing P = exp(S - lse) and
-//           dS = P * (dO V^T - delta); dV += P^T dO, dK += dS^T Q. When that grid would be small
+//   dK, dV: a block owns the keys of 4 warps (32 keys a warp at D = 64, 16 at D = 128) of one
+//           kv head and loops over the query heads of its group and the query tiles at or after
+//           its keys, recomputing P = exp(S - lse) and dS = P * (dO V^T - delta);
+//           dV += P^T dO, dK += dS^T Q. When that grid would be small
 //           (few kv heads, small batch) the group is split over several blocks, whose fp32
 //           partials a last pass adds in a fixed order (group_split below).
 //   dQ:     a block owns 64 query rows (128 at D = 128) and loops over key tiles up to the
