@@ -59,9 +59,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "common.cuh"
+#include "launch_order.h"
 
 namespace shardtrain::kernels {
 
@@ -242,6 +244,18 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
+// ---- block order: longest first (launch_order.h) -------------------------------------------
+
+__device__ __forceinline__ BlockSlot this_block_slot(const LaunchOrder& order) {
+  return block_slot(order, blockIdx.x);
+}
+
+// The [B, Hkv] kv head of flattened [B, Hq] query head `head`.
+__device__ __forceinline__ int64_t kv_head_of(uint32_t head, int heads_q, int group) {
+  const uint32_t hq = static_cast<uint32_t>(heads_q), g = static_cast<uint32_t>(group);
+  return static_cast<int64_t>(head / hq * (hq / g) + head % hq / g);
+}
+
 // ---- tensor-core forward --------------------------------------------------------------------
 
 // A block owns 128 query rows and walks the key/value tiles of 64 keys up to the diagonal; K and
@@ -269,7 +283,8 @@ struct FwdTiles {
 template <typename T, int D>
 __global__ void __launch_bounds__(FwdTiles<D>::kThreads, FwdTiles<D>::kMinBlocks)
     flash_forward_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
-                         float* lse, int heads_q, int group, int64_t seq, float scale_log2) {
+                         float* lse, int heads_q, int group, int64_t seq, float scale_log2,
+                         LaunchOrder order) {
   using Tiles = FwdTiles<D>;
   constexpr int BR = Tiles::kRows, BC = Tiles::kKeys, LD = Tiles::kLd, NT = Tiles::kThreads;
   constexpr int MI = Tiles::kMTiles, WR = Tiles::kWarpRows;
@@ -278,11 +293,10 @@ __global__ void __launch_bounds__(FwdTiles<D>::kThreads, FwdTiles<D>::kMinBlocks
   uint16_t* ks = qs + BR * LD;            // K stages 0 and 1
   uint16_t* vs = ks + 2 * Tiles::kStage;  // V stages 0 and 1
 
-  const int64_t tile = gridDim.x - 1 - blockIdx.x;  // the longest rows start first
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int heads_kv = heads_q / group;
-  const int64_t head = static_cast<int64_t>(b) * heads_q + h;
-  const int64_t kv_head = static_cast<int64_t>(b) * heads_kv + h / group;
+  // Units are the [B, Hq] heads; a head's longest block holds its last query rows.
+  const BlockSlot slot = this_block_slot(order);
+  const int64_t tile = order.ranks - 1 - slot.rank, head = slot.unit;
+  const int64_t kv_head = kv_head_of(slot.unit, heads_q, group);
   const uint16_t* qb = q + head * seq * D;
   const uint16_t* kb = k + kv_head * seq * D;
   const uint16_t* vb = v + kv_head * seq * D;
@@ -373,15 +387,19 @@ __global__ void __launch_bounds__(FwdTiles<D>::kThreads, FwdTiles<D>::kMinBlocks
     // Mask keys after the query and past the sequence: only tiles that cross this warp's
     // diagonal or the end of the sequence need it.
     if (k0 + BC - 1 > warp_row0 || k0 + BC > seq) {
+      // In 32 bits, relative to the tile's first key: this warp's first row (capped where no
+      // key of the tile can pass it) and the first key past the sequence.
+      const int row0 = static_cast<int>(min(warp_row0 - k0, static_cast<int64_t>(BC)));
+      const int key_end = static_cast<int>(min(seq - k0, static_cast<int64_t>(BC)));
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi) {
-        const int64_t row_a = warp_row0 + 16 * mi + g, row_b = row_a + 8;
+        const int row_a = row0 + 16 * mi + g, row_b = row_a + 8;
 #pragma unroll
         for (int nt = 0; nt < BC / 8; ++nt) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int64_t key = k0 + nt * 8 + 2 * t4 + (e & 1);
-            if (key > (e < 2 ? row_a : row_b) || key >= seq) s[mi][nt][e] = -INFINITY;
+            const int key = nt * 8 + 2 * t4 + (e & 1);
+            if (key > (e < 2 ? row_a : row_b) || key >= key_end) s[mi][nt][e] = -INFINITY;
           }
         }
       }
@@ -616,7 +634,7 @@ __global__ void __launch_bounds__(DkDvTiles<D, MI>::kThreads)
                                const uint16_t* dout, const float* lse_log2, const float* delta,
                                uint16_t* dk, uint16_t* dv, float* dk_part, float* dv_part,
                                float* dq_accum, int heads_q, int group, int split, int64_t seq,
-                               float scale_log2, float scale) {
+                               float scale_log2, float scale, LaunchOrder order) {
   using Tiles = DkDvTiles<D, MI>;
   constexpr int BK = Tiles::kKeys, BQ = Tiles::kRows, LD = Tiles::kLd, NT = Tiles::kThreads;
   constexpr int WK = Tiles::kWarpKeys;
@@ -631,13 +649,15 @@ __global__ void __launch_bounds__(DkDvTiles<D, MI>::kThreads)
   float* delta_s = lse_s + 2 * BQ;
   uint16_t* ds_s = reinterpret_cast<uint16_t*>(delta_s + 2 * BQ);  // [BK][kDsLd], kFuseDq only
 
-  const int64_t k0 = static_cast<int64_t>(blockIdx.x) * BK;
-  const int hk = blockIdx.y, b = blockIdx.z / split, part = blockIdx.z % split;
-  const int heads_kv = heads_q / group;
-  const int64_t kv_head = static_cast<int64_t>(b) * heads_kv + hk;
+  // Units are the parts of the [B, Hkv] kv heads (unit = kv_head * split + part); a unit's
+  // longest block holds its first keys, which every later query sees.
+  const BlockSlot slot = this_block_slot(order);
+  const int64_t k0 = static_cast<int64_t>(slot.rank) * BK;
+  const int64_t kv_head = slot.unit / static_cast<uint32_t>(split);
+  const int part = static_cast<int>(slot.unit % static_cast<uint32_t>(split));
   // This block's query heads: part `part` of the `split` equal parts of the group.
   const int heads_here = group / split;
-  const int64_t head0 = static_cast<int64_t>(b) * heads_q + hk * group + part * heads_here;
+  const int64_t head0 = kv_head * group + part * heads_here;
   const int64_t first_tile = k0 / BQ;  // earlier queries cannot see these keys
   const int q_tiles = static_cast<int>((seq + BQ - 1) / BQ - first_tile);
   const int steps = heads_here * q_tiles;
@@ -754,9 +774,15 @@ __global__ void __launch_bounds__(DkDvTiles<D, MI>::kThreads)
       // P^T = exp(S^T * scale - lse), zero where masked; dS^T = P^T (dP^T - delta). Only tiles
       // that cross this warp's diagonal or the end of the sequence need the mask.
       const bool need_mask = warp_key0 + WK - 1 > q0 || q0 + BQ > seq || warp_key0 + WK > seq;
+      // For the mask, in 32 bits relative to the tile's first query: this lane's first key
+      // (floored where it precedes every query of the tile; an active warp's keys end before
+      // q0 + BQ + WK), and the first query and key past the sequence.
+      const int key_rel = static_cast<int>(max(key_lane - q0, static_cast<int64_t>(-WK)));
+      const int query_end = static_cast<int>(min(seq - q0, static_cast<int64_t>(BQ)));
+      const int key_end = static_cast<int>(min(seq - q0, static_cast<int64_t>(BQ + WK)));
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi) {
-        const int64_t key_a = key_lane + 16 * mi, key_b = key_a + 8;
+        const int key_a = key_rel + 16 * mi, key_b = key_a + 8;
 #pragma unroll
         for (int n = 0; n < BQ / 8; ++n) {
           // This lane's two query columns: one 8-byte shared load each for lse and delta.
@@ -767,8 +793,8 @@ __global__ void __launch_bounds__(DkDvTiles<D, MI>::kThreads)
             const int col = n * 8 + 2 * t4 + (e & 1);
             float p = exp2_ftz(fmaf(st[mi][n][e], scale_log2, -((e & 1) ? lse2.y : lse2.x)));
             if (need_mask) {
-              const int64_t query = q0 + col, key = e < 2 ? key_a : key_b;
-              if (key > query || query >= seq || key >= seq) p = 0.0f;
+              const int key = e < 2 ? key_a : key_b;
+              if (key > col || col >= query_end || key >= key_end) p = 0.0f;
             }
             st[mi][n][e] = p;
             dpt[mi][n][e] = p * (dpt[mi][n][e] - ((e & 1) ? delta2.y : delta2.x));
@@ -888,7 +914,7 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads, DqTiles<D>::kMinBlocks)
     flash_backward_dq_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                              const uint16_t* dout, const float* lse_log2, const float* delta,
                              uint16_t* dq, int heads_q, int group, int64_t seq, float scale_log2,
-                             float scale) {
+                             float scale, LaunchOrder order) {
   using Tiles = DqTiles<D>;
   constexpr int BQ = Tiles::kRows, BK = Tiles::kKeys, LD = Tiles::kLd, NT = Tiles::kThreads;
   constexpr int MI = Tiles::kMTiles, WR = Tiles::kWarpRows;
@@ -898,11 +924,10 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads, DqTiles<D>::kMinBlocks)
   uint16_t* ks = dos + BQ * LD;           // K stages 0 and 1
   uint16_t* vs = ks + 2 * Tiles::kStage;  // V stages 0 and 1
 
-  const int64_t tile = gridDim.x - 1 - blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int heads_kv = heads_q / group;
-  const int64_t head = static_cast<int64_t>(b) * heads_q + h;
-  const int64_t kv_head = static_cast<int64_t>(b) * heads_kv + h / group;
+  // As in the forward: units are the [B, Hq] heads, the longest block holds the last rows.
+  const BlockSlot slot = this_block_slot(order);
+  const int64_t tile = order.ranks - 1 - slot.rank, head = slot.unit;
+  const int64_t kv_head = kv_head_of(slot.unit, heads_q, group);
   const uint16_t* kb = k + kv_head * seq * D;
   const uint16_t* vb = v + kv_head * seq * D;
   const int64_t q0 = tile * BQ;
@@ -928,6 +953,8 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads, DqTiles<D>::kMinBlocks)
       delta_r[mi][half] = row < seq ? delta[head * seq + row] : 0.0f;
     }
   }
+  // Rows of this warp (16 mi + g + 8 half) from row_end on lie past the sequence.
+  const int row_end = static_cast<int>(min(seq - warp_row0, static_cast<int64_t>(WR)));
   float dq_acc[MI][D / 8][4];
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
@@ -1007,6 +1034,10 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads, DqTiles<D>::kMinBlocks)
     }
     // dS = P (dP - delta), P = exp(S * scale - lse), zero where masked (diagonal and last tiles).
     const bool need_mask = k0 + BK - 1 > warp_row0 || k0 + BK > seq || warp_row0 + WR > seq;
+    // For the mask, in 32 bits: the warp's first row relative to the tile's first key (capped
+    // where no key of the tile can pass it), and the first key past the sequence.
+    const int row_rel = static_cast<int>(min(warp_row0 - k0, static_cast<int64_t>(BK)));
+    const int key_end = static_cast<int>(min(seq - k0, static_cast<int64_t>(BK)));
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
@@ -1016,9 +1047,8 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads, DqTiles<D>::kMinBlocks)
           const int half = e >> 1;
           float p = exp2_ftz(fmaf(s[mi][n][e], scale_log2, -lse_r[mi][half]));
           if (need_mask) {
-            const int64_t key = k0 + n * 8 + 2 * t4 + (e & 1);
-            const int64_t row = warp_row0 + 16 * mi + g + 8 * half;
-            if (key > row || key >= seq || row >= seq) p = 0.0f;
+            const int key = n * 8 + 2 * t4 + (e & 1), row = 16 * mi + g + 8 * half;
+            if (key > row_rel + row || key >= key_end || row >= row_end) p = 0.0f;
           }
           s[mi][n][e] = p * (dp[mi][n][e] - delta_r[mi][half]);
         }
@@ -1236,19 +1266,31 @@ bool tensor_core_path(DType type, int64_t head_dim, std::initializer_list<const 
   return true;
 }
 
+// The longest-first order of `ranks` blocks for each of `units` units, each unit reading about
+// `unit_bytes` that its blocks share (see LaunchOrder): chunks of units whose shared inputs take
+// at most kL2Share, about half the L2 of an A100 (40 MB) or H100 (50 MB).
+LaunchOrder longest_first(int64_t ranks, int64_t units, int64_t unit_bytes) {
+  constexpr int64_t kL2Share = int64_t{20} << 20;
+  ST_CHECK(ranks * units <= 0x7fffffff, "attention: ", ranks * units,
+           " blocks are more than one kernel launch takes");
+  const int64_t chunk = std::clamp<int64_t>(kL2Share / std::max<int64_t>(unit_bytes, 1), 1, units);
+  return {static_cast<uint32_t>(ranks), static_cast<uint32_t>(units), static_cast<uint32_t>(chunk)};
+}
+
 template <typename T, int D>
 void tc_forward(const AttentionDims& d, const void* q, const void* k, const void* v, void* out,
                 float* lse, cudaStream_t stream) {
   using Tiles = FwdTiles<D>;
   auto kernel = flash_forward_kernel<T, D>;
   allow_smem(kernel, Tiles::kSmem);
-  const dim3 grid(ceil_div(d.seq, Tiles::kRows), static_cast<unsigned>(d.heads_q),
-                  static_cast<unsigned>(d.batch));
-  kernel<<<grid, Tiles::kThreads, Tiles::kSmem, stream>>>(
+  // A query head's blocks share its kv head's K and V with the rest of the group.
+  const int64_t group = d.heads_q / d.heads_kv;
+  const LaunchOrder order =
+      longest_first(ceil_div(d.seq, Tiles::kRows), d.batch * d.heads_q, d.seq * D * 2 * 2 / group);
+  kernel<<<order.blocks(), Tiles::kThreads, Tiles::kSmem, stream>>>(
       static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k),
       static_cast<const uint16_t*>(v), static_cast<uint16_t*>(out), lse,
-      static_cast<int>(d.heads_q), static_cast<int>(d.heads_q / d.heads_kv), d.seq,
-      d.scale * kLog2e);
+      static_cast<int>(d.heads_q), static_cast<int>(group), d.seq, d.scale * kLog2e, order);
   ST_CHECK_LAUNCH();
 }
 
@@ -1308,12 +1350,13 @@ void dkdv_pass(const AttentionDims& d, const uint16_t* q, const uint16_t* k, con
                         : flash_backward_dkdv_kernel<T, D, MI, false>;
   const size_t smem = fuse_dq ? Tiles::kSmemFusedDq : Tiles::kSmem;
   allow_smem(kernel, smem);
-  const dim3 grid(static_cast<unsigned>(key_blocks), static_cast<unsigned>(d.heads_kv),
-                  static_cast<unsigned>(d.batch * split));
-  kernel<<<grid, Tiles::kThreads, smem, stream>>>(
+  // A unit's blocks share the Q and dO of its group / split query heads.
+  const LaunchOrder order =
+      longest_first(key_blocks, d.batch * d.heads_kv * split, per_head * 2 * 2 * (group / split));
+  kernel<<<order.blocks(), Tiles::kThreads, smem, stream>>>(
       q, k, v, dout, lse_log2, delta, static_cast<uint16_t*>(dk), static_cast<uint16_t*>(dv),
       dk_part, dv_part, dq_accum, static_cast<int>(d.heads_q), group, split, d.seq,
-      d.scale * kLog2e, d.scale);
+      d.scale * kLog2e, d.scale, order);
   ST_CHECK_LAUNCH();
   if (split > 1) {
     sum_group_parts_kernel<T>
@@ -1368,11 +1411,12 @@ void tc_backward(const AttentionDims& d, const void* q, const void* k, const voi
   using Tiles = DqTiles<D>;
   auto kernel = flash_backward_dq_kernel<T, D>;
   allow_smem(kernel, Tiles::kSmem);
-  const dim3 grid(ceil_div(d.seq, Tiles::kRows), static_cast<unsigned>(d.heads_q),
-                  static_cast<unsigned>(d.batch));
-  kernel<<<grid, Tiles::kThreads, Tiles::kSmem, stream>>>(
+  const int64_t group = d.heads_q / d.heads_kv;  // as in the forward: shared K and V
+  const LaunchOrder order =
+      longest_first(ceil_div(d.seq, Tiles::kRows), d.batch * d.heads_q, d.seq * D * 2 * 2 / group);
+  kernel<<<order.blocks(), Tiles::kThreads, Tiles::kSmem, stream>>>(
       q16, k16, v16, do16, lse_log2, delta, static_cast<uint16_t*>(dq), static_cast<int>(d.heads_q),
-      static_cast<int>(d.heads_q / d.heads_kv), d.seq, d.scale * kLog2e, d.scale);
+      static_cast<int>(group), d.seq, d.scale * kLog2e, d.scale, order);
   ST_CHECK_LAUNCH();
 }
 
