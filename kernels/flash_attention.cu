@@ -1308,22 +1308,21 @@ __global__ void finish_dq_kernel(const float* accum, uint16_t* dq, int64_t n, fl
 // How many blocks share one kv head's group of query heads in the dK/dV kernel (a divisor of the
 // group). A block walks its query heads one after another, so with few kv heads and a small
 // batch the grid is small and its longest blocks (the first keys, which every query sees) set
-// the time: at B=1, Hq=32, Hkv=8, S=2048 the kernel has 256 blocks for the 264 slots of an H100,
-// the first of them 4 x 32 steps long. Splitting the group gives more and shorter blocks, for
-// the price of fp32 partials and a pass that adds them (in a fixed order: still
-// deterministic). Automatic (requested 0): the smallest split that gives the grid two blocks per
-// slot (two blocks of the kernel fit an SM); `requested` > 0 forces one (tests).
+// the time: at B=1, Hq=32, Hkv=8, S=2048, D=64 the kernel has 128 blocks of 128 keys for the 264
+// slots of an H100, the first of them 4 x 64 steps long. Splitting the group gives more and
+// shorter blocks, for the price of fp32 partials and a pass that adds them (in a fixed order:
+// still deterministic). Automatic (requested 0): the smallest split that gives the grid two
+// blocks per slot (two blocks of the kernel fit an SM); `requested` > 0 forces one (tests).
 int group_split(const AttentionDims& d, int64_t blocks, int requested) {
   const int group = static_cast<int>(d.heads_q / d.heads_kv);
   if (requested > 0) {
-    ST_CHECK(group % requested == 0 && d.batch * requested <= 65535,
-             "attention backward: ", requested, " parts of a group of ", group,
-             " query heads (batch ", d.batch, ")");
+    ST_CHECK(group % requested == 0, "attention backward: ", requested, " parts of a group of ",
+             group, " query heads");
     return requested;
   }
   const int64_t slots = 2 * static_cast<int64_t>(cuda::multiprocessor_count(-1));
   for (int s = 1; s < group; ++s)
-    if (group % s == 0 && (blocks * s >= 2 * slots || d.batch * group > 65535)) return s;
+    if (group % s == 0 && blocks * s >= 2 * slots) return s;
   return group;
 }
 
