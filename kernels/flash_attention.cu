@@ -1306,23 +1306,31 @@ __global__ void finish_dq_kernel(const float* accum, uint16_t* dq, int64_t n, fl
 }
 
 // How many blocks share one kv head's group of query heads in the dK/dV kernel (a divisor of the
-// group). A block walks its query heads one after another, so with few kv heads and a small
-// batch the grid is small and its longest blocks (the first keys, which every query sees) set
-// the time: at B=1, Hq=32, Hkv=8, S=2048, D=64 the kernel has 128 blocks of 128 keys for the 264
-// slots of an H100, the first of them 4 x 64 steps long. Splitting the group gives more and
-// shorter blocks, for the price of fp32 partials and a pass that adds them (in a fixed order:
-// still deterministic). Automatic (requested 0): the smallest split that gives the grid two
-// blocks per slot (two blocks of the kernel fit an SM); `requested` > 0 forces one (tests).
-int group_split(const AttentionDims& d, int64_t blocks, int requested) {
+// group). A block walks its query heads one after another, and the blocks of the first keys,
+// which every query sees, walk the most query tiles. The grid starts those first (longest-first
+// order), but when one of them alone takes longer than the average slot's share of all the work,
+// it sets the kernel's time: at B=1, Hq=32, Hkv=8, S=2048, D=64, 128 blocks of 128 keys for an
+// H100's 264 slots, the first of them 4 x 64 steps long against 66 per slot. Splitting the group
+// gives more and shorter blocks, for the price of fp32 partials and a pass that adds them (in a
+// fixed order: still deterministic). Automatic (requested 0): the smallest split whose longest
+// block is no longer than a slot's share, with two blocks of the kernel to an SM;
+// `requested` > 0 forces one (tests).
+int group_split(const AttentionDims& d, int64_t key_blocks, int64_t block_keys, int64_t tile_rows,
+                int requested) {
   const int group = static_cast<int>(d.heads_q / d.heads_kv);
   if (requested > 0) {
     ST_CHECK(group % requested == 0, "attention backward: ", requested, " parts of a group of ",
              group, " query heads");
     return requested;
   }
+  // Steps (query tiles) of one query head in the first key block, and in all of them.
+  const int64_t q_tiles = (d.seq + tile_rows - 1) / tile_rows;
+  int64_t head_steps = 0;
+  for (int64_t kb = 0; kb < key_blocks; ++kb) head_steps += q_tiles - kb * block_keys / tile_rows;
   const int64_t slots = 2 * static_cast<int64_t>(cuda::multiprocessor_count(-1));
+  const int64_t slot_share = d.batch * d.heads_q * head_steps / slots;
   for (int s = 1; s < group; ++s)
-    if (group % s == 0 && blocks * s >= 2 * slots) return s;
+    if (group % s == 0 && (group / s) * q_tiles <= slot_share) return s;
   return group;
 }
 
@@ -1335,7 +1343,7 @@ void dkdv_pass(const AttentionDims& d, const uint16_t* q, const uint16_t* k, con
   using Tiles = DkDvTiles<D, MI>;
   const int group = static_cast<int>(d.heads_q / d.heads_kv);
   const int64_t key_blocks = ceil_div(d.seq, Tiles::kKeys);
-  const int split = group_split(d, key_blocks * d.heads_kv * d.batch, requested_split);
+  const int split = group_split(d, key_blocks, Tiles::kKeys, Tiles::kRows, requested_split);
   const int64_t per_head = d.seq * D;
   float *dk_part = nullptr, *dv_part = nullptr;
   if (split > 1) {
