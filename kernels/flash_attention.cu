@@ -1267,13 +1267,20 @@ bool tensor_core_path(DType type, int64_t head_dim, std::initializer_list<const 
 }
 
 // The longest-first order of `ranks` blocks for each of `units` units, each unit reading about
-// `unit_bytes` that its blocks share (see LaunchOrder): chunks of units whose shared inputs take
-// at most kL2Share, about half the L2 of an A100 (40 MB) or H100 (50 MB).
+// `unit_bytes` that its blocks share (see launch_order.h). Chunks hold the units whose shared
+// inputs take kL2Share, about half the L2 of an A100 (40 MB) or H100 (50 MB), but never fewer
+// blocks than kMinWaves times the GPU's slots (two blocks an SM): a chunk that the GPU runs
+// whole at once has no order to speak of, and the list-scheduling model in launch_order.h gave
+// back most of the gain of longest-first at smaller chunks (the chunk boundaries become tails).
 LaunchOrder longest_first(int64_t ranks, int64_t units, int64_t unit_bytes) {
   constexpr int64_t kL2Share = int64_t{20} << 20;
+  constexpr int64_t kMinWaves = 4;
   ST_CHECK(ranks * units <= 0x7fffffff, "attention: ", ranks * units,
            " blocks are more than one kernel launch takes");
-  const int64_t chunk = std::clamp<int64_t>(kL2Share / std::max<int64_t>(unit_bytes, 1), 1, units);
+  const int64_t slots = 2 * static_cast<int64_t>(cuda::multiprocessor_count(-1));
+  const int64_t by_l2 = kL2Share / std::max<int64_t>(unit_bytes, 1);
+  const int64_t by_waves = (kMinWaves * slots + ranks - 1) / ranks;
+  const int64_t chunk = std::clamp<int64_t>(std::max(by_l2, by_waves), 1, units);
   return {static_cast<uint32_t>(ranks), static_cast<uint32_t>(units), static_cast<uint32_t>(chunk)};
 }
 
