@@ -13,8 +13,9 @@
 // A list-scheduling model of the kernel bench's shapes (blocks dispatched in order to two slots
 // an SM of an H100, each taking time in proportion to its tiles; the launcher's chunk sizes)
 // ends the forward 1.07-1.59x, the dQ pass 1.04-1.29x and the dK/dV pass 1.15-1.62x earlier in
-// this order than with each unit's blocks in a row. The model leaves out that a block alone on
-// an SM runs faster, which softens a tail, so the real gain is smaller. Not yet timed on a GPU.
+// this order than with each unit's blocks in a row (tests/bench/schedule_model.py). The model
+// leaves out that a block alone on an SM runs faster, which softens a tail, so the real gain is
+// smaller. Not yet timed on a GPU.
 #pragma once
 #include <cuda_runtime.h>
 
