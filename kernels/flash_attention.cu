@@ -250,10 +250,20 @@ __device__ __forceinline__ BlockSlot this_block_slot(const LaunchOrder& order) {
   return block_slot(order, blockIdx.x);
 }
 
-// The [B, Hkv] kv head of flattened [B, Hq] query head `head`.
-__device__ __forceinline__ int64_t kv_head_of(uint32_t head, int heads_q, int group) {
+// The block of a forward or dQ kernel: units are the flattened [B, Hq] query heads, and a head's
+// longest block (rank 0) holds its last query tile, which sees the most keys.
+struct QueryBlock {
+  int64_t tile;     // query tile
+  int64_t head;     // [B, Hq] query head
+  int64_t kv_head;  // [B, Hkv] kv head whose K and V it reads
+};
+
+__device__ __forceinline__ QueryBlock query_block(const LaunchOrder& order, int heads_q,
+                                                  int group) {
+  const BlockSlot slot = this_block_slot(order);
   const uint32_t hq = static_cast<uint32_t>(heads_q), g = static_cast<uint32_t>(group);
-  return static_cast<int64_t>(head / hq * (hq / g) + head % hq / g);
+  return {static_cast<int64_t>(order.ranks - 1 - slot.rank), static_cast<int64_t>(slot.unit),
+          static_cast<int64_t>(slot.unit / hq * (hq / g) + slot.unit % hq / g)};
 }
 
 // ---- tensor-core forward --------------------------------------------------------------------
@@ -293,10 +303,7 @@ __global__ void __launch_bounds__(FwdTiles<D>::kThreads, FwdTiles<D>::kMinBlocks
   uint16_t* ks = qs + BR * LD;            // K stages 0 and 1
   uint16_t* vs = ks + 2 * Tiles::kStage;  // V stages 0 and 1
 
-  // Units are the [B, Hq] heads; a head's longest block holds its last query rows.
-  const BlockSlot slot = this_block_slot(order);
-  const int64_t tile = order.ranks - 1 - slot.rank, head = slot.unit;
-  const int64_t kv_head = kv_head_of(slot.unit, heads_q, group);
+  const auto [tile, head, kv_head] = query_block(order, heads_q, group);
   const uint16_t* qb = q + head * seq * D;
   const uint16_t* kb = k + kv_head * seq * D;
   const uint16_t* vb = v + kv_head * seq * D;
@@ -905,7 +912,7 @@ struct DqTiles {
   // D = 64: the warp's Q and dO fragments (32 registers) stay in registers for the whole key
   // loop, as Q does in the forward, which takes 8 of the 56 ldmatrix of a tile off shared
   // memory. At D = 128 they would take 128.
-  static constexpr bool kQdOInRegisters = kMTiles == 1 && D <= 64;
+  static constexpr bool kQdOInRegisters = D <= 64;
   static constexpr int kMinBlocks = D <= 64 ? 3 : 1;
 };
 
@@ -924,10 +931,7 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads, DqTiles<D>::kMinBlocks)
   uint16_t* ks = dos + BQ * LD;           // K stages 0 and 1
   uint16_t* vs = ks + 2 * Tiles::kStage;  // V stages 0 and 1
 
-  // As in the forward: units are the [B, Hq] heads, the longest block holds the last rows.
-  const BlockSlot slot = this_block_slot(order);
-  const int64_t tile = order.ranks - 1 - slot.rank, head = slot.unit;
-  const int64_t kv_head = kv_head_of(slot.unit, heads_q, group);
+  const auto [tile, head, kv_head] = query_block(order, heads_q, group);
   const uint16_t* kb = k + kv_head * seq * D;
   const uint16_t* vb = v + kv_head * seq * D;
   const int64_t q0 = tile * BQ;
@@ -1272,16 +1276,28 @@ bool tensor_core_path(DType type, int64_t head_dim, std::initializer_list<const 
 // blocks than kMinWaves times the GPU's slots (two blocks an SM): a chunk that the GPU runs
 // whole at once has no order to speak of, and the list-scheduling model in launch_order.h gave
 // back most of the gain of longest-first at smaller chunks (the chunk boundaries become tails).
+// Blocks the GPU runs at once, counting two to an SM (the attention kernels' usual occupancy).
+int64_t block_slots() {
+  return 2 * static_cast<int64_t>(cuda::multiprocessor_count(-1));
+}
+
 LaunchOrder longest_first(int64_t ranks, int64_t units, int64_t unit_bytes) {
   constexpr int64_t kL2Share = int64_t{20} << 20;
   constexpr int64_t kMinWaves = 4;
   ST_CHECK(ranks * units <= 0x7fffffff, "attention: ", ranks * units,
            " blocks are more than one kernel launch takes");
-  const int64_t slots = 2 * static_cast<int64_t>(cuda::multiprocessor_count(-1));
+  const int64_t slots = block_slots();
   const int64_t by_l2 = kL2Share / std::max<int64_t>(unit_bytes, 1);
   const int64_t by_waves = (kMinWaves * slots + ranks - 1) / ranks;
   const int64_t chunk = std::clamp<int64_t>(std::max(by_l2, by_waves), 1, units);
   return {static_cast<uint32_t>(ranks), static_cast<uint32_t>(units), static_cast<uint32_t>(chunk)};
+}
+
+// The longest-first order of a forward or dQ kernel with `rows` query rows a block: a query head's
+// blocks share its kv head's K and V with the rest of the group.
+LaunchOrder query_tile_order(const AttentionDims& d, int64_t rows) {
+  return longest_first(ceil_div(d.seq, rows), d.batch * d.heads_q,
+                       d.seq * d.head_dim * 2 * 2 / (d.heads_q / d.heads_kv));
 }
 
 template <typename T, int D>
@@ -1290,14 +1306,12 @@ void tc_forward(const AttentionDims& d, const void* q, const void* k, const void
   using Tiles = FwdTiles<D>;
   auto kernel = flash_forward_kernel<T, D>;
   allow_smem(kernel, Tiles::kSmem);
-  // A query head's blocks share its kv head's K and V with the rest of the group.
-  const int64_t group = d.heads_q / d.heads_kv;
-  const LaunchOrder order =
-      longest_first(ceil_div(d.seq, Tiles::kRows), d.batch * d.heads_q, d.seq * D * 2 * 2 / group);
+  const LaunchOrder order = query_tile_order(d, Tiles::kRows);
   kernel<<<order.blocks(), Tiles::kThreads, Tiles::kSmem, stream>>>(
       static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k),
       static_cast<const uint16_t*>(v), static_cast<uint16_t*>(out), lse,
-      static_cast<int>(d.heads_q), static_cast<int>(group), d.seq, d.scale * kLog2e, order);
+      static_cast<int>(d.heads_q), static_cast<int>(d.heads_q / d.heads_kv), d.seq,
+      d.scale * kLog2e, order);
   ST_CHECK_LAUNCH();
 }
 
@@ -1334,8 +1348,7 @@ int group_split(const AttentionDims& d, int64_t key_blocks, int64_t block_keys, 
   const int64_t q_tiles = (d.seq + tile_rows - 1) / tile_rows;
   int64_t head_steps = 0;
   for (int64_t kb = 0; kb < key_blocks; ++kb) head_steps += q_tiles - kb * block_keys / tile_rows;
-  const int64_t slots = 2 * static_cast<int64_t>(cuda::multiprocessor_count(-1));
-  const int64_t slot_share = d.batch * d.heads_q * head_steps / slots;
+  const int64_t slot_share = d.batch * d.heads_q * head_steps / block_slots();
   for (int s = 1; s < group; ++s)
     if (group % s == 0 && (group / s) * q_tiles <= slot_share) return s;
   return group;
@@ -1404,18 +1417,16 @@ void tc_backward(const AttentionDims& d, const void* q, const void* k, const voi
       options.dkdv_m_tiles > 0 ? options.dkdv_m_tiles : default_dkdv_m_tiles(d.head_dim);
   ST_CHECK(m_tiles == 1 || (m_tiles == 2 && D <= 64), "attention backward: ", m_tiles,
            " key m-tiles a warp at head dim ", D, " (1, or 2 at head dim 64)");
-  if constexpr (D <= 64) {
-    if (m_tiles == 2) {
-      dkdv_pass<T, D, 2>(d, q16, k16, v16, do16, lse_log2, delta, dk, dv, dq_accum,
-                         options.group_split, scratch, stream);
-    } else {
-      dkdv_pass<T, D, 1>(d, q16, k16, v16, do16, lse_log2, delta, dk, dv, dq_accum,
-                         options.group_split, scratch, stream);
-    }
-  } else {
-    dkdv_pass<T, D, 1>(d, q16, k16, v16, do16, lse_log2, delta, dk, dv, dq_accum,
-                       options.group_split, scratch, stream);
-  }
+  // The m-tiles as a compile-time constant. Two exist only at D <= 64; above it the check just
+  // made leaves the first branch unreachable, and it names the one-m-tile kernel.
+  auto run_dkdv = [&](auto m_tiles_c) {
+    dkdv_pass<T, D, decltype(m_tiles_c)::value>(d, q16, k16, v16, do16, lse_log2, delta, dk, dv,
+                                                dq_accum, options.group_split, scratch, stream);
+  };
+  if (m_tiles == 2)
+    run_dkdv(std::integral_constant < int, D <= 64 ? 2 : 1 > {});
+  else
+    run_dkdv(std::integral_constant<int, 1>{});
   if (fuse_dq) {
     finish_dq_kernel<T><<<grid_for(dq_elements / 2), kThreads, 0, stream>>>(
         dq_accum, static_cast<uint16_t*>(dq), dq_elements, d.scale);
@@ -1425,12 +1436,10 @@ void tc_backward(const AttentionDims& d, const void* q, const void* k, const voi
   using Tiles = DqTiles<D>;
   auto kernel = flash_backward_dq_kernel<T, D>;
   allow_smem(kernel, Tiles::kSmem);
-  const int64_t group = d.heads_q / d.heads_kv;  // as in the forward: shared K and V
-  const LaunchOrder order =
-      longest_first(ceil_div(d.seq, Tiles::kRows), d.batch * d.heads_q, d.seq * D * 2 * 2 / group);
+  const LaunchOrder order = query_tile_order(d, Tiles::kRows);
   kernel<<<order.blocks(), Tiles::kThreads, Tiles::kSmem, stream>>>(
       q16, k16, v16, do16, lse_log2, delta, static_cast<uint16_t*>(dq), static_cast<int>(d.heads_q),
-      static_cast<int>(group), d.seq, d.scale * kLog2e, d.scale, order);
+      static_cast<int>(d.heads_q / d.heads_kv), d.seq, d.scale * kLog2e, d.scale, order);
   ST_CHECK_LAUNCH();
 }
 

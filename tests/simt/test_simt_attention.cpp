@@ -18,7 +18,7 @@ using testing::random_cpu;
 struct Case {
   int64_t B, Hq, Hkv, S, D;
   DType dtype;
-  bool growing_keys = false;  // see growing_keys() below
+  bool growing_keys = false;  // keys from testing::growing_keys()
 };
 
 std::string describe(const Case& c) {
