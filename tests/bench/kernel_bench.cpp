@@ -24,7 +24,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "kernels.h"  // kernels/: one backward form that only the kernel interface chooses
+// src/backend/cuda/: the kernel interface (which alone chooses one backward form) and the
+// backend's scratch memory for it.
+#include "backend/cuda/cuda_backend.h"
 #include "shardtrain/autograd/engine.h"
 #include "shardtrain/autograd/node.h"
 #include "shardtrain/backend/backend.h"
@@ -163,41 +165,6 @@ constexpr AttentionShape kAttentionShapes[] = {
     {8, 12, 12, 2048, 64},   // configs/llama-125m.yaml at its micro-batch 8
 };
 
-// Device memory for kernels::attention_backward's temporaries. Every call asks for the same
-// sizes in the same order, so after reset() the blocks of the first call are handed out again:
-// nothing is allocated inside the timed calls after the first.
-class DeviceScratch : public kernels::Scratch {
- public:
-  DeviceScratch() = default;
-  DeviceScratch(const DeviceScratch&) = delete;
-  DeviceScratch& operator=(const DeviceScratch&) = delete;
-  ~DeviceScratch() override {
-    for (void* p : blocks_) cudaFree(p);
-  }
-  void reset() { next_ = 0; }
-  void* get(size_t bytes) override {
-    if (next_ == blocks_.size()) {
-      blocks_.push_back(nullptr);
-      sizes_.push_back(0);
-    }
-    if (sizes_[next_] < bytes) {  // the first call, or a larger size than the last call's
-      if (blocks_[next_] != nullptr) {
-        ST_CUDA_CHECK(cudaDeviceSynchronize());
-        ST_CUDA_CHECK(cudaFree(blocks_[next_]));
-        blocks_[next_] = nullptr;
-      }
-      ST_CUDA_CHECK(cudaMalloc(&blocks_[next_], bytes));
-      sizes_[next_] = bytes;
-    }
-    return blocks_[next_++];
-  }
-
- private:
-  std::vector<void*> blocks_;
-  std::vector<size_t> sizes_;
-  size_t next_ = 0;
-};
-
 void bench_attention(Bench& b, const AttentionShape& a) {
   const int64_t B = a.batch, Hq = a.heads_q, Hkv = a.heads_kv, S = a.seq, D = a.head_dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -239,12 +206,12 @@ void bench_attention(Bench& b, const AttentionShape& a) {
     const kernels::AttentionDims dims{B, Hq, Hkv, S, D, scale};
     kernels::AttentionBackwardOptions options;
     options.dkdv_m_tiles = 1;
-    DeviceScratch scratch;
     auto* stream = static_cast<cudaStream_t>(cuda::current_stream(b.dev().index).handle());
     b.run(
         "attention_bwd_one_key_mtile_bf16", shape, 0, 2.5 * fwd_flops,
         [&] {
-          scratch.reset();
+          // Temporaries from the caching allocator, as in a backend call.
+          cuda::CallScratch scratch(b.dev().index);
           kernels::attention_backward(dims, q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                       out.data_ptr(), static_cast<const float*>(lse.data_ptr()),
                                       dout.data_ptr(), DType::BF16, dq.data_ptr(), dk.data_ptr(),
