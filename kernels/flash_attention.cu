@@ -1457,8 +1457,13 @@ void check_dims(const AttentionDims& d) {
                  kSimtMaxD, " the CUDA kernels support");
   ST_CHECK_SHAPE(d.heads_kv > 0 && d.heads_q % d.heads_kv == 0, "attention: ", d.heads_q,
                  " query heads are not a multiple of ", d.heads_kv, " key/value heads");
-  ST_CHECK_SHAPE(d.heads_q <= 65535 && d.batch <= 65535, "attention: batch ", d.batch,
-                 " and heads ", d.heads_q, " must each be at most 65535");
+  // Every grid is one-dimensional, so batch and heads meet no grid limit of their own; the
+  // kernels take the head count as a 32-bit int, and the block counts are checked at launch.
+  ST_CHECK_SHAPE(d.heads_q <= INT32_MAX, "attention: ", d.heads_q,
+                 " query heads are more than the kernels index (2^31 - 1)");
+  ST_CHECK_SHAPE(ceil_div(d.batch * d.heads_q * d.seq, kSimtWarps) <= INT32_MAX,
+                 "attention: ", d.batch, " x ", d.heads_q, " x ", d.seq,
+                 " query rows are more than one kernel launch takes; split the batch");
 }
 
 }  // namespace

@@ -116,6 +116,14 @@ TEST(CudaAttention, GroupedQueryHeads) {
   }
 }
 
+TEST(CudaAttention, MoreThan65535HeadsOrSequencesMatchCpu) {
+  REQUIRE_CUDA();
+  // Grids are one-dimensional: a batch or head count past the 65535 of a grid's y and z
+  // dimensions is still one launch.
+  check_attention({65537, 1, 1, 2, 64}, DType::BF16);
+  check_attention({1, 65540, 16385, 3, 64}, DType::BF16, AttentionBackwardAlgo::AtomicDq);
+}
+
 TEST(CudaAttention, CudaCoreKernelsMatchCpu) {
   REQUIRE_CUDA();
   // f32 at the tensor-core head dims, and head dims the tensor-core kernels do not take.
