@@ -186,7 +186,10 @@ TEST(CudaKernels, RmsNorm) {
   REQUIRE_CUDA();
   for (DType t : kFloatTypes) {
     for (DType tw : {DType::F32, t}) {
-      for (Shape s : {Shape{4, 64}, Shape{3, 5, 37}, Shape{33, 4096}, Shape{2, 1}}) {
+      // 12040 columns: too wide for the fused backward's weight-gradient row in shared memory,
+      // so the two-pass backward.
+      for (Shape s :
+           {Shape{4, 64}, Shape{3, 5, 37}, Shape{33, 4096}, Shape{2, 1}, Shape{2, 12040}}) {
         const int64_t H = s.back(), N = numel(s) / H;
         Tensor x = random_cpu(s, t, 20), w = random_cpu({H}, tw, 21, 0.5f);
         Tensor y_want = empty(s, t), r_want = empty({N});
@@ -207,6 +210,20 @@ TEST(CudaKernels, RmsNorm) {
         expect_close_scaled(dw_got, dw_want, 1e-5f, label("rmsnorm dw", t, s));
       }
     }
+  }
+  {
+    // 16411 rows: the fused backward's 1024 blocks take runs of 17 rows, the last one 4.
+    const Shape s{16411, 8};
+    Tensor x = random_cpu(s, DType::BF16, 27), w = random_cpu({8}, DType::F32, 28, 0.5f);
+    Tensor y = empty(s, DType::BF16), r = empty({16411});
+    cpu().rmsnorm_forward(x, w, 1e-5f, y, r);
+    Tensor dy = random_cpu(s, DType::BF16, 29);
+    Tensor dx_want = empty(s, DType::BF16), dw_want = zeros({8});
+    cpu().rmsnorm_backward(dy, x, w, r, dx_want, dw_want);
+    Tensor dx = empty(s, DType::BF16, cuda0()), dw = zeros({8}, DType::F32, cuda0());
+    gpu().rmsnorm_backward(dy.to(cuda0()), x.to(cuda0()), w.to(cuda0()), r.to(cuda0()), dx, dw);
+    expect_close_scaled(dx, dx_want, 2 * tolerance(DType::BF16), "rmsnorm dx, 16411 rows", 1.0f);
+    expect_close_scaled(dw, dw_want, 1e-5f, "rmsnorm dw, 16411 rows");
   }
   // dx may share memory with dy.
   Tensor x = random_cpu({8, 48}, DType::F32, 24), w = random_cpu({48}, DType::F32, 25);
