@@ -261,6 +261,17 @@ TEST(CudaKernels, Rope) {
     gpu().rope(x.to(cuda0()), got, RopeParams{500000.0f}, offset, false);
     expect_close(got, want, 2e-5f, 2e-5f, label("rope far positions", DType::F32, s));
   }
+  // In place on a view one element into its storage, so the vector path's loads would be
+  // misaligned: the kernel must take the one-pair path.
+  {
+    Tensor base = random_cpu({385, 1}, DType::BF16, 34);
+    Tensor g = base.to(cuda0());
+    Tensor gv = g.slice_rows(1, 384).view({1, 3, 2, 64});
+    Tensor cv = base.slice_rows(1, 384).view({1, 3, 2, 64});
+    gpu().rope(gv, gv, RopeParams{10000.0f}, 3, false);
+    cpu().rope(cv, cv, RopeParams{10000.0f}, 3, false);
+    expect_close(g, base, 2e-5f, tolerance(DType::BF16), "rope in place on a misaligned view");
+  }
   // In place, and forward then inverse is the identity.
   Tensor x = random_cpu({2, 9, 2, 32}, DType::F32, 31);
   Tensor g = x.to(cuda0());
