@@ -160,6 +160,14 @@ inline unsigned grid_for(int64_t items, int threads = kThreads) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min(needed, cap)));
 }
 
+// Whether a grid-stride loop over `items` (on the grid grid_for(items) or a smaller one) may
+// count in 32 bits: every index, and the step past the last one, stay below 2^31. Kernels that
+// divide their loop index take a 32-bit index type when it may: a 64-bit division is a call of a
+// few dozen instructions, a 32-bit one a handful.
+inline bool index32_fits(int64_t items) {
+  return items + static_cast<int64_t>(grid_for(items)) * kThreads <= INT32_MAX;
+}
+
 inline unsigned ceil_div(int64_t a, int64_t b) {
   return static_cast<unsigned>((a + b - 1) / b);
 }

@@ -25,18 +25,33 @@ __global__ void first_bad_kernel(const int64_t* ids, int64_t n, int64_t limit, i
   }
 }
 
-template <int N, typename TW, typename TO>
-__global__ void embedding_forward_kernel(const TW* weight, const int64_t* ids, TO* out, int64_t n,
-                                         int64_t hidden) {
-  const int64_t per_row = hidden / N;
-  const int64_t total = n * per_row;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t i = idx / per_row, j = (idx - i * per_row) * N;
+// Index: the type of the loop's arithmetic, 32-bit when the output allows (index32_fits); the
+// weight row's offset is always 64-bit.
+template <int N, typename Index, typename TW, typename TO>
+__global__ void embedding_forward_kernel(const TW* weight, const int64_t* ids, TO* out, Index n,
+                                         Index hidden) {
+  const Index per_row = hidden / N;
+  const Index total = n * per_row;
+  for (Index idx = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<Index>(gridDim.x) * blockDim.x) {
+    const Index i = idx / per_row, j = (idx - i * per_row) * N;
     float v[N];
-    load_vec<TW, N>(weight + ids[i] * hidden + j, v);
+    load_vec<TW, N>(weight + ids[i] * static_cast<int64_t>(hidden) + j, v);
     store_vec<TO, N>(out + i * hidden + j, v);
   }
+}
+
+template <int N, typename TW, typename TO>
+void launch_embedding_forward(const TW* w, const int64_t* ids, TO* o, int64_t n, int64_t hidden,
+                              cudaStream_t stream) {
+  const int64_t items = n * hidden / N;
+  if (index32_fits(n * hidden))
+    embedding_forward_kernel<N, uint32_t><<<grid_for(items), kThreads, 0, stream>>>(
+        w, ids, o, static_cast<uint32_t>(n), static_cast<uint32_t>(hidden));
+  else
+    embedding_forward_kernel<N, int64_t>
+        <<<grid_for(items), kThreads, 0, stream>>>(w, ids, o, n, hidden);
+  ST_CHECK_LAUNCH();
 }
 
 // Keys: the id (ids outside [0, vocab) become `vocab`, sorted last and skipped); values: the
@@ -117,12 +132,9 @@ void embedding_forward(const void* weight, DType tw, const int64_t* ids, void* o
         const TW* w = static_cast<const TW*>(weight);
         TO* o = static_cast<TO*>(out);
         if (hidden % 4 == 0 && aligned(w, 4 * sizeof(TW)) && aligned(o, 4 * sizeof(TO)))
-          embedding_forward_kernel<4>
-              <<<grid_for(n * hidden / 4), kThreads, 0, stream>>>(w, ids, o, n, hidden);
+          launch_embedding_forward<4>(w, ids, o, n, hidden, stream);
         else
-          embedding_forward_kernel<1>
-              <<<grid_for(n * hidden), kThreads, 0, stream>>>(w, ids, o, n, hidden);
-        ST_CHECK_LAUNCH();
+          launch_embedding_forward<1>(w, ids, o, n, hidden, stream);
       }));
 }
 

@@ -6,13 +6,14 @@ namespace shardtrain::kernels {
 
 namespace {
 
-template <typename W>
-__global__ void permute_0213_kernel(const W* x, W* out, int64_t B, int64_t C, int64_t row_words,
-                                    int64_t total) {
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = idx / row_words, w = idx - r * row_words;
-    const int64_t b = r % B, c = (r / B) % C, a = r / (B * C);
+// Index: the type of the loop's arithmetic, 32-bit when the tensor allows (index32_fits).
+template <typename W, typename Index>
+__global__ void permute_0213_kernel(const W* x, W* out, Index B, Index C, Index row_words,
+                                    Index total) {
+  for (Index idx = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<Index>(gridDim.x) * blockDim.x) {
+    const Index r = idx / row_words, w = idx - r * row_words;
+    const Index b = r % B, c = (r / B) % C, a = r / (B * C);
     out[idx] = x[((a * B + b) * C + c) * row_words + w];
   }
 }
@@ -22,8 +23,15 @@ void launch(const void* x, void* out, int64_t rows, int64_t B, int64_t C, int64_
             cudaStream_t stream) {
   const int64_t row_words = row_bytes / static_cast<int64_t>(sizeof(W));
   const int64_t total = rows * row_words;
-  permute_0213_kernel<W><<<grid_for(total), kThreads, 0, stream>>>(
-      static_cast<const W*>(x), static_cast<W*>(out), B, C, row_words, total);
+  const auto* px = static_cast<const W*>(x);
+  auto* pout = static_cast<W*>(out);
+  if (index32_fits(total))
+    permute_0213_kernel<W, uint32_t><<<grid_for(total), kThreads, 0, stream>>>(
+        px, pout, static_cast<uint32_t>(B), static_cast<uint32_t>(C),
+        static_cast<uint32_t>(row_words), static_cast<uint32_t>(total));
+  else
+    permute_0213_kernel<W, int64_t>
+        <<<grid_for(total), kThreads, 0, stream>>>(px, pout, B, C, row_words, total);
   ST_CHECK_LAUNCH();
 }
 

@@ -99,10 +99,8 @@ void rope(const void* x, void* out, DType type, int64_t B, int64_t S, int64_t H,
       device_table = static_cast<const float*>(dst);
     }
   }
-  // 32-bit indices when every element index, and the grid-stride loop's last step past the
-  // end, stay below 2^31.
-  const int64_t stride = static_cast<int64_t>(grid_for(rows * half)) * kThreads;
-  const bool index32 = rows * D + stride <= INT32_MAX;
+  // Element indices reach rows * D; the loop's grid is at most grid_for(rows * D).
+  const bool index32 = index32_fits(rows * D);
   ST_DISPATCH_FLOAT(type, T, {
     constexpr int kWide = kVec<T>;
     const T* px = static_cast<const T*>(x);
