@@ -339,6 +339,10 @@ void bench_elementwise(Bench& b) {
   Tensor x = randn_on({4, 2048, 32, 128}, DType::BF16, b.dev(), 15);
   b.run("rope_bf16", "4x2048x32x128", 2.0 * x.numel() * 2, 0,
         [&] { b.backend().rope(x, x, RopeParams{10000.0f}, 0, false); });
+  // [B, S, H, D] -> [B, H, S, D], as the attention's inputs are laid out for the fused kernels.
+  Tensor permuted = empty({4, 32, 2048, 128}, DType::BF16, b.dev());
+  b.run("permute_0213_bf16", "4x2048x32x128", 2.0 * x.numel() * 2, 0,
+        [&] { b.backend().permute_0213(x, permuted); });
   const int64_t V = 32000, H = 4096, N = 8192;
   Tensor table = randn_on({V, H}, DType::BF16, b.dev(), 16);
   std::vector<int64_t> ids(static_cast<size_t>(N));
