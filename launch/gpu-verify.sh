@@ -281,6 +281,10 @@ phase_kernels() {
       echo >>"$log"
       "${py[@]}" "$scripts/compare_attention.py" "$kb" "$sdpa" --variant one_key_mtile 2>&1 |
         tee -a "$log"
+      # The same for the one-pass backward, whose two-m-tile form spills a few registers.
+      echo >>"$log"
+      "${py[@]}" "$scripts/compare_attention.py" "$kb" "$sdpa" --variant atomic_dq_one_key_mtile \
+        2>&1 | tee -a "$log"
     else
       record SKIP kernels "attention comparison" 0 "kernel bench or SDPA figures missing"
     fi

@@ -8,8 +8,9 @@ SDPA ms / shardtrain ms (1.0 = as fast as SDPA, 0.5 = half its speed) and PASS w
 least the target (default 0.5: shardtrain at least half as fast as SDPA). shardtrain's
 forward+backward is its forward plus its backward median. --variant picks which of shardtrain's
 backward forms is compared: deterministic (rows attention_bwd_<dtype>, the default), atomic_dq
-(rows attention_bwd_atomic_dq_<dtype>) or one_key_mtile (rows attention_bwd_one_key_mtile_<dtype>:
-the deterministic backward with one 16-key m-tile a warp in its dK/dV kernel, head dim 64 only).
+(rows attention_bwd_atomic_dq_<dtype>), one_key_mtile (rows attention_bwd_one_key_mtile_<dtype>:
+the deterministic backward with one 16-key m-tile a warp in its dK/dV kernel, head dim 64 only)
+or atomic_dq_one_key_mtile (the same for the one-pass backward).
 
   python3 tests/bench/compare_attention.py kernels.json sdpa.json
   python3 tests/bench/compare_attention.py kernels.json sdpa.json --backend best --json cmp.json
@@ -45,8 +46,10 @@ def key_from_text(shape):
 
 # shardtrain's backward forms and the part of the kernel-bench row name between attention_bwd_ and
 # the dtype: attention_bwd_bf16, attention_bwd_atomic_dq_bf16, attention_bwd_one_key_mtile_bf16
-# (the dK/dV kernel with one key m-tile a warp, timed at head dim 64 only).
-VARIANTS = {"deterministic": "", "atomic_dq": "atomic_dq_", "one_key_mtile": "one_key_mtile_"}
+# and attention_bwd_atomic_dq_one_key_mtile_bf16 (the dK/dV kernel with one key m-tile a warp,
+# timed at head dim 64 only).
+VARIANTS = {"deterministic": "", "atomic_dq": "atomic_dq_", "one_key_mtile": "one_key_mtile_",
+            "atomic_dq_one_key_mtile": "atomic_dq_one_key_mtile_"}
 BACKWARD_ROW = re.compile(r"attention_bwd_(?P<form>(?:[a-z0-9]+_)*?)(?P<dtype>bf16|f16|fp16|f32)")
 
 

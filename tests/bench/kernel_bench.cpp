@@ -200,24 +200,31 @@ void bench_attention(Bench& b, const AttentionShape& a) {
         params);
   }
   // At head dim 64 the dK/dV kernel's warps take two 16-key m-tiles by default; the form with
-  // one (the only one at head dim 128) is timed too, through the kernel interface, which is the
-  // only place that chooses it. Same results to the bit, so only the time differs.
+  // one (the only one at head dim 128) is timed too, under both backwards, through the kernel
+  // interface, which is the only place that chooses it. Same results to the bit (the atomic dQ
+  // aside), so only the time differs. With atomic dQ, two m-tiles spill a few registers.
   if (D == 64) {
     const kernels::AttentionDims dims{B, Hq, Hkv, S, D, scale};
-    kernels::AttentionBackwardOptions options;
-    options.dkdv_m_tiles = 1;
     auto* stream = static_cast<cudaStream_t>(cuda::current_stream(b.dev().index).handle());
-    b.run(
-        "attention_bwd_one_key_mtile_bf16", shape, 0, 2.5 * fwd_flops,
-        [&] {
-          // Temporaries from the caching allocator, as in a backend call.
-          cuda::CallScratch scratch(b.dev().index);
-          kernels::attention_backward(dims, q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                      out.data_ptr(), static_cast<const float*>(lse.data_ptr()),
-                                      dout.data_ptr(), DType::BF16, dq.data_ptr(), dk.data_ptr(),
-                                      dv.data_ptr(), options, scratch, stream);
-        },
-        params);
+    const std::pair<const char*, AttentionBackwardAlgo> one_m_tile_backwards[] = {
+        {"attention_bwd_one_key_mtile_bf16", AttentionBackwardAlgo::Deterministic},
+        {"attention_bwd_atomic_dq_one_key_mtile_bf16", AttentionBackwardAlgo::AtomicDq}};
+    for (const auto& backward : one_m_tile_backwards) {
+      kernels::AttentionBackwardOptions options;
+      options.algo = backward.second;
+      options.dkdv_m_tiles = 1;
+      b.run(
+          backward.first, shape, 0, 2.5 * fwd_flops,
+          [&] {
+            // Temporaries from the caching allocator, as in a backend call.
+            cuda::CallScratch scratch(b.dev().index);
+            kernels::attention_backward(dims, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                        out.data_ptr(), static_cast<const float*>(lse.data_ptr()),
+                                        dout.data_ptr(), DType::BF16, dq.data_ptr(), dk.data_ptr(),
+                                        dv.data_ptr(), options, scratch, stream);
+          },
+          params);
+    }
   }
 }
 

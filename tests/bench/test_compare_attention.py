@@ -40,6 +40,8 @@ KERNELS = {
         kernel("attention_bwd_atomic_dq_bf16", 1.6, GQA),
         # The one-key-m-tile form: only --variant one_key_mtile reads it.
         kernel("attention_bwd_one_key_mtile_bf16", 2.4, GQA),
+        # And the one-pass backward's: only --variant atomic_dq_one_key_mtile reads it.
+        kernel("attention_bwd_atomic_dq_one_key_mtile_bf16", 1.4, GQA),
         kernel("attention_fwd_bf16", 1.0, ONLY_OURS),
         kernel("attention_bwd_bf16", 3.0, ONLY_OURS),
     ],
@@ -125,7 +127,9 @@ class CompareAttention(unittest.TestCase):
         rows = compare_attention.compare(KERNELS, SDPA, "default", 0.5, "one_key_mtile")
         self.assertEqual(by(rows, "B=2 Hq=32 Hkv=8 S=2048 D=128", "backward")["shardtrain_ms"], 2.4)
         self.assertEqual(by(rows, "B=4 H=16 S=2048 D=128", "backward")["status"], "MISSING")
-        for variant, ms in (("deterministic", 2.0), ("atomic_dq", 1.6)):
+        rows = compare_attention.compare(KERNELS, SDPA, "default", 0.5, "atomic_dq_one_key_mtile")
+        self.assertEqual(by(rows, "B=2 Hq=32 Hkv=8 S=2048 D=128", "backward")["shardtrain_ms"], 1.4)
+        for variant, ms in (("deterministic", 2.0), ("atomic_dq", 1.6), ("one_key_mtile", 2.4)):
             self.assertEqual(by(compare_attention.compare(KERNELS, SDPA, "default", 0.5, variant),
                                 "B=2 Hq=32 Hkv=8 S=2048 D=128", "backward")["shardtrain_ms"], ms)
 
@@ -136,6 +140,10 @@ class CompareAttention(unittest.TestCase):
         self.assertIsNone(compare_attention.pass_of("attention_bwd_atomic_dq_bf16", "deterministic"))
         self.assertIsNone(compare_attention.pass_of("attention_bwd_one_key_mtile_bf16",
                                                     "atomic_dq"))
+        self.assertIsNone(compare_attention.pass_of("attention_bwd_atomic_dq_one_key_mtile_bf16",
+                                                    "one_key_mtile"))
+        self.assertEqual(compare_attention.pass_of("attention_bwd_atomic_dq_one_key_mtile_bf16",
+                                                   "atomic_dq_one_key_mtile"), "backward")
         self.assertIsNone(compare_attention.pass_of("rmsnorm_bwd_bf16", "deterministic"))
 
     def test_target(self):
