@@ -1,7 +1,8 @@
 // Cross-entropy over vocabulary rows. One block per row walks the vocabulary in vector-sized
-// chunks keeping a running (max, sum of exp) per thread (online log-sum-exp, one pass), and the
-// per-thread pairs are combined with fixed-tree block reductions. The backward recomputes the
-// log-sum-exp the same way and writes softmax - onehot in a second pass.
+// chunks keeping a running (max, sum of exp) per thread (online log-sum-exp, one pass, the max
+// updated once a chunk), and the per-thread pairs are combined with fixed-tree block reductions.
+// The backward recomputes the log-sum-exp the same way and writes softmax - onehot in a second
+// pass.
 #include "common.cuh"
 
 namespace shardtrain::kernels {
@@ -11,17 +12,26 @@ namespace {
 constexpr int kRowThreads = 512;
 constexpr int64_t kIgnoreIndex = -100;
 
+// A thread's running (max, sum of exp(x - max)), fed a vector of logits at a time: the max moves
+// (one exp to rescale the sum) at most once a vector, and every logit then costs one exp with no
+// branch, where a max checked per logit costs a divergent branch and, in a warp whose lanes go
+// both ways, two exps. Non-finite logits come out as on the CPU, which takes the row's max
+// first, ignoring nans, then sums exp(x - max): -inf adds nothing (the select keeps
+// exp(-inf - -inf) out), a nan makes the sum nan, and a +inf makes it nan (exp(inf - inf)).
 struct RunningLse {
   float max = -INFINITY;
-  float sum = 0.0f;  // sum of exp(x - max)
-  __device__ void add(float x) {
-    if (x == -INFINITY) return;  // contributes nothing (and -inf - -inf would be nan)
-    if (x > max) {
-      sum = sum * expf(max - x) + 1.0f;
-      max = x;
-    } else {
-      sum += expf(x - max);  // also propagates nan
+  float sum = 0.0f;
+  template <int N>
+  __device__ void add(const float (&v)[N]) {
+    float vector_max = v[0];
+#pragma unroll
+    for (int k = 1; k < N; ++k) vector_max = fmaxf(vector_max, v[k]);  // drops nans
+    if (vector_max > max) {
+      sum *= expf(max - vector_max);  // 0 * exp(-inf) = 0 before the first finite logit
+      max = vector_max;
     }
+#pragma unroll
+    for (int k = 0; k < N; ++k) sum += v[k] == -INFINITY ? 0.0f : expf(v[k] - max);
   }
 };
 
@@ -33,10 +43,12 @@ __device__ void row_lse(const T* row, int64_t vocab, float* red, float& mx, floa
   for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
     float v[N];
     load_vec<T, N>(row + i * N, v);
-#pragma unroll
-    for (int k = 0; k < N; ++k) run.add(v[k]);
+    run.add(v);
   }
-  for (int64_t j = nvec * N + threadIdx.x; j < vocab; j += blockDim.x) run.add(to_float(row[j]));
+  for (int64_t j = nvec * N + threadIdx.x; j < vocab; j += blockDim.x) {
+    const float v[1] = {to_float(row[j])};
+    run.add(v);
+  }
   mx = block_max(run.max, red);
   // A thread that saw only -inf contributes 0 (and must not form exp(-inf - -inf)); one that saw
   // only nans keeps max = -inf but sum = nan, which has to reach the total as on the CPU.

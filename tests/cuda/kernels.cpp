@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <limits>
+#include <random>
 
 #include "cuda_test_util.h"
 
@@ -380,6 +381,41 @@ TEST(CudaKernels, CrossEntropy) {
       cpu().cross_entropy_backward(logits, targets, 0.25f, d_want);
       gpu().cross_entropy_backward(logits.to(cuda0()), targets.to(cuda0()), 0.25f, d_got);
       expect_close(d_got, d_want, 1e-6f, tolerance(t), label("cross_entropy_backward", t, {N, V}));
+    }
+  }
+  {
+    // Non-finite logits give what the CPU gives: a -inf adds nothing (a whole vector of them
+    // before any finite logit, too, and a row of -inf but the target), a nan or a +inf anywhere
+    // in the row makes its loss nan. Rows of 4104 logits, so the kernels take vectors and a
+    // thread walks several of them.
+    const float inf = INFINITY, nan = NAN;
+    constexpr int64_t V = 4104;
+    std::vector<float> rows(4 * V);
+    std::mt19937 gen(79);
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    for (float& x : rows) x = normal(gen);
+    for (int64_t j : {0, 1, 2, 3, 2049, 4100}) rows[j] = -inf;
+    for (int64_t j = 0; j < V; ++j)
+      if (j != 3000) rows[V + j] = -inf;
+    rows[2 * V + 4000] = nan;
+    rows[3 * V + 10] = inf;
+    for (DType t : {DType::F32, DType::BF16}) {
+      Tensor logits = from_floats(rows, {4, V}, t);
+      Tensor targets = from_ints({7, 3000, 0, 1}, {4});
+      Tensor want = empty({4}), got = empty({4}, DType::F32, cuda0());
+      cpu().cross_entropy_forward(logits, targets, want);
+      gpu().cross_entropy_forward(logits.to(cuda0()), targets.to(cuda0()), got);
+      const Tensor host = got.to(Device::cpu());
+      const float* w = want.data<float>();
+      const float* g = host.data<float>();
+      EXPECT_TRUE(std::isfinite(w[0]) && w[1] == 0.0f && std::isnan(w[2]) && std::isnan(w[3]));
+      for (int64_t r = 0; r < 4; ++r) {
+        if (std::isnan(w[r]))
+          EXPECT_TRUE(std::isnan(g[r])) << dtype_name(t) << " row " << r << ": got " << g[r];
+        else
+          EXPECT_NEAR(g[r], w[r], 1e-5f * std::max(1.0f, std::fabs(w[r])))
+              << dtype_name(t) << " row " << r;
+      }
     }
   }
   Tensor logits = zeros({2, 5}, DType::F32, cuda0());
