@@ -41,24 +41,26 @@ __global__ void __launch_bounds__(kRowThreads)
 
 // dx = rstd * w * dy - x * rstd^3 / H * sum(dy * w * x), and dw = sum over rows of dy * x * rstd.
 //
-// A block takes `rows_per_block` consecutive rows, one after another, and adds each row's
-// dy * x * rstd into a weight-gradient row of its own in shared memory; at the end it writes that
-// row to `dw_partial[blockIdx.x]`, and column_finish_kernel adds the blocks' rows in order. So dy
-// and x are read from memory once for both gradients (a separate column-sum pass would read them
-// again: 5 tensor-sized transfers instead of 3). A thread owns the same columns in every row, so
-// the shared row needs no synchronisation; it is laid out [N][hidden / N] so that the threads of
-// a warp, which own consecutive vectors, hit consecutive banks.
-template <int N, typename T, typename TW>
+// A block takes `rows_per_block` consecutive rows, one after another. With kSumDw it adds each
+// row's dy * x * rstd into a weight-gradient row of its own in shared memory, and at the end
+// writes that row to `dw_partial[blockIdx.x]`; column_finish_kernel then adds the blocks' rows in
+// order. So dy and x are read from memory once for both gradients (a separate column-sum pass
+// would read them again: 5 tensor-sized transfers instead of 3). A thread owns the same columns
+// in every row, so the shared row needs no synchronisation; it is laid out [N][hidden / N] so
+// that the threads of a warp, which own consecutive vectors, hit consecutive banks. Without
+// kSumDw (rows too wide for that row, whose dw comes from column sums) a block takes one row.
+template <int N, typename T, typename TW, bool kSumDw>
 __global__ void __launch_bounds__(kRowThreads)
     rmsnorm_backward_kernel(const T* dy, const T* x, const TW* w, const float* rstd, T* dx,
                             float* dw_partial, int64_t rows, int64_t hidden,
                             int64_t rows_per_block) {
-  extern __shared__ float dw_rows[];  // [N][nvec]
+  extern __shared__ float dw_rows[];  // [N][nvec], with kSumDw
   __shared__ float red[33];
   const int64_t nvec = hidden / N;
-  for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x)
+  if constexpr (kSumDw)
+    for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x)
 #pragma unroll
-    for (int k = 0; k < N; ++k) dw_rows[k * nvec + i] = 0.0f;
+      for (int k = 0; k < N; ++k) dw_rows[k * nvec + i] = 0.0f;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * rows_per_block;
   const int64_t end = min(rows, first + rows_per_block);
   for (int64_t row = first; row < end; ++row) {
@@ -74,7 +76,7 @@ __global__ void __launch_bounds__(kRowThreads)
 #pragma unroll
       for (int k = 0; k < N; ++k) {
         dot += g[k] * to_float(w[i * N + k]) * a[k];
-        dw_rows[k * nvec + i] += g[k] * a[k] * rs;
+        if constexpr (kSumDw) dw_rows[k * nvec + i] += g[k] * a[k] * rs;
       }
     }
     dot = block_sum(dot, red);  // its barriers also order this row's reads before dx's writes
@@ -89,44 +91,11 @@ __global__ void __launch_bounds__(kRowThreads)
       store_vec<T, N>(dxr + i * N, g);
     }
   }
-  float* out = dw_partial + static_cast<int64_t>(blockIdx.x) * hidden;
-  for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x)
+  if constexpr (kSumDw) {
+    float* out = dw_partial + static_cast<int64_t>(blockIdx.x) * hidden;
+    for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x)
 #pragma unroll
-    for (int k = 0; k < N; ++k) out[i * N + k] = dw_rows[k * nvec + i];
-}
-
-// The backward for rows too wide for a weight-gradient row in shared memory: a two-stage column
-// sum for dw (common.cuh), computed before dx so that dx may share memory with dy, then dx with
-// a block per row.
-template <int N, typename T, typename TW>
-__global__ void __launch_bounds__(kRowThreads)
-    rmsnorm_backward_dx_kernel(const T* dy, const T* x, const TW* w, const float* rstd, T* dx,
-                               int64_t hidden) {
-  __shared__ float red[33];
-  const int64_t row = blockIdx.x;
-  const T* dyr = dy + row * hidden;
-  const T* xr = x + row * hidden;
-  T* dxr = dx + row * hidden;
-  const int64_t nvec = hidden / N;
-  float dot = 0.0f;
-  for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
-    float g[N], a[N];
-    load_vec<T, N>(dyr + i * N, g);
-    load_vec<T, N>(xr + i * N, a);
-#pragma unroll
-    for (int k = 0; k < N; ++k) dot += g[k] * to_float(w[i * N + k]) * a[k];
-  }
-  dot = block_sum(dot, red);
-  const float rs = rstd[row];
-  const float coef = dot / static_cast<float>(hidden) * rs * rs * rs;
-  // Each thread rewrites exactly the elements it read, so dx may alias dy.
-  for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
-    float g[N], a[N];
-    load_vec<T, N>(dyr + i * N, g);
-    load_vec<T, N>(xr + i * N, a);
-#pragma unroll
-    for (int k = 0; k < N; ++k) g[k] = rs * to_float(w[i * N + k]) * g[k] - a[k] * coef;
-    store_vec<T, N>(dxr + i * N, g);
+      for (int k = 0; k < N; ++k) out[i * N + k] = dw_rows[k * nvec + i];
   }
 }
 
@@ -201,8 +170,8 @@ void rmsnorm_backward(const void* dy, const void* x, DType type, const void* w, 
           const int64_t blocks = backward_blocks(rows);
           const int64_t rows_per_block = (rows + blocks - 1) / blocks;
           float* partial = static_cast<float*>(scratch.get(dw_row_bytes * blocks));
-          auto kernel = vectorize ? rmsnorm_backward_kernel<kVec<T>, T, TW>
-                                  : rmsnorm_backward_kernel<1, T, TW>;
+          auto kernel = vectorize ? rmsnorm_backward_kernel<kVec<T>, T, TW, true>
+                                  : rmsnorm_backward_kernel<1, T, TW, true>;
           kernel<<<static_cast<unsigned>(blocks), kRowThreads, dw_row_bytes, stream>>>(
               pdy, px, pw, rstd, pdx, partial, rows, hidden, rows_per_block);
           ST_CHECK_LAUNCH();
@@ -211,14 +180,13 @@ void rmsnorm_backward(const void* dy, const void* x, DType type, const void* w, 
           ST_CHECK_LAUNCH();
           return;
         }
+        // Too wide: dw by column sums first (so that dx may share memory with dy), then dx with
+        // a block per row.
         column_sum(NormWeightTerm<T>{pdy, px, rstd, hidden}, rows, hidden, dw, scratch, stream);
-        if (vectorize)
-          rmsnorm_backward_dx_kernel<kVec<T>>
-              <<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(pdy, px, pw, rstd, pdx,
-                                                                        hidden);
-        else
-          rmsnorm_backward_dx_kernel<1><<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
-              pdy, px, pw, rstd, pdx, hidden);
+        auto kernel = vectorize ? rmsnorm_backward_kernel<kVec<T>, T, TW, false>
+                                : rmsnorm_backward_kernel<1, T, TW, false>;
+        kernel<<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(pdy, px, pw, rstd, pdx,
+                                                                        nullptr, rows, hidden, 1);
         ST_CHECK_LAUNCH();
       }));
 }
