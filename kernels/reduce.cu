@@ -3,6 +3,8 @@
 // Sums are deterministic: the grid size depends only on the element count, each thread walks a
 // fixed grid-stride sequence, blocks reduce with a fixed tree, and one final block adds the
 // block partials in a fixed tree as well.
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace shardtrain::kernels {
@@ -61,30 +63,71 @@ __global__ void __launch_bounds__(kMaxSumBlocks)
   if (threadIdx.x == 0) *result = acc;
 }
 
-// Sums of squares of up to kSumListMax tensors of one dtype and load width in two launches:
-// each tensor gets the blocks its single-tensor sum would get (sum_blocks), and every block,
-// and then the final block of each tensor, computes exactly what it computes there, so a
-// tensor's result is the single-tensor result bit for bit. The list travels in the kernels'
-// arguments.
-constexpr int kSumListMax = 48;
-template <typename T>
-struct SumSquaresList {
-  const T* x[kSumListMax];
-  int64_t n[kSumListMax];
-  int64_t first_block[kSumListMax + 1];  // this launch's blocks of tensor k: [first_block[k], +1)
-  int64_t out[kSumListMax];              // the tensor's index in the caller's list
+// A list of up to kListMax tensors of one dtype and load width for one launch, travelling in the
+// kernel's arguments. Each tensor has a range of the launch's blocks: block b works on the tensor
+// t with first_block[t] <= b < first_block[t + 1], as block b - first_block[t] of a grid of
+// first_block[t + 1] - first_block[t] blocks, so it does exactly what that block of a launch on
+// the tensor alone would do.
+constexpr int kListMax = 48;
+template <typename P>  // const T* or T*
+struct TensorList {
+  P x[kListMax];
+  int64_t n[kListMax];
+  int64_t first_block[kListMax + 1];
+  int64_t out[kListMax];  // the tensor's index in the caller's list
   int count;
 };
+
+// This block's tensor in `list`, and its block index and grid within that tensor.
+struct ListBlock {
+  int tensor;
+  int64_t block, grid;
+};
+template <typename P>
+__device__ __forceinline__ ListBlock list_block(const TensorList<P>& list) {
+  int t = 0;
+  while (blockIdx.x >= list.first_block[t + 1]) ++t;
+  return {t, blockIdx.x - list.first_block[t], list.first_block[t + 1] - list.first_block[t]};
+}
+
+// Calls launch(list) for the tensors of `spans` whose dtype is T and whose 16-byte alignment is
+// `vectorized`, kListMax at a time, tensor i getting blocks_of(n) blocks.
+template <typename P, typename BlocksOf, typename Launch>
+void for_each_list(const TensorSpan* spans, int64_t count, bool vectorized, BlocksOf blocks_of,
+                   Launch launch) {
+  using T = std::remove_const_t<std::remove_pointer_t<P>>;
+  TensorList<P> list{};
+  auto flush = [&] {
+    if (list.count > 0) launch(list);
+    list = TensorList<P>{};
+  };
+  for (int64_t i = 0; i < count; ++i) {
+    const TensorSpan& s = spans[i];
+    const auto x = static_cast<P>(s.data);
+    if (s.n <= 0 || s.type != dtype_of<T>() || aligned(x, 16) != vectorized) continue;
+    const int k = list.count++;
+    list.x[k] = x;
+    list.n[k] = s.n;
+    list.out[k] = i;
+    list.first_block[k + 1] = list.first_block[k] + blocks_of(s.n);
+    if (list.count == kListMax) flush();
+  }
+  flush();
+}
+
+// Sums of squares of a list in two launches: each tensor gets the blocks its single-tensor sum
+// would get (sum_blocks), and every block, and then the final block of each tensor, computes
+// exactly what it computes there, so a tensor's result is the single-tensor result bit for bit.
+template <typename T>
+using SumSquaresList = TensorList<const T*>;
 
 template <int N, typename T>
 __global__ void __launch_bounds__(kSumThreads)
     partial_sum_squares_list_kernel(const SumSquaresList<T> list, double* partial) {
   __shared__ double red[33];
-  int t = 0;
-  while (blockIdx.x >= list.first_block[t + 1]) ++t;
-  const int64_t block = blockIdx.x - list.first_block[t];
-  const int64_t grid = list.first_block[t + 1] - list.first_block[t];
-  const double acc = block_sum(thread_sum<N, T, true>(list.x[t], list.n[t], block, grid), red);
+  const ListBlock lb = list_block(list);
+  const double acc = block_sum(
+      thread_sum<N, T, true>(list.x[lb.tensor], list.n[lb.tensor], lb.block, lb.grid), red);
   if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
 
@@ -100,14 +143,11 @@ __global__ void __launch_bounds__(kMaxSumBlocks)
 }
 
 // Enqueues the sums of squares of the tensors of `spans` whose dtype is T and whose 16-byte
-// alignment is `vectorized`, kSumListMax at a time; `partial` holds kSumListMax *
-// kMaxSumBlocks doubles.
+// alignment is `vectorized`; `partial` holds kListMax * kMaxSumBlocks doubles.
 template <typename T>
 void enqueue_sum_squares_lists(const TensorSpan* spans, int64_t count, bool vectorized,
                                double* partial, double* results, cudaStream_t stream) {
-  SumSquaresList<T> list{};
-  auto launch = [&] {
-    if (list.count == 0) return;
+  for_each_list<const T*>(spans, count, vectorized, sum_blocks, [&](const SumSquaresList<T>& list) {
     const auto blocks = static_cast<unsigned>(list.first_block[list.count]);
     if (vectorized)
       partial_sum_squares_list_kernel<kVec<T>, T>
@@ -118,26 +158,16 @@ void enqueue_sum_squares_lists(const TensorSpan* spans, int64_t count, bool vect
     final_sum_squares_list_kernel<T>
         <<<static_cast<unsigned>(list.count), kMaxSumBlocks, 0, stream>>>(list, partial, results);
     ST_CHECK_LAUNCH();
-    list = SumSquaresList<T>{};
-  };
-  for (int64_t i = 0; i < count; ++i) {
-    const TensorSpan& s = spans[i];
-    const T* x = static_cast<const T*>(s.data);
-    if (s.n <= 0 || s.type != dtype_of<T>() || aligned(x, 16) != vectorized) continue;
-    const int k = list.count++;
-    list.x[k] = x;
-    list.n[k] = s.n;
-    list.out[k] = i;
-    list.first_block[k + 1] = list.first_block[k] + sum_blocks(s.n);
-    if (list.count == kSumListMax) launch();
-  }
-  launch();
+  });
 }
 
+// x *= inv_scale over this thread's share as block `block` of a grid of `grid` blocks (N
+// elements a step, then the tail); true when an element was inf or nan.
 template <int N, typename T>
-__global__ void unscale_kernel(T* x, int64_t n, float inv_scale, int* found) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+__device__ __forceinline__ bool thread_unscale(T* x, int64_t n, float inv_scale, int64_t block,
+                                               int64_t grid) {
+  const int64_t stride = grid * blockDim.x;
+  const int64_t first = block * blockDim.x + threadIdx.x;
   bool bad = false;
   for (int64_t i = first; i < n / N; i += stride) {
     float v[N];
@@ -154,7 +184,44 @@ __global__ void unscale_kernel(T* x, int64_t n, float inv_scale, int* found) {
     bad = bad || !isfinite(v);
     x[i] = from_float<T>(v * inv_scale);
   }
+  return bad;
+}
+
+__device__ __forceinline__ void report_bad(bool bad, int* found) {
   if (__any_sync(0xffffffffu, bad) && (threadIdx.x & 31) == 0) *found = 1;
+}
+
+template <int N, typename T>
+__global__ void unscale_list_kernel(const TensorList<T*> list, float inv_scale, int* found) {
+  const ListBlock lb = list_block(list);
+  report_bad(thread_unscale<N>(list.x[lb.tensor], list.n[lb.tensor], inv_scale, lb.block, lb.grid),
+             found);
+}
+
+// Blocks that unscale n elements: one element (or vector) a thread, up to grid_for's cap.
+template <int N>
+int64_t unscale_blocks(int64_t n) {
+  return grid_for(n / N + 1);
+}
+
+// Enqueues the unscale of the tensors of `spans` whose dtype is T and whose 16-byte alignment is
+// `vectorized`, one launch per kListMax tensors.
+template <typename T>
+void enqueue_unscale_lists(const TensorSpan* spans, int64_t count, bool vectorized, float inv_scale,
+                           int* found, cudaStream_t stream) {
+  constexpr int V = kVec<T>;
+  auto launch = [&](const TensorList<T*>& list) {
+    const auto blocks = static_cast<unsigned>(list.first_block[list.count]);
+    if (vectorized)
+      unscale_list_kernel<V, T><<<blocks, kThreads, 0, stream>>>(list, inv_scale, found);
+    else
+      unscale_list_kernel<1, T><<<blocks, kThreads, 0, stream>>>(list, inv_scale, found);
+    ST_CHECK_LAUNCH();
+  };
+  if (vectorized)
+    for_each_list<T*>(spans, count, true, unscale_blocks<V>, launch);
+  else
+    for_each_list<T*>(spans, count, false, unscale_blocks<1>, launch);
 }
 
 // Enqueues the sum of x (or of its squares) into *result, using `partial` (kMaxSumBlocks
@@ -190,19 +257,14 @@ void enqueue_sum(const void* x, DType type, int64_t n, bool squares, double* par
   ST_CHECK_LAUNCH();
 }
 
-// Enqueues x *= inv_scale, setting *found when an element was inf or nan.
-void enqueue_unscale(void* x, DType type, int64_t n, float inv_scale, int* found,
-                     cudaStream_t stream) {
-  if (n <= 0) return;
-  ST_DISPATCH_FLOAT(type, T, {
-    T* p = static_cast<T*>(x);
-    constexpr int V = kVec<T>;
-    if (aligned(p, 16))
-      unscale_kernel<V><<<grid_for(n / V + 1), kThreads, 0, stream>>>(p, n, inv_scale, found);
-    else
-      unscale_kernel<1><<<grid_for(n), kThreads, 0, stream>>>(p, n, inv_scale, found);
-    ST_CHECK_LAUNCH();
-  });
+// The lists take float tensors only; any other dtype would be left out silently.
+void require_float_spans(const TensorSpan* spans, int64_t count, const char* what) {
+  for (int64_t i = 0; i < count; ++i) {
+    const DType t = spans[i].type;
+    if (spans[i].n > 0 && t != DType::F32 && t != DType::BF16 && t != DType::F16)
+      throw ShapeError(detail::concat(what, ": tensor ", i, " of the list is ", dtype_name(t),
+                                      "; CUDA kernel needs a float tensor (f32, bf16, f16)"));
+  }
 }
 
 template <typename T>
@@ -228,13 +290,14 @@ double sum(const void* x, DType type, int64_t n, bool squares, Scratch& scratch,
 void sum_squares_multi(const TensorSpan* tensors, int64_t count, double* out, Scratch& scratch,
                        cudaStream_t stream) {
   if (count <= 0) return;
-  // A model's gradients in a few launches (one pair per dtype and load width, per kSumListMax
+  require_float_spans(tensors, count, "sum of squares");
+  // A model's gradients in a few launches (one pair per dtype and load width, per kListMax
   // tensors) rather than two per tensor: 111 tensors of llama-125m took 0.83 ms as 222 launches
   // on an H100. Empty tensors keep the zero of the memset. The stream runs each list's final
   // sums before the next list's partial sums overwrite the shared partial buffer.
   auto* partial = static_cast<double*>(
-      scratch.get(sizeof(double) * static_cast<size_t>(kSumListMax * kMaxSumBlocks + count)));
-  double* results = partial + kSumListMax * kMaxSumBlocks;
+      scratch.get(sizeof(double) * static_cast<size_t>(kListMax * kMaxSumBlocks + count)));
+  double* results = partial + kListMax * kMaxSumBlocks;
   ST_CUDA_CHECK(cudaMemsetAsync(results, 0, sizeof(double) * static_cast<size_t>(count), stream));
   for (bool vectorized : {true, false}) {
     enqueue_sum_squares_lists<float>(tensors, count, vectorized, partial, results, stream);
@@ -255,10 +318,15 @@ bool unscale_and_check_multi(const TensorSpan* tensors, int64_t count, float inv
   int64_t elements = 0;
   for (int64_t i = 0; i < count; ++i) elements += std::max<int64_t>(tensors[i].n, 0);
   if (elements == 0) return false;
+  require_float_spans(tensors, count, "unscale");
   int* found = static_cast<int*>(scratch.get(sizeof(int)));
   ST_CUDA_CHECK(cudaMemsetAsync(found, 0, sizeof(int), stream));
-  for (int64_t i = 0; i < count; ++i)
-    enqueue_unscale(tensors[i].data, tensors[i].type, tensors[i].n, inv_scale, found, stream);
+  // A model's gradients in a few launches (one per dtype, load width and kListMax tensors).
+  for (bool vectorized : {true, false}) {
+    enqueue_unscale_lists<float>(tensors, count, vectorized, inv_scale, found, stream);
+    enqueue_unscale_lists<bf16>(tensors, count, vectorized, inv_scale, found, stream);
+    enqueue_unscale_lists<f16>(tensors, count, vectorized, inv_scale, found, stream);
+  }
   int host = 0;
   copy_to_host_and_wait(&host, found, 1, stream);
   return host != 0;

@@ -540,12 +540,13 @@ TEST(CudaKernels, AdamW) {
 
 // The list forms of the gradient-norm and loss-scaling kernels: each tensor's sum of squares is
 // the single-tensor result bit for bit; every tensor is unscaled, and an inf in any one of them
-// (first, middle or last, in any dtype) is reported.
+// (first, middle or last, in any dtype, in the first or a later launch) is reported. 160 tensors:
+// 53 or 54 of each dtype, more than one launch's list of 48.
 TEST(CudaKernels, SumSquaresAndUnscaleOverListsEqualThePerTensorCalls) {
   REQUIRE_CUDA();
   std::vector<Tensor> host, dev;
   const int64_t sizes[] = {1, 17, 4096, 65537, 0};
-  for (int i = 0; i < 15; ++i) {
+  for (int i = 0; i < 160; ++i) {
     host.push_back(random_cpu({sizes[i % 5]}, kFloatTypes[i % 3], 500 + static_cast<uint64_t>(i)));
     dev.push_back(host.back().to(cuda0()));
   }
@@ -558,7 +559,7 @@ TEST(CudaKernels, SumSquaresAndUnscaleOverListsEqualThePerTensorCalls) {
     EXPECT_NEAR(sums[i], cpu().sum_squares(host[i]), 1e-9 * sums[i]) << "tensor " << i;
   }
 
-  for (size_t bad : {size_t{0}, size_t{7}, dev.size() - 2}) {
+  for (size_t bad : {size_t{0}, size_t{7}, size_t{151}, dev.size() - 2}) {
     std::vector<Tensor> want, got;
     std::vector<Tensor*> pointers;
     for (size_t i = 0; i < host.size(); ++i) {
@@ -577,6 +578,10 @@ TEST(CudaKernels, SumSquaresAndUnscaleOverListsEqualThePerTensorCalls) {
   std::vector<Tensor*> clean;
   for (Tensor& t : dev) clean.push_back(&t);
   EXPECT_FALSE(gpu().unscale_and_check_multi(clean, 0.5f));
+  // A tensor the kernels do not take is refused, not left out.
+  Tensor ints = from_ints({1, 2, 3}, {3}).to(cuda0());
+  clean.push_back(&ints);
+  EXPECT_THROW(gpu().unscale_and_check_multi(clean, 0.5f), ShapeError);
 }
 
 // The multi-tensor AdamW against the per-tensor CPU AdamW: more tensors than one launch takes,
