@@ -333,6 +333,14 @@ void bench_adamw_model(Bench& b) {
   });
   b.run("grad_norm_multi_model", shape, grad_bytes, 0,
         [&] { (void)b.backend().sum_squares_multi(grads); });
+  // The fp16 loss-scaling check, read and written in place; a factor of 1 keeps the values.
+  std::vector<Tensor*> grads_rw;
+  for (Tensor& t : g) grads_rw.push_back(&t);
+  b.run("unscale_per_tensor_model", shape, 2 * grad_bytes, 0, [&] {
+    for (Tensor& t : g) (void)b.backend().unscale_and_check(t, 1.0f);
+  });
+  b.run("unscale_multi_model", shape, 2 * grad_bytes, 0,
+        [&] { (void)b.backend().unscale_and_check_multi(grads_rw, 1.0f); });
 }
 
 void bench_elementwise(Bench& b) {
