@@ -244,6 +244,33 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
+// One 16-wide slice `kc` of d of the two products that both backward passes form side by side
+// (S and dP, or their transposes): acc_x += A_x Y^T and acc_z += A_z W^T for every m-tile, where
+// the A fragments are given per m-tile and Y and W are row-major [column][d] tiles in shared
+// memory (LD elements a row), read as B fragments of two 8-column tiles per ldmatrix.x4, each
+// fed to the products of every m-tile. lr and lm: the lane's ldmatrix row and matrix.
+template <typename T, int MI, int COLS, int LD>
+__device__ __forceinline__ void paired_products_slice(
+    float (&acc_x)[MI][COLS / 8][4], float (&acc_z)[MI][COLS / 8][4], const uint32_t (&a_x)[MI][4],
+    const uint32_t (&a_z)[MI][4], const uint16_t* y, const uint16_t* w, int kc, int lr, int lm) {
+#pragma unroll
+  for (int np = 0; np < COLS / 16; ++np) {
+    uint32_t yf[4], wf[4];
+    const int row = (np * 16 + (lm >> 1) * 8 + lr) * LD + kc * 16 + (lm & 1) * 8;
+    ldsm_x4(yf, y + row);
+    ldsm_x4(wf, w + row);
+    const uint32_t by0[2] = {yf[0], yf[1]}, by1[2] = {yf[2], yf[3]};
+    const uint32_t bw0[2] = {wf[0], wf[1]}, bw1[2] = {wf[2], wf[3]};
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+      mma<T>(acc_x[mi][2 * np], a_x[mi], by0);
+      mma<T>(acc_x[mi][2 * np + 1], a_x[mi], by1);
+      mma<T>(acc_z[mi][2 * np], a_z[mi], bw0);
+      mma<T>(acc_z[mi][2 * np + 1], a_z[mi], bw1);
+    }
+  }
+}
+
 // ---- block order: longest first (launch_order.h) -------------------------------------------
 
 __device__ __forceinline__ BlockSlot this_block_slot(const LaunchOrder& order) {
@@ -762,21 +789,7 @@ __global__ void __launch_bounds__(DkDvTiles<D, MI>::kThreads)
             ldsm_x4(av[mi], vs + kv_frag + mi * 16 * LD + kc * 16);
           }
         }
-#pragma unroll
-        for (int np = 0; np < BQ / 16; ++np) {
-          uint32_t qf[4], df[4];
-          ldsm_x4(qf, qst + (np * 16 + (lm >> 1) * 8 + lr) * LD + kc * 16 + (lm & 1) * 8);
-          ldsm_x4(df, dost + (np * 16 + (lm >> 1) * 8 + lr) * LD + kc * 16 + (lm & 1) * 8);
-          const uint32_t bq0[2] = {qf[0], qf[1]}, bq1[2] = {qf[2], qf[3]};
-          const uint32_t bd0[2] = {df[0], df[1]}, bd1[2] = {df[2], df[3]};
-#pragma unroll
-          for (int mi = 0; mi < MI; ++mi) {
-            mma<T>(st[mi][2 * np], ak[mi], bq0);
-            mma<T>(st[mi][2 * np + 1], ak[mi], bq1);
-            mma<T>(dpt[mi][2 * np], av[mi], bd0);
-            mma<T>(dpt[mi][2 * np + 1], av[mi], bd1);
-          }
-        }
+        paired_products_slice<T, MI, BQ, LD>(st, dpt, ak, av, qst, dost, kc, lr, lm);
       }
       // P^T = exp(S^T * scale - lse), zero where masked; dS^T = P^T (dP^T - delta). Only tiles
       // that cross this warp's diagonal or the end of the sequence need the mask.
@@ -1020,21 +1033,7 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads, DqTiles<D>::kMinBlocks)
           ldsm_x4(ad[mi], dos + row * LD + kc * 16 + (lm >> 1) * 8);
         }
       }
-#pragma unroll
-      for (int np = 0; np < BK / 16; ++np) {
-        uint32_t kf[4], vf[4];
-        ldsm_x4(kf, kst + (np * 16 + (lm >> 1) * 8 + lr) * LD + kc * 16 + (lm & 1) * 8);
-        ldsm_x4(vf, vst + (np * 16 + (lm >> 1) * 8 + lr) * LD + kc * 16 + (lm & 1) * 8);
-        const uint32_t bk0[2] = {kf[0], kf[1]}, bk1[2] = {kf[2], kf[3]};
-        const uint32_t bv0[2] = {vf[0], vf[1]}, bv1[2] = {vf[2], vf[3]};
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi) {
-          mma<T>(s[mi][2 * np], aq[mi], bk0);
-          mma<T>(s[mi][2 * np + 1], aq[mi], bk1);
-          mma<T>(dp[mi][2 * np], ad[mi], bv0);
-          mma<T>(dp[mi][2 * np + 1], ad[mi], bv1);
-        }
-      }
+      paired_products_slice<T, MI, BK, LD>(s, dp, aq, ad, kst, vst, kc, lr, lm);
     }
     // dS = P (dP - delta), P = exp(S * scale - lse), zero where masked (diagonal and last tiles).
     const bool need_mask = k0 + BK - 1 > warp_row0 || k0 + BK > seq || warp_row0 + WR > seq;
