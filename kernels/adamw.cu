@@ -13,7 +13,8 @@ namespace {
 
 __device__ __forceinline__ void adamw_element(float& p, float g, float& m, float& v,
                                               const AdamWConstants& c) {
-  // m = beta1 m + (1-beta1) g ;  v = beta2 v + ((1-beta2) g) g
+  // g = grad_scale g ;  m = beta1 m + (1-beta1) g ;  v = beta2 v + ((1-beta2) g) g
+  g = __fmul_rn(g, c.grad_scale);
   const float mi = __fadd_rn(__fmul_rn(c.beta1, m), __fmul_rn(c.one_minus_beta1, g));
   const float vi = __fadd_rn(__fmul_rn(c.beta2, v), __fmul_rn(__fmul_rn(c.one_minus_beta2, g), g));
   m = mi;

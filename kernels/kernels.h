@@ -136,11 +136,12 @@ struct AdamWConstants {
   float step_size;   // lr / (1 - beta1^step)
   float bias2_sqrt;  // sqrt(1 - beta2^step)
   float eps;
+  float grad_scale;  // each gradient element is multiplied by this first (clipping)
 };
 // The constants of step `step` (1-based) exactly as the CPU backend forms them: in double,
 // rounded to float once.
 inline AdamWConstants adamw_constants(float lr, float beta1, float beta2, float eps,
-                                      float weight_decay, int64_t step) {
+                                      float weight_decay, int64_t step, float grad_scale = 1.0f) {
   const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
   AdamWConstants c;
@@ -152,6 +153,7 @@ inline AdamWConstants adamw_constants(float lr, float beta1, float beta2, float 
   c.step_size = static_cast<float>(static_cast<double>(lr) / bc1);
   c.bias2_sqrt = static_cast<float>(std::sqrt(bc2));
   c.eps = eps;
+  c.grad_scale = grad_scale;
   return c;
 }
 // One tensor of an AdamW step.

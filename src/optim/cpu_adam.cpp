@@ -160,10 +160,23 @@ void for_blocks(int64_t n, int threads, Fn&& fn) {
   for (int64_t b = 0; b < blocks; ++b) fn(b * kBlock, std::min(n, (b + 1) * kBlock));
 }
 
-// A block of the gradient as fp32: the memory itself for F32, else converted into `buffer`.
-const float* grad_block(const void* grad, DType dtype, int64_t lo, int64_t count, float* buffer) {
-  if (dtype == DType::F32) return static_cast<const float*>(grad) + lo;
+// A block of the gradient as fp32 times `scale`: the memory itself for F32 with scale 1, else
+// converted (and scaled) into `buffer`. Scaling here keeps the update kernels as they are; the
+// extra pass is over a block already in L1.
+const float* grad_block(const void* grad, DType dtype, int64_t lo, int64_t count, float scale,
+                        float* buffer) {
+  if (dtype == DType::F32 && scale == 1.0f) return static_cast<const float*>(grad) + lo;
+  if (dtype == DType::F32) {
+    const float* g = static_cast<const float*>(grad) + lo;
+#pragma omp simd
+    for (int64_t i = 0; i < count; ++i) buffer[i] = g[i] * scale;
+    return buffer;
+  }
   convert_elements(static_cast<const uint16_t*>(grad) + lo, dtype, buffer, DType::F32, count);
+  if (scale != 1.0f) {
+#pragma omp simd
+    for (int64_t i = 0; i < count; ++i) buffer[i] *= scale;
+  }
   return buffer;
 }
 
@@ -207,7 +220,7 @@ void cpu_adamw(float* param, const void* grad, DType grad_dtype, float* exp_avg,
   const Constants c = make_constants(args);
   for_blocks(n, options.threads, [&](int64_t lo, int64_t hi) {
     float g[kBlock];
-    const float* gp = grad_block(grad, grad_dtype, lo, hi - lo, g);
+    const float* gp = grad_block(grad, grad_dtype, lo, hi - lo, args.grad_scale, g);
     update(c, param + lo, gp, exp_avg + lo, exp_avg_sq + lo, hi - lo);
   });
 }
@@ -221,7 +234,7 @@ void cpu_adamw_bf16_moments(float* param, const void* grad, DType grad_dtype, ui
   for_blocks(n, options.threads, [&](int64_t lo, int64_t hi) {
     float g[kBlock], m[kBlock], v[kBlock];
     const int64_t count = hi - lo;
-    const float* gp = grad_block(grad, grad_dtype, lo, count, g);
+    const float* gp = grad_block(grad, grad_dtype, lo, count, args.grad_scale, g);
     uint16_t* mq = exp_avg + lo;
     uint16_t* vq = exp_avg_sq + lo;
 #pragma omp simd

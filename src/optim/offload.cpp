@@ -147,7 +147,7 @@ std::vector<std::pair<std::string, Tensor*>> OffloadedAdamW::state() {
   return out;
 }
 
-void OffloadedAdamW::step(float lr) {
+void OffloadedAdamW::update(float lr, float grad_scale) {
   const Clock::time_point start = Clock::now();
   if (masters_stale_) read_masters();
   stats_ = OffloadStepStats{};
@@ -329,7 +329,8 @@ void OffloadedAdamW::step(float lr) {
                                       options_.beta2,
                                       options_.eps,
                                       decay_[i] ? options_.weight_decay : 0.0f,
-                                      steps_};
+                                      steps_,
+                                      grad_scale};
         cpu_adamw(master, slot.grad.data_ptr(), piece.grad.dtype(), m, v, piece.count, args,
                   offload_.cpu);
         const DType pdtype = params_[i].param->dtype();

@@ -27,10 +27,10 @@ AdamW::AdamW(std::vector<NamedParam> params, AdamWOptions options)
   }
 }
 
-void AdamW::step(float lr) {
+void AdamW::update(float lr, float grad_scale) {
   ++steps_;
-  const Backend::AdamWArgs args{lr,           options_.beta1,        options_.beta2,
-                                options_.eps, options_.weight_decay, steps_};
+  const Backend::AdamWArgs args{
+      lr, options_.beta1, options_.beta2, options_.eps, options_.weight_decay, steps_, grad_scale};
   std::vector<Tensor> grads(params_.size());
   std::vector<Backend::AdamWTensor> tensors;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -62,8 +62,10 @@ SGD::SGD(std::vector<NamedParam> params, float momentum, float weight_decay)
                                      : Tensor());
 }
 
-void SGD::step(float lr) {
+void SGD::update(float lr, float grad_scale) {
   ++steps_;
+  // No fused kernel here: the factor is applied as its own pass over the gradients.
+  if (grad_scale != 1.0f) scale_grads(params_, grad_scale);
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor& p = *params_[i].param;
     Tensor g = autograd::grad(p);
@@ -123,10 +125,15 @@ void scale_grads(const std::vector<NamedParam>& params, float factor) {
   }
 }
 
+float clip_factor(double norm, double max_norm) {
+  if (max_norm > 0 && norm > max_norm && std::isfinite(norm))
+    return static_cast<float>(max_norm / (norm + 1e-6));
+  return 1.0f;
+}
+
 double clip_grad_norm(const std::vector<NamedParam>& params, double max_norm, double sum_squares) {
   double norm = std::sqrt(sum_squares >= 0 ? sum_squares : grad_sum_squares(params));
-  if (max_norm > 0 && norm > max_norm && std::isfinite(norm))
-    scale_grads(params, static_cast<float>(max_norm / (norm + 1e-6)));
+  if (const float factor = clip_factor(norm, max_norm); factor != 1.0f) scale_grads(params, factor);
   return norm;
 }
 

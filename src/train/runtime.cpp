@@ -372,10 +372,11 @@ StepResult Runtime::train_step(const std::vector<Batch>& micro_batches, float lr
   r.skipped = g.found_inf;
   std::vector<optim::NamedParam> params = trainable();
   if (!g.found_inf) {
-    // Sharded: the squared norm summed over every rank's shard.
-    r.grad_norm = optim::clip_grad_norm(params, config_.optim.grad_clip,
-                                        sharded_ ? sharded_->grad_sum_squares() : -1.0);
-    optimizer_->step(lr);
+    // Sharded: the squared norm summed over every rank's shard. The clipping factor goes into the
+    // optimizer's update rather than a pass of its own over the gradients.
+    r.grad_norm =
+        std::sqrt(sharded_ ? sharded_->grad_sum_squares() : optim::grad_sum_squares(params));
+    optimizer_->step(lr, optim::clip_factor(r.grad_norm, config_.optim.grad_clip));
   } else {
     r.grad_norm = INFINITY;  // weights and optimizer state stay untouched
   }

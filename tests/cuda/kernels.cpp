@@ -527,6 +527,7 @@ TEST(CudaKernels, AdamW) {
         Tensor g = random_cpu({n}, tg, 91 + static_cast<uint64_t>(step));
         Backend::AdamWArgs args = base;
         args.step = step;
+        args.grad_scale = step == 3 ? 0.37f : 1.0f;  // a clipped step
         cpu().adamw(p, g, m, v, args);
         gpu().adamw(gp, g.to(cuda0()), gm, gv, args);
       }
@@ -620,7 +621,8 @@ TEST(CudaKernels, AdamWMultiTensorEqualsPerTensorAdamW) {
   for (int64_t step = 1; step <= 3; ++step) {
     Backend::AdamWArgs args = base;
     args.step = step;
-    std::vector<Tensor> grads;  // the GPU copies, alive until the update has run
+    args.grad_scale = step == 3 ? 0.37f : 1.0f;  // a clipped step
+    std::vector<Tensor> grads;                   // the GPU copies, alive until the update has run
     grads.reserve(entries.size());
     std::vector<Backend::AdamWTensor> list;
     for (size_t i = 0; i < entries.size(); ++i) {

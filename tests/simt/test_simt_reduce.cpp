@@ -216,7 +216,7 @@ TEST(SimtReduce, UnscaleOverAListFindsAnInfInAnyTensor) {
 // The step's constants as the CUDA backend forms them.
 kernels::AdamWConstants adamw_constants(const Backend::AdamWArgs& args) {
   return kernels::adamw_constants(args.lr, args.beta1, args.beta2, args.eps, args.weight_decay,
-                                  args.step);
+                                  args.step, args.grad_scale);
 }
 
 struct AdamWEntry {
@@ -242,6 +242,7 @@ void check_adamw(const std::vector<AdamWEntry>& entries, const std::string& what
       grads[i].push_back(random_cpu({e.n}, e.grad_type, 300 + 7 * i + static_cast<size_t>(step)));
       Backend::AdamWArgs args = base;
       args.step = step;
+      args.grad_scale = step == 3 ? 0.37f : 1.0f;  // a clipped step
       if (!e.decay) args.weight_decay = 0.0f;
       cpu().adamw(p[i], grads[i].back(), m[i], v[i], args);
     }
@@ -258,6 +259,7 @@ void check_adamw(const std::vector<AdamWEntry>& entries, const std::string& what
         for (int64_t step = 1; step <= 3; ++step) {
           Backend::AdamWArgs args = base;
           args.step = step;
+          args.grad_scale = step == 3 ? 0.37f : 1.0f;  // a clipped step
           const kernels::AdamWConstants c = adamw_constants(args);
           std::vector<Operand> dg;
           std::vector<kernels::AdamWTensorRef> refs;

@@ -1212,6 +1212,39 @@ TEST(CpuBackend, AdamWMatchesScalarReferenceForThreeSteps) {
   }
 }
 
+// grad_scale (global-norm clipping's factor) is the step on the gradient scaled first: bit for bit
+// that of an fp32 gradient holding the products. 16-bit gradients are scaled after widening, never
+// rounded back to 16 bits. The gradient itself is left as it was.
+TEST(CpuBackend, AdamWGradScaleIsTheStepOnTheScaledGradient) {
+  const int64_t n = 3001;
+  const float factor = 0.37f;
+  for (DType gt : kFloatTypes) {
+    SCOPED_TRACE(std::string(dtype_name(gt)));
+    Tensor g = random({n}, gt, 700, 0.5f);
+    const std::vector<float> before = g.to_float_vector();
+    std::vector<float> products = before;
+    for (float& x : products) x *= factor;
+    const Tensor scaled = from_floats(products, {n});
+    Tensor p = random({n}, DType::F32, 701), m = random({n}, DType::F32, 702, 0.1f);
+    std::vector<float> squares = random({n}, DType::F32, 703, 0.1f).to_float_vector();
+    for (float& x : squares) x *= x;
+    Tensor v = from_floats(squares, {n});
+    Tensor rp = p.clone(), rm = m.clone(), rv = v.clone(), unclipped = p.clone();
+    Tensor um = m.clone(), uv = v.clone();
+    Backend::AdamWArgs args{1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 2};
+    cpu().adamw(unclipped, g, um, uv, args);
+    args.grad_scale = factor;
+    cpu().adamw(p, g, m, v, args);
+    args.grad_scale = 1.0f;
+    cpu().adamw(rp, scaled, rm, rv, args);
+    EXPECT_EQ(p.to_float_vector(), rp.to_float_vector());
+    EXPECT_EQ(m.to_float_vector(), rm.to_float_vector());
+    EXPECT_EQ(v.to_float_vector(), rv.to_float_vector());
+    EXPECT_NE(p.to_float_vector(), unclipped.to_float_vector()) << "the factor changed nothing";
+    EXPECT_EQ(g.to_float_vector(), before);
+  }
+}
+
 // The list forms of sum_squares and unscale_and_check are the per-tensor calls.
 TEST(CpuBackend, SumSquaresAndUnscaleOverLists) {
   std::vector<Tensor> xs;

@@ -153,12 +153,16 @@ class Backend {
   // (a gradient norm over a model's tensors).
   virtual std::vector<double> sum_squares_multi(const std::vector<const Tensor*>& tensors);
   // One AdamW step on f32 param/m/v with gradient g (any float dtype), PyTorch semantics:
+  //   g = grad_scale * g (in fp32)
   //   p -= lr * weight_decay * p
   //   m = beta1 m + (1-beta1) g ; v = beta2 v + (1-beta2) g^2
   //   p -= lr * (m / (1-beta1^step)) / (sqrt(v / (1-beta2^step)) + eps)
+  // grad_scale is how global-norm clipping reaches the update without a pass of its own over the
+  // gradients: fp32 gradients scaled here give the bits they would give scaled in place first.
   struct AdamWArgs {
     float lr, beta1, beta2, eps, weight_decay;
     int64_t step;  // 1-based
+    float grad_scale = 1.0f;
   };
   virtual void adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
                      const AdamWArgs& args) = 0;

@@ -127,7 +127,7 @@ class ShardedModel {
   void wait_for_gradients();
 
   // Global sum of squared gradient elements over the whole model (every rank gets the same
-  // value). Pass it to optim::clip_grad_norm.
+  // value). Its square root is the global norm for optim::clip_factor.
   double grad_sum_squares();
   // True on every rank when `flag` is true on any rank of the shard and replicate groups
   // (found-inf of loss scaling).

@@ -66,7 +66,6 @@ class OffloadedAdamW : public Optimizer {
   OffloadedAdamW(std::vector<NamedParam> params, AdamWOptions options, OffloadOptions offload = {});
   ~OffloadedAdamW() override;
 
-  void step(float lr) override;
   std::vector<std::pair<std::string, Tensor*>> state() override;
   void reload_params() override;
 
@@ -77,6 +76,7 @@ class OffloadedAdamW : public Optimizer {
 
  private:
   struct Pipeline;  // staging slots and the copy stages' CUDA streams
+  void update(float lr, float grad_scale) override;
   void read_masters();
 
   AdamWOptions options_;

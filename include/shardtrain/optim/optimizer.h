@@ -30,9 +30,11 @@ struct AdamWOptions {
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
-  // One update at learning rate `lr` using each parameter's .grad (parameters without a
-  // gradient are skipped).
-  virtual void step(float lr) = 0;
+  // One update at learning rate `lr` using each parameter's .grad times `grad_scale`
+  // (parameters without a gradient are skipped). The scale is how global-norm clipping reaches the
+  // update (clip_factor): the AdamW optimizers multiply inside their update, saving a read and a
+  // write of every gradient, and leave .grad unscaled; SGD scales .grad in place first.
+  void step(float lr, float grad_scale = 1.0f) { update(lr, grad_scale); }
   void zero_grad();
   int64_t steps_taken() const { return steps_; }
   void set_steps_taken(int64_t s) { steps_ = s; }
@@ -46,6 +48,7 @@ class Optimizer {
 
  protected:
   explicit Optimizer(std::vector<NamedParam> params) : params_(std::move(params)) {}
+  virtual void update(float lr, float grad_scale) = 0;
   std::vector<NamedParam> params_;
   int64_t steps_ = 0;
 };
@@ -53,10 +56,10 @@ class Optimizer {
 class AdamW : public Optimizer {
  public:
   AdamW(std::vector<NamedParam> params, AdamWOptions options);
-  void step(float lr) override;
   std::vector<std::pair<std::string, Tensor*>> state() override;
 
  private:
+  void update(float lr, float grad_scale) override;
   AdamWOptions options_;
   std::vector<Tensor> exp_avg_, exp_avg_sq_;
   std::vector<bool> decay_;
@@ -65,10 +68,10 @@ class AdamW : public Optimizer {
 class SGD : public Optimizer {
  public:
   SGD(std::vector<NamedParam> params, float momentum, float weight_decay);
-  void step(float lr) override;
   std::vector<std::pair<std::string, Tensor*>> state() override;
 
  private:
+  void update(float lr, float grad_scale) override;
   float momentum_, weight_decay_;
   std::vector<Tensor> buffers_;
 };
@@ -88,8 +91,12 @@ struct LrSchedule {
 double grad_sum_squares(const std::vector<NamedParam>& params);
 // Scales every gradient by `factor`.
 void scale_grads(const std::vector<NamedParam>& params, float factor);
-// Clips the global gradient norm to `max_norm` (0 = no clipping) and returns the norm before
-// clipping. `sum_squares` may be given (e.g. already reduced across ranks).
+// The factor that clips a global gradient norm `norm` to `max_norm`: max_norm / (norm + 1e-6)
+// when the norm is finite and above max_norm (> 0), else 1 (PyTorch's clip_grad_norm_ rule).
+float clip_factor(double norm, double max_norm);
+// Clips the global gradient norm to `max_norm` (0 = no clipping) by scaling the gradients in place,
+// and returns the norm before clipping. `sum_squares` may be given (e.g. already reduced across
+// ranks). Training does not call this: it passes clip_factor() to Optimizer::step instead.
 double clip_grad_norm(const std::vector<NamedParam>& params, double max_norm,
                       double sum_squares = -1.0);
 

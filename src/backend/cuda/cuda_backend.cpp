@@ -436,7 +436,7 @@ namespace {
 
 kernels::AdamWConstants adamw_constants(const Backend::AdamWArgs& args) {
   return kernels::adamw_constants(args.lr, args.beta1, args.beta2, args.eps, args.weight_decay,
-                                  args.step);
+                                  args.step, args.grad_scale);
 }
 
 void require_adamw_operands(const Tensor& param, const Tensor& grad, const Tensor& m,
