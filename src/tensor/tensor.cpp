@@ -192,6 +192,7 @@ void store_all(Get get, void* dst, DType dst_type, int64_t n) {
 }  // namespace
 
 void convert_elements(const void* src, DType st, void* dst, DType dt, int64_t n) {
+  if (n <= 0) return;  // an empty tensor's data pointer may be null, which memcpy may not get
   if (st == dt) {
     std::memcpy(dst, src, static_cast<size_t>(n) * dtype_size(st));
     return;
