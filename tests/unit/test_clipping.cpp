@@ -4,40 +4,34 @@
 // bit for bit with fp32 gradients, for each optimizer, and a different step from the unclipped one.
 #include <gtest/gtest.h>
 
-#include <cmath>
+#include <cstdint>
 #include <string>
 #include <vector>
 
-#include "shardtrain/io/safetensors.h"
+#include "offload_optimizer.h"
 #include "shardtrain/optim/optimizer.h"
 #include "shardtrain/train/runtime.h"
 
 using namespace shardtrain;
+using shardtrain::testing::golden_batch;
+using shardtrain::testing::kGoldenModelDir;
 
 namespace {
 
-const std::string kGolden = std::string(SHARDTRAIN_TEST_DATA) + "/golden/llama-tiny-gqa";
 constexpr float kLr = 1e-2f;
 
-std::vector<Batch> golden_batch() {
-  SafetensorsFile file = SafetensorsFile::open(kGolden + "/batch.safetensors");
-  Batch b;
-  b.input_ids = file.load("input_ids");
-  b.targets = file.load("targets");
-  b.num_target_tokens = count_target_tokens(b.targets);
-  return {b};
-}
-
 train::Config config_with(const std::string& optimizer_sets, double max_norm) {
-  std::vector<std::string> sets = {"train.device=cpu", "model.from_hf=" + kGolden,
+  std::vector<std::string> sets = {"train.device=cpu", "model.from_hf=" + kGoldenModelDir,
                                    "optim.grad_clip=" + std::to_string(max_norm)};
   if (!optimizer_sets.empty()) sets.push_back(optimizer_sets);
   return train::Config::parse("{}", sets, "clipping");
 }
 
-std::vector<std::vector<float>> weights(train::Runtime& rt) {
-  std::vector<std::vector<float>> out;
-  for (const optim::NamedParam& p : rt.trainable()) out.push_back(p.param->to_float_vector());
+// The trainable weights' bit patterns (-0.0 against 0.0 and NaN payloads count as differences).
+std::vector<std::vector<uint32_t>> weights(train::Runtime& rt) {
+  std::vector<std::vector<uint32_t>> out;
+  for (const optim::NamedParam& p : rt.trainable())
+    out.push_back(shardtrain::testing::bits_of(*p.param));
   return out;
 }
 
