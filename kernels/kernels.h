@@ -141,7 +141,7 @@ struct AdamWConstants {
 // The constants of step `step` (1-based) exactly as the CPU backend forms them: in double,
 // rounded to float once.
 inline AdamWConstants adamw_constants(float lr, float beta1, float beta2, float eps,
-                                      float weight_decay, int64_t step, float grad_scale = 1.0f) {
+                                      float weight_decay, int64_t step, float grad_scale) {
   const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
   AdamWConstants c;

@@ -370,12 +370,11 @@ StepResult Runtime::train_step(const std::vector<Batch>& micro_batches, float lr
   Gradients g = forward_backward(micro_batches);
   r.loss = g.loss;
   r.skipped = g.found_inf;
-  std::vector<optim::NamedParam> params = trainable();
   if (!g.found_inf) {
     // Sharded: the squared norm summed over every rank's shard. The clipping factor goes into the
     // optimizer's update rather than a pass of its own over the gradients.
     r.grad_norm =
-        std::sqrt(sharded_ ? sharded_->grad_sum_squares() : optim::grad_sum_squares(params));
+        std::sqrt(sharded_ ? sharded_->grad_sum_squares() : optim::grad_sum_squares(trainable()));
     optimizer_->step(lr, optim::clip_factor(r.grad_norm, config_.optim.grad_clip));
   } else {
     r.grad_norm = INFINITY;  // weights and optimizer state stay untouched
