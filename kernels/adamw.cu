@@ -24,9 +24,6 @@ __device__ __forceinline__ void adamw_element(float& p, float g, float& m, float
   p = __fsub_rn(__fmul_rn(p, c.decay), __fmul_rn(c.step_size, __fdiv_rn(mi, denom)));
 }
 
-// The tensors of one multi-tensor launch, passed by value in the kernel's arguments (under the
-// 4 KB limit), so a launch needs no device-side table and no copy before it.
-constexpr int kListMax = 48;
 // Elements per block: a multiple of 4, so every chunk starts as aligned as its tensor.
 constexpr int64_t kChunkElems = 32768;
 
@@ -38,16 +35,14 @@ struct AdamWList {
   float* v[kListMax];
   int64_t n[kListMax];
   float decay[kListMax];
-  // Tensor t is worked on by blocks first_block[t] .. first_block[t + 1] - 1.
-  int64_t first_block[kListMax + 1];
+  int64_t first_block[kListMax + 1];  // as list_tensor (common.cuh) reads it
   int count;
 };
 
 template <int N, typename TG>
 __global__ void adamw_multi_kernel(const AdamWList<TG> list, AdamWConstants c) {
   const int64_t block = blockIdx.x;
-  int t = 0;
-  while (t + 1 < list.count && list.first_block[t + 1] <= block) ++t;
+  const int t = list_tensor(list.first_block);
   const int64_t lo = (block - list.first_block[t]) * kChunkElems;
   const int64_t len = min(kChunkElems, list.n[t] - lo);
   c.decay = list.decay[t];

@@ -96,6 +96,20 @@ inline bool aligned(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
+// ---- multi-tensor lists ----------------------------------------------------------------------
+
+// A multi-tensor launch takes up to kListMax tensors, their pointers passed by value in the
+// kernel's arguments (under the 4 KB limit), so a launch needs no device-side table and no copy
+// before it. Tensor t of a list is worked on by blocks first_block[t] .. first_block[t + 1] - 1.
+constexpr int kListMax = 48;
+
+// The tensor of a list that this block works on.
+__device__ __forceinline__ int list_tensor(const int64_t (&first_block)[kListMax + 1]) {
+  int t = 0;
+  while (blockIdx.x >= first_block[t + 1]) ++t;
+  return t;
+}
+
 // ---- reductions -----------------------------------------------------------------------------
 
 template <typename T>

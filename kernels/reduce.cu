@@ -63,12 +63,10 @@ __global__ void __launch_bounds__(kMaxSumBlocks)
   if (threadIdx.x == 0) *result = acc;
 }
 
-// A list of up to kListMax tensors of one dtype and load width for one launch, travelling in the
-// kernel's arguments. Each tensor has a range of the launch's blocks: block b works on the tensor
-// t with first_block[t] <= b < first_block[t + 1], as block b - first_block[t] of a grid of
-// first_block[t + 1] - first_block[t] blocks, so it does exactly what that block of a launch on
-// the tensor alone would do.
-constexpr int kListMax = 48;
+// A list of up to kListMax tensors of one dtype and load width for one launch (common.cuh). A
+// block of tensor t works as block b - first_block[t] of a grid of first_block[t + 1] -
+// first_block[t] blocks, so it does exactly what that block of a launch on the tensor alone
+// would do.
 template <typename P>  // const T* or T*
 struct TensorList {
   P x[kListMax];
@@ -85,8 +83,7 @@ struct ListBlock {
 };
 template <typename P>
 __device__ __forceinline__ ListBlock list_block(const TensorList<P>& list) {
-  int t = 0;
-  while (blockIdx.x >= list.first_block[t + 1]) ++t;
+  const int t = list_tensor(list.first_block);
   return {t, blockIdx.x - list.first_block[t], list.first_block[t + 1] - list.first_block[t]};
 }
 
