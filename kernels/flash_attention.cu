@@ -271,6 +271,68 @@ __device__ __forceinline__ void paired_products_slice(
   }
 }
 
+// acc[mi] += P[mi] Y for every m-tile, where P (MI m-tiles of 16 rows x KEYS columns) is held
+// in registers as the accumulators of the product before it (rounded to T on the way) and Y is a
+// row-major [key][d] tile in shared memory (LD elements a row). One ldmatrix.x4.trans gives the B
+// fragments of two 8-wide d tiles: matrices 0, 1 = keys 16 kc + 0-7 / + 8-15 at d 16 dp + 0-7,
+// matrices 2, 3 at d + 8-15; each feeds the products of every m-tile. O += P V in the forward,
+// dQ += dS K in the dQ pass.
+template <typename T, int MI, int KEYS, int D, int LD>
+__device__ __forceinline__ void held_times_rows(float (&acc)[MI][D / 8][4],
+                                                const float (&p)[MI][KEYS / 8][4],
+                                                const uint16_t* y, int lr, int lm) {
+#pragma unroll
+  for (int kc = 0; kc < KEYS / 16; ++kc) {
+    uint32_t a[MI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) accumulators_as_a<T>(a[mi], p[mi][2 * kc], p[mi][2 * kc + 1]);
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t yf[4];
+      ldsm_x4_trans(yf, y + (kc * 16 + (lm & 1) * 8 + lr) * LD + dp * 16 + (lm >> 1) * 8);
+      const uint32_t b0[2] = {yf[0], yf[1]}, b1[2] = {yf[2], yf[3]};
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        mma<T>(acc[mi][2 * dp], a[mi], b0);
+        mma<T>(acc[mi][2 * dp + 1], a[mi], b1);
+      }
+    }
+  }
+}
+
+// Every accumulator of a set of M x N (or N) mma tiles to zero.
+template <int M, int N>
+__device__ __forceinline__ void zero_tiles(float (&acc)[M][N][4]) {
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.0f;
+}
+template <int N>
+__device__ __forceinline__ void zero_tiles(float (&acc)[N][4]) {
+#pragma unroll
+  for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+}
+
+// The head of step kt of a loop over KEYS-key tiles of K and V, double-buffered (buffer b of K
+// at ks + b * stage, of V at vs + b * stage): waits for tile kt, then, once every warp is done
+// with tile kt - 1 (whose buffers it overwrites), starts the copy of tile kt + 1.
+template <int KEYS, int D, int LD, int NT>
+__device__ __forceinline__ void begin_kv_step(uint16_t* ks, uint16_t* vs, int stage,
+                                              const uint16_t* kb, const uint16_t* vb, int64_t kt,
+                                              int64_t tiles, int64_t seq) {
+  cp_async_wait_all();
+  __syncthreads();
+  if (kt + 1 < tiles) {
+    const int next = (kt + 1) & 1;
+    copy_rows_async<KEYS, D, LD, NT>(ks + next * stage, kb, (kt + 1) * KEYS, seq);
+    copy_rows_async<KEYS, D, LD, NT>(vs + next * stage, vb, (kt + 1) * KEYS, seq);
+    cp_async_commit();
+  }
+}
+
 // ---- block order: longest first (launch_order.h) -------------------------------------------
 
 __device__ __forceinline__ BlockSlot this_block_slot(const LaunchOrder& order) {
@@ -354,25 +416,15 @@ __global__ void __launch_bounds__(FwdTiles<D>::kThreads, FwdTiles<D>::kMinBlocks
   uint32_t qf[Tiles::kQInRegisters ? D / 16 : 1][4];  // Q in registers when it fits
   float m_run[MI][2], l_run[MI][2];  // running max (log2 domain) and per-lane partial sums
   float o[MI][D / 8][4];
+  zero_tiles(o);
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi) {
     m_run[mi][0] = m_run[mi][1] = -INFINITY;
     l_run[mi][0] = l_run[mi][1] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) o[mi][i][0] = o[mi][i][1] = o[mi][i][2] = o[mi][i][3] = 0.0f;
   }
 
   for (int64_t kt = 0; kt < tiles; ++kt) {
-    cp_async_wait_all();
-    // Tile kt is visible to every thread, and every warp is done with tile kt - 1, whose
-    // buffers the next copy overwrites.
-    __syncthreads();
-    if (kt + 1 < tiles) {
-      const int next = (kt + 1) & 1;
-      copy_rows_async<BC, D, LD, NT>(ks + next * Tiles::kStage, kb, (kt + 1) * BC, seq);
-      copy_rows_async<BC, D, LD, NT>(vs + next * Tiles::kStage, vb, (kt + 1) * BC, seq);
-      cp_async_commit();
-    }
+    begin_kv_step<BC, D, LD, NT>(ks, vs, Tiles::kStage, kb, vb, kt, tiles, seq);
     if constexpr (Tiles::kQInRegisters) {
       if (kt == 0) {
 #pragma unroll
@@ -389,10 +441,7 @@ __global__ void __launch_bounds__(FwdTiles<D>::kThreads, FwdTiles<D>::kMinBlocks
     // tiles: matrices 0, 1 = keys 16 np + 0-7 at d 16 kc + 0-7 / + 8-15, matrices 2, 3 = keys
     // 16 np + 8-15; each feeds the products of every m-tile.
     float s[MI][BC / 8][4];
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int i = 0; i < BC / 8; ++i) s[mi][i][0] = s[mi][i][1] = s[mi][i][2] = s[mi][i][3] = 0.0f;
+    zero_tiles(s);
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) {
       uint32_t qa[MI][4];
@@ -490,26 +539,8 @@ __global__ void __launch_bounds__(FwdTiles<D>::kThreads, FwdTiles<D>::kMinBlocks
       }
     }
 
-    // O += P V: the score accumulators of two adjacent 8-key tiles form one A fragment. V stays
-    // row-major [key][d]; ldmatrix.x4.trans gives the B fragments of two 8-column d tiles:
-    // matrices 0, 1 = keys 16 kc + 0-7 / + 8-15 at d 16 dp + 0-7, matrices 2, 3 at d + 8-15.
-#pragma unroll
-    for (int kc = 0; kc < BC / 16; ++kc) {
-      uint32_t a[MI][4];
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi) accumulators_as_a<T>(a[mi], s[mi][2 * kc], s[mi][2 * kc + 1]);
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t vf[4];
-        ldsm_x4_trans(vf, vst + (kc * 16 + (lm & 1) * 8 + lr) * LD + dp * 16 + (lm >> 1) * 8);
-        const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi) {
-          mma<T>(o[mi][2 * dp], a[mi], b0);
-          mma<T>(o[mi][2 * dp + 1], a[mi], b1);
-        }
-      }
-    }
+    // O += P V: the probabilities stay in registers; V is row-major [key][d].
+    held_times_rows<T, MI, BC, D, LD>(o, s, vst, lr, lm);
   }
 
   uint16_t* ob = out + head * seq * D;
@@ -598,8 +629,7 @@ __device__ __forceinline__ void accumulate_dq_tile(const uint16_t* ds_s, const u
   if (q0 + wm * 16 >= seq) return;  // warp-uniform: the m-tile lies past the sequence
   const int64_t row_a = q0 + wm * 16 + g, row_b = row_a + 8;
   float acc[NC / 8][4];
-#pragma unroll
-  for (int n = 0; n < NC / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  zero_tiles(acc);
 #pragma unroll
   for (int kc = 0; kc < BK / 16; ++kc) {
     // Matrices 0..3 = (queries 0-7 / 8-15) x (keys 0-7), then x (keys 8-15), each stored as
@@ -720,12 +750,8 @@ __global__ void __launch_bounds__(DkDvTiles<D, MI>::kThreads)
   // Keys of m-tile mi: warp_key0 + 16 mi + g and + 8.
   const int64_t warp_key0 = k0 + warp * WK, key_lane = warp_key0 + g;
   float dk_acc[MI][D / 8][4], dv_acc[MI][D / 8][4];
-#pragma unroll
-  for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dk_acc[mi][i][e] = dv_acc[mi][i][e] = 0.0f;
+  zero_tiles(dk_acc);
+  zero_tiles(dv_acc);
 
   // This lane's ldmatrix address in the block's K and V tiles (A fragments of the warp's keys,
   // m-tile 0), and the fragments themselves for the whole loop when they fit.
@@ -766,12 +792,8 @@ __global__ void __launch_bounds__(DkDvTiles<D, MI>::kThreads)
     // fragments; Q and dO (row-major [query][d]) give B fragments of two 8-query tiles per
     // ldmatrix.x4, as K does in the forward, each feeding the products of every m-tile.
     float st[MI][BQ / 8][4], dpt[MI][BQ / 8][4];
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int n = 0; n < BQ / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st[mi][n][e] = dpt[mi][n][e] = 0.0f;
+    zero_tiles(st);
+    zero_tiles(dpt);
     if (active) {
 #pragma unroll
       for (int kc = 0; kc < D / 16; ++kc) {
@@ -973,11 +995,7 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads, DqTiles<D>::kMinBlocks)
   // Rows of this warp (16 mi + g + 8 half) from row_end on lie past the sequence.
   const int row_end = static_cast<int>(min(seq - warp_row0, static_cast<int64_t>(WR)));
   float dq_acc[MI][D / 8][4];
-#pragma unroll
-  for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i)
-      dq_acc[mi][i][0] = dq_acc[mi][i][1] = dq_acc[mi][i][2] = dq_acc[mi][i][3] = 0.0f;
+  zero_tiles(dq_acc);
 
   // Q and dO fragments for the whole loop when they fit (m-tile 0, columns 16 kc..).
   constexpr int kHeld = Tiles::kQdOInRegisters ? D / 16 : 1;
@@ -985,14 +1003,7 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads, DqTiles<D>::kMinBlocks)
   const int frag_row = warp * WR + (lm & 1) * 8 + lr;  // this lane's ldmatrix row, m-tile 0
 
   for (int64_t kt = 0; kt < tiles; ++kt) {
-    cp_async_wait_all();
-    __syncthreads();  // tile kt is visible; every warp is done with tile kt - 1's buffers
-    if (kt + 1 < tiles) {
-      const int next = (kt + 1) & 1;
-      copy_rows_async<BK, D, LD, NT>(ks + next * Tiles::kStage, kb, (kt + 1) * BK, seq);
-      copy_rows_async<BK, D, LD, NT>(vs + next * Tiles::kStage, vb, (kt + 1) * BK, seq);
-      cp_async_commit();
-    }
+    begin_kv_step<BK, D, LD, NT>(ks, vs, Tiles::kStage, kb, vb, kt, tiles, seq);
     if constexpr (Tiles::kQdOInRegisters) {
       if (kt == 0) {
 #pragma unroll
@@ -1010,12 +1021,8 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads, DqTiles<D>::kMinBlocks)
     // S = Q K^T and dP = dO V^T: Q and dO rows are A fragments, K and V give B fragments, each
     // read once for every m-tile.
     float s[MI][BK / 8][4], dp[MI][BK / 8][4];
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int n = 0; n < BK / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mi][n][e] = dp[mi][n][e] = 0.0f;
+    zero_tiles(s);
+    zero_tiles(dp);
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) {
       uint32_t aq[MI][4], ad[MI][4];
@@ -1057,24 +1064,8 @@ __global__ void __launch_bounds__(DqTiles<D>::kThreads, DqTiles<D>::kMinBlocks)
         }
       }
     }
-    // dQ += dS K: K (row-major [key][d]) gives the B fragments through ldmatrix.x4.trans.
-#pragma unroll
-    for (int kc = 0; kc < BK / 16; ++kc) {
-      uint32_t a[MI][4];
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi) accumulators_as_a<T>(a[mi], s[mi][2 * kc], s[mi][2 * kc + 1]);
-#pragma unroll
-      for (int dp2 = 0; dp2 < D / 16; ++dp2) {
-        uint32_t kf[4];
-        ldsm_x4_trans(kf, kst + (kc * 16 + (lm & 1) * 8 + lr) * LD + dp2 * 16 + (lm >> 1) * 8);
-        const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi) {
-          mma<T>(dq_acc[mi][2 * dp2], a[mi], b0);
-          mma<T>(dq_acc[mi][2 * dp2 + 1], a[mi], b1);
-        }
-      }
-    }
+    // dQ += dS K: dS stays in registers; K is row-major [key][d].
+    held_times_rows<T, MI, BK, D, LD>(dq_acc, s, kst, lr, lm);
   }
 
   uint16_t* dqb = dq + head * seq * D;
