@@ -27,8 +27,6 @@ bool GradScaler::unscale_and_check(const std::vector<Tensor*>& params) {
            "GradScaler::unscale_and_check called twice in one step: the gradients are already "
            "unscaled; call update() to end the step first");
   unscaled_this_step_ = true;
-  // As torch.amp does: the reciprocal is formed in double and rounded once to float.
-  const float inv_scale = static_cast<float>(1.0 / static_cast<double>(state_.scale));
   std::vector<Tensor> grads;
   for (Tensor* param : params)
     if (Tensor g = autograd::grad(*param); g.defined()) grads.push_back(std::move(g));
@@ -38,7 +36,7 @@ bool GradScaler::unscale_and_check(const std::vector<Tensor*>& params) {
   bool found_inf = false;
   for (const auto& [device, list] :
        split_by_device(pointers, [](const Tensor* g) { return g->device(); }))
-    found_inf = backend_for(device).unscale_and_check_multi(list, inv_scale) || found_inf;
+    found_inf = backend_for(device).unscale_and_check_multi(list, inv_scale()) || found_inf;
   return found_inf;
 }
 

@@ -321,7 +321,7 @@ std::vector<optim::NamedParam> Runtime::trainable() const {
   return out;
 }
 
-Runtime::Gradients Runtime::forward_backward(const std::vector<Batch>& micro_batches) {
+double Runtime::accumulate_gradients(const std::vector<Batch>& micro_batches) {
   int64_t tokens = 0;
   for (const Batch& mb : micro_batches) tokens += mb.num_target_tokens;
   // The normaliser is the whole global batch's count, over every rank: gradients are then summed
@@ -341,16 +341,20 @@ Runtime::Gradients Runtime::forward_backward(const std::vector<Batch>& micro_bat
     loss_sums.push_back(loss_sum.detach());
     // Token-weighted: every micro-batch is divided by the tokens of the whole global batch, so
     // any split into micro-batches gives the gradient of the whole batch. The loss scale (fp16)
-    // multiplies in here and is divided out of the gradients below, before clipping.
+    // multiplies in here; the callers divide it out.
     float factor =
         static_cast<float>(static_cast<double>(scaler_->scale()) / static_cast<double>(tokens));
     autograd::backward(ops::scale(loss_sum, factor));
   }
   double loss_total = 0;
   for (const Tensor& l : loss_sums) loss_total += l.item();
-  Gradients g;
   loss_total = dist_->world().all_reduce_host(loss_total, dist::ReduceOp::Sum);
-  g.loss = loss_total / static_cast<double>(tokens);
+  return loss_total / static_cast<double>(tokens);
+}
+
+Runtime::Gradients Runtime::forward_backward(const std::vector<Batch>& micro_batches) {
+  Gradients g;
+  g.loss = accumulate_gradients(micro_batches);
   g.found_inf = scaler_->unscale_and_check(trainable());
   if (sharded_) g.found_inf = sharded_->any_rank(g.found_inf);  // every rank skips together
   return g;
@@ -367,19 +371,24 @@ StepResult Runtime::train_step(const std::vector<Batch>& micro_batches, float lr
   r.tokens = dist_->world().all_reduce_host(r.tokens, dist::ReduceOp::Sum);
   optimizer_->zero_grad();
   r.loss_scale = scaler_->scale();
-  Gradients g = forward_backward(micro_batches);
-  r.loss = g.loss;
-  r.skipped = g.found_inf;
-  if (!g.found_inf) {
-    // Sharded: the squared norm summed over every rank's shard. The clipping factor goes into the
-    // optimizer's update rather than a pass of its own over the gradients.
-    r.grad_norm =
-        std::sqrt(sharded_ ? sharded_->grad_sum_squares() : optim::grad_sum_squares(trainable()));
-    optimizer_->step(lr, optim::clip_factor(r.grad_norm, config_.optim.grad_clip));
+  r.loss = accumulate_gradients(micro_batches);
+  // The gradients still hold the loss scale; neither it nor the clipping factor gets a pass of
+  // its own over them: the optimizer multiplies by both as it reads each gradient. Their sum of
+  // squares (sharded: over every rank's shard, so every rank decides alike) gives the norm and
+  // the overflow check: fp32 squares summed in fp64 cannot overflow, so it is finite exactly
+  // when every gradient is. With a power-of-two scale, dividing the norm by it and multiplying
+  // the gradients by its reciprocal are exact: the step is the one on unscaled gradients.
+  const double sum_squares =
+      sharded_ ? sharded_->grad_sum_squares() : optim::grad_sum_squares(trainable());
+  r.skipped = scaler_->enabled() && !std::isfinite(sum_squares);
+  if (!r.skipped) {
+    r.grad_norm = std::sqrt(sum_squares) / static_cast<double>(scaler_->scale());
+    optimizer_->step(
+        lr, optim::clip_factor(r.grad_norm, config_.optim.grad_clip) * scaler_->inv_scale());
   } else {
     r.grad_norm = INFINITY;  // weights and optimizer state stay untouched
   }
-  scaler_->update(g.found_inf);
+  scaler_->update(r.skipped);
   r.lr = lr;
   activation::ActivationCounters c = activation::activation_counters();
   r.forward_reruns = c.forward_reruns;

@@ -7,27 +7,14 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/data/sampler.h"
-#include "shardtrain/data/token_dataset.h"
 #include "shardtrain/dist/env.h"
 #include "shardtrain/train/runtime.h"
+#include "split_batches.h"
 #include "tiny_run.h"
 
 using namespace shardtrain;
 
 namespace {
-
-std::vector<Batch> eval_batches(const train::Config& config, int count) {
-  TokenDataset data = load_token_source(config.data.path);
-  SamplerConfig sc;
-  sc.seq_len = config.train.seq_len;
-  sc.eval_fraction = config.data.eval_fraction;
-  sc.shuffle = false;
-  Sampler sampler(data, Split::Eval, sc);
-  std::vector<Batch> batches;
-  for (int i = 0; i < count; ++i) batches.push_back(sampler.next_batch(2));
-  return batches;
-}
 
 TEST(ShardedEval, MeanOverRanksEqualsTheBatchesOneByOne) {
   for (const char* sharding : {"full_shard", "no_shard"}) {
@@ -39,7 +26,8 @@ TEST(ShardedEval, MeanOverRanksEqualsTheBatchesOneByOne) {
     // One batch fewer than a multiple of the ranks, and fewer batches than ranks.
     for (int count : {2 * ranks - 1, ranks - 1}) {
       if (count == 0) continue;
-      std::vector<Batch> batches = eval_batches(config, count);
+      std::vector<Batch> batches =
+          shardtrain::testing::first_batches(config, Split::Eval, count, 2);
       // Reference: one batch per call (only rank 0 counts it; the others run it uncounted).
       double weighted = 0;
       int64_t tokens = 0;

@@ -1,11 +1,15 @@
-// Global-norm clipping in a training step. Runtime::train_step hands the clipping factor to the
-// optimizer, which applies it inside its update, instead of scaling every gradient in a pass of its
-// own first. The step must still be the classic one (norm, gradients scaled in place, plain step),
-// bit for bit with fp32 gradients, for each optimizer, and a different step from the unclipped one.
+// Global-norm clipping and loss-scale unscaling in a training step. Runtime::train_step hands the
+// clipping factor, times the reciprocal of the fp16 loss scale, to the optimizer, which applies it
+// inside its update, instead of unscaling and then clipping every gradient in passes of their own
+// first. The step must still be the classic one (unscale in place, norm, gradients clipped in
+// place, plain step), bit for bit with fp32 gradients and the default power-of-two loss scale, for
+// each optimizer, and a different step from the unclipped one; an overflow must still skip it.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "offload_optimizer.h"
@@ -20,11 +24,22 @@ namespace {
 
 constexpr float kLr = 1e-2f;
 
-train::Config config_with(const std::string& optimizer_sets, double max_norm) {
+// Optimizer sets ("" = on-device AdamW) and the compute dtype (fp16: dynamic loss scaling).
+using Case = std::tuple<std::string, std::string>;
+
+train::Config config_with(const Case& c, double max_norm, const std::string& extra = "") {
+  const auto& [optimizer_sets, compute] = c;
   std::vector<std::string> sets = {"train.device=cpu", "model.from_hf=" + kGoldenModelDir,
-                                   "optim.grad_clip=" + std::to_string(max_norm)};
+                                   "optim.grad_clip=" + std::to_string(max_norm),
+                                   "precision.compute=" + compute};
   if (!optimizer_sets.empty()) sets.push_back(optimizer_sets);
+  if (!extra.empty()) sets.push_back(extra);
   return train::Config::parse("{}", sets, "clipping");
+}
+
+std::string optimizer_name(const std::string& sets) {
+  if (sets.empty()) return "adamw";
+  return sets == "optim.offload=cpu" ? "offloaded_adamw" : "sgd";
 }
 
 // The trainable weights' bit patterns (-0.0 against 0.0 and NaN payloads count as differences).
@@ -35,19 +50,22 @@ std::vector<std::vector<uint32_t>> weights(train::Runtime& rt) {
   return out;
 }
 
-class Clipping : public ::testing::TestWithParam<std::string> {};
+class Clipping : public ::testing::TestWithParam<Case> {};
 
-TEST_P(Clipping, TrainStepIsTheStepOnGradientsScaledInPlace) {
+TEST_P(Clipping, TrainStepIsTheStepOnGradientsUnscaledAndClippedInPlace) {
   const double max_norm = 0.05;
   const std::vector<Batch> batch = golden_batch();
-
   train::Runtime fused(config_with(GetParam(), max_norm));
+  ASSERT_EQ(fused.scaler().enabled(), std::get<1>(GetParam()) == "fp16")
+      << "the premise: fp16 runs scale the loss";
   const train::StepResult r = fused.train_step(batch, kLr);
+  ASSERT_FALSE(r.skipped);
 
-  // The classic order, by hand: the norm, the gradients scaled in place, an unscaled step.
+  // The classic order, by hand: gradients unscaled in place (forward_backward), the norm, the
+  // gradients clipped in place, a plain step.
   train::Runtime classic(config_with(GetParam(), max_norm));
   classic.optimizer().zero_grad();
-  classic.forward_backward(batch);
+  ASSERT_FALSE(classic.forward_backward(batch).found_inf);
   const std::vector<optim::NamedParam> params = classic.trainable();
   const double norm = optim::clip_grad_norm(params, max_norm);
   classic.optimizer().step(kLr);
@@ -63,11 +81,44 @@ TEST_P(Clipping, TrainStepIsTheStepOnGradientsScaledInPlace) {
   EXPECT_NE(weights(unclipped), weights(fused));
 }
 
+// An overflow in the scaled fp16 backward skips the step: the weights and the optimizer stay as
+// they were, the norm is reported as infinite and the scale backs off.
+class Fp16Overflow : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Fp16Overflow, SkipsTheStep) {
+  // 2^40 overflows the fp16 gradients of the first backward.
+  train::Runtime rt(config_with({GetParam(), "fp16"}, 1.0, "precision.init_scale=1099511627776"));
+  const std::vector<std::vector<uint32_t>> before = weights(rt);
+  const float scale = rt.scaler().scale();
+  const train::StepResult r = rt.train_step(golden_batch(), kLr);
+  EXPECT_TRUE(r.skipped);
+  EXPECT_TRUE(std::isinf(r.grad_norm));
+  EXPECT_EQ(weights(rt), before);
+  EXPECT_EQ(rt.optimizer().steps_taken(), 0);
+  EXPECT_EQ(rt.scaler().skipped_steps(), 1);
+  EXPECT_EQ(rt.scaler().scale(), scale * 0.5f);
+
+  // The backed-off scale keeps overflowing until it is small enough; a clean step then runs.
+  bool stepped = false;
+  for (int i = 0; i < 30 && !stepped; ++i) stepped = !rt.train_step(golden_batch(), kLr).skipped;
+  EXPECT_TRUE(stepped);
+  EXPECT_EQ(rt.optimizer().steps_taken(), 1);
+  EXPECT_NE(weights(rt), before);
+}
+
 INSTANTIATE_TEST_SUITE_P(Optimizers, Clipping,
+                         ::testing::Combine(::testing::Values("", "optim.offload=cpu",
+                                                              "optim.name=sgd"),
+                                            ::testing::Values("fp32", "fp16")),
+                         [](const auto& info) -> std::string {
+                           return optimizer_name(std::get<0>(info.param)) + "_" +
+                                  std::get<1>(info.param);
+                         });
+
+INSTANTIATE_TEST_SUITE_P(Optimizers, Fp16Overflow,
                          ::testing::Values("", "optim.offload=cpu", "optim.name=sgd"),
                          [](const auto& info) -> std::string {
-                           if (info.param.empty()) return "adamw";
-                           return info.param == "optim.offload=cpu" ? "offloaded_adamw" : "sgd";
+                           return optimizer_name(info.param);
                          });
 
 }  // namespace

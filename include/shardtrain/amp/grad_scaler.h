@@ -6,7 +6,7 @@
 // skipped and S is multiplied by backoff_factor; after growth_interval clean steps in a row S is
 // multiplied by growth_factor.
 //
-// The training step calls, in this order:
+// A step uses it in this order:
 //   1. loss_scaled = ops::scale(loss_sum, scaler.scale() / total_counted_tokens)
 //   2. autograd::backward(loss_scaled)           (every micro-batch)
 //   3. found_inf = scaler.unscale_and_check(params)   (once, after the last micro-batch and
@@ -14,6 +14,10 @@
 //   4. if (!found_inf) { clip; optimizer.step(lr); }
 //   5. scaler.update(found_inf)                   (every step, skipped or not)
 //   6. optimizer.zero_grad()
+// train::Runtime::train_step fuses 3 and 4 instead, as PyTorch's fused optimizers do: it leaves
+// the gradients scaled, takes found_inf and the norm from their sum of squares (times
+// inv_scale() squared), and the optimizer multiplies by inv_scale() and the clipping factor as it
+// reads each gradient: a pass over the gradients fewer, the same step for power-of-two scales.
 // A disabled scaler has scale 1, leaves gradients untouched and never reports an overflow, so
 // the same step code serves fp32 and bf16 runs.
 #pragma once
@@ -58,6 +62,9 @@ class GradScaler {
   bool enabled() const { return options_.enabled; }
   // The factor the loss is multiplied by (1 when disabled).
   float scale() const { return options_.enabled ? state_.scale : 1.0f; }
+  // What unscaling multiplies the gradients by: 1 / scale(), formed in double and rounded once to
+  // float as torch.amp does (exact for the power-of-two scales the defaults produce).
+  float inv_scale() const { return static_cast<float>(1.0 / static_cast<double>(scale())); }
   int64_t growth_tracker() const { return state_.growth_tracker; }
   int64_t skipped_steps() const { return state_.skipped_steps; }
   const GradScalerOptions& options() const { return options_; }

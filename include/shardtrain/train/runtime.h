@@ -5,8 +5,10 @@
 //   1. count the global batch's target tokens (the loss normaliser);
 //   2. per micro-batch: forward -> summed cross-entropy -> scale by loss_scale / tokens ->
 //      backward (gradients accumulate in fp32 .grad);
-//   3. unscale + inf/nan check (fp16 loss scaling), global-norm clipping;
-//   4. optimizer step unless the scaler found inf/nan; scaler update.
+//   3. the sum of squares of the gradients, still multiplied by the loss scale: the global norm,
+//      and (fp16 loss scaling) the inf/nan check;
+//   4. optimizer step unless the scaler found inf/nan, the loss scale and the clipping factor
+//      applied inside the update; scaler update.
 #pragma once
 #include <memory>
 #include <string>
@@ -102,6 +104,10 @@ class Runtime {
   std::unique_ptr<fsdp::ShardedModel> sharded_;  // after model_, before optimizer_ (lifetimes)
   std::unique_ptr<optim::Optimizer> optimizer_;
   std::unique_ptr<amp::GradScaler> scaler_;
+
+  // Steps 1 and 2 of a step: the mean loss per counted token; the gradients stay multiplied by
+  // the loss scale.
+  double accumulate_gradients(const std::vector<Batch>& micro_batches);
 };
 
 }  // namespace shardtrain::train

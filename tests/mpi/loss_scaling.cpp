@@ -1,0 +1,96 @@
+// fp16 loss scaling in sharded training steps. train_step leaves the gradient shards scaled and
+// takes the overflow check and the norm from their sum of squares over every rank; the optimizer
+// divides the scale out inside its update. That must be the classic step on every rank, bit for
+// bit (unscale each shard in place, agree on an overflow, norm, clip in place, plain step), and
+// an overflow on any rank must skip the step on all of them.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "shardtrain/dist/env.h"
+#include "shardtrain/fsdp/fsdp.h"
+#include "shardtrain/optim/optimizer.h"
+#include "shardtrain/train/runtime.h"
+#include "split_batches.h"
+#include "tiny_run.h"
+
+using namespace shardtrain;
+
+namespace {
+
+constexpr float kLr = 1e-2f;
+
+train::Config fp16_config(const std::string& sharding, const std::string& extra = "") {
+  std::vector<std::string> sets = {"precision.compute=fp16", "optim.grad_clip=0.05",
+                                   "dist.sharding=" + sharding};
+  if (sharding == "hybrid_shard") sets.push_back("dist.ranks_per_node=2");
+  if (!extra.empty()) sets.push_back(extra);
+  return train::Config::parse(shardtrain::testing::kTinyRunYaml, sets, "loss scaling test");
+}
+
+// This rank's micro-batches: two of one sequence each, different on every rank.
+std::vector<Batch> rank_batches(const train::Config& config, int rank) {
+  const std::vector<Batch> all =
+      shardtrain::testing::first_batches(config, Split::Train, 2 * rank + 2, 1);
+  return {all[static_cast<size_t>(2 * rank)], all[static_cast<size_t>(2 * rank + 1)]};
+}
+
+// This rank's shard of the trainable weights, as bit patterns.
+std::vector<std::vector<uint32_t>> shard_bits(train::Runtime& rt) {
+  std::vector<std::vector<uint32_t>> out;
+  for (const optim::NamedParam& p : rt.trainable()) {
+    const std::vector<float> v = p.param->to_float_vector();
+    std::vector<uint32_t> bits(v.size());
+    std::memcpy(bits.data(), v.data(), v.size() * sizeof(float));
+    out.push_back(std::move(bits));
+  }
+  return out;
+}
+
+class ShardedLossScaling : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ShardedLossScaling, TrainStepIsTheStepOnShardsUnscaledAndClippedInPlace) {
+  const train::Config config = fp16_config(GetParam());
+  const std::vector<Batch> batches = rank_batches(config, dist::job_rank());
+
+  train::Runtime fused(config);
+  ASSERT_NE(fused.sharded(), nullptr) << "the premise: more than one rank";
+  ASSERT_TRUE(fused.scaler().enabled());
+  const train::StepResult r = fused.train_step(batches, kLr);
+  ASSERT_FALSE(r.skipped);
+
+  train::Runtime classic(config);
+  classic.optimizer().zero_grad();
+  ASSERT_FALSE(classic.forward_backward(batches).found_inf);
+  const double sum_squares = classic.sharded()->grad_sum_squares();
+  const double norm = optim::clip_grad_norm(classic.trainable(), 0.05, sum_squares);
+  classic.optimizer().step(kLr);
+
+  ASSERT_GT(norm, 0.1) << "the premise: this step is clipped";
+  EXPECT_EQ(r.grad_norm, norm);
+  EXPECT_EQ(shard_bits(fused), shard_bits(classic));
+}
+
+TEST_P(ShardedLossScaling, OverflowSkipsTheStepOnEveryRank) {
+  // 2^40 overflows the fp16 gradients of the first backward on every rank.
+  const train::Config config = fp16_config(GetParam(), "precision.init_scale=1099511627776");
+  train::Runtime rt(config);
+  const std::vector<std::vector<uint32_t>> before = shard_bits(rt);
+  const train::StepResult r = rt.train_step(rank_batches(config, dist::job_rank()), kLr);
+  EXPECT_TRUE(r.skipped);
+  EXPECT_TRUE(std::isinf(r.grad_norm));
+  EXPECT_EQ(shard_bits(rt), before);
+  EXPECT_EQ(rt.optimizer().steps_taken(), 0);
+  EXPECT_EQ(rt.scaler().scale(), 549755813888.0f);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shardings, ShardedLossScaling,
+                         ::testing::Values("full_shard", "grad_op_shard", "no_shard",
+                                           "hybrid_shard"),
+                         [](const auto& info) { return std::string(info.param); });
+
+}  // namespace
