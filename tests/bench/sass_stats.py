@@ -28,6 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def demangle(name):
     out = subprocess.run(["c++filt", name], capture_output=True, text=True).stdout.strip()
     out = out.replace("shardtrain::kernels::(anonymous namespace)::", "").replace("void ", "")
+    # The dtype names the kernel bench and docs use (and --filter bf16 matches).
+    out = out.replace("__nv_bfloat16", "bf16").replace("__half", "f16")
     return re.sub(r"\(.*", "", out)
 
 
