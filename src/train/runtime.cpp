@@ -381,6 +381,13 @@ StepResult Runtime::train_step(const std::vector<Batch>& micro_batches, float lr
   const double sum_squares =
       sharded_ ? sharded_->grad_sum_squares() : optim::grad_sum_squares(trainable());
   r.skipped = scaler_->enabled() && !std::isfinite(sum_squares);
+  // Without loss scaling nothing skips such a step: the update would write inf or nan into every
+  // weight (through the clipping factor too), and a checkpoint could keep them before the next
+  // step's loss showed it. Every rank sees the same sum, so every rank stops here.
+  ST_CHECK(r.skipped || std::isfinite(sum_squares), "the gradients hold inf or nan (their sum of ",
+           "squares is ", sum_squares, ", the loss ", r.loss,
+           "); the weights were not updated. Lower optim.lr or lengthen optim.warmup_steps; ",
+           "fp16 with precision.loss_scale=dynamic skips such steps instead of stopping");
   if (!r.skipped) {
     r.grad_norm = std::sqrt(sum_squares) / static_cast<double>(scaler_->scale());
     optimizer_->step(

@@ -2,7 +2,8 @@
 // takes the overflow check and the norm from their sum of squares over every rank; the optimizer
 // divides the scale out inside its update. That must be the classic step on every rank, bit for
 // bit (unscale each shard in place, agree on an overflow, norm, clip in place, plain step), and
-// an overflow on any rank must skip the step on all of them.
+// an overflow must skip the step on all of them. Without loss scaling, non-finite gradients stop
+// the step on every rank (none may go on alone into the next collective).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -24,8 +25,9 @@ namespace {
 
 constexpr float kLr = 1e-2f;
 
-train::Config fp16_config(const std::string& sharding, const std::string& extra = "") {
-  std::vector<std::string> sets = {"precision.compute=fp16", "optim.grad_clip=0.05",
+train::Config fp16_config(const std::string& sharding, const std::string& extra = "",
+                          const std::string& compute = "fp16") {
+  std::vector<std::string> sets = {"precision.compute=" + compute, "optim.grad_clip=0.05",
                                    "dist.sharding=" + sharding};
   if (sharding == "hybrid_shard") sets.push_back("dist.ranks_per_node=2");
   if (!extra.empty()) sets.push_back(extra);
@@ -86,6 +88,27 @@ TEST_P(ShardedLossScaling, OverflowSkipsTheStepOnEveryRank) {
   EXPECT_EQ(shard_bits(rt), before);
   EXPECT_EQ(rt.optimizer().steps_taken(), 0);
   EXPECT_EQ(rt.scaler().scale(), 549755813888.0f);
+}
+
+TEST_P(ShardedLossScaling, NonFiniteGradientsStopEveryRankWithoutLossScaling) {
+  const train::Config config = fp16_config(GetParam(), "", "bf16");
+  train::Runtime rt(config);
+  ASSERT_FALSE(rt.scaler().enabled());
+  // An inf in rank 0's piece of the first parameter: every rank's forward and backward meet it.
+  if (dist::job_rank() == 0) {
+    Tensor& shard = *rt.trainable().front().param;
+    ASSERT_GT(shard.numel(), 0);
+    shard.data<float>()[0] = INFINITY;
+  }
+  const std::vector<std::vector<uint32_t>> before = shard_bits(rt);
+  try {
+    rt.train_step(rank_batches(config, dist::job_rank()), kLr);
+    ADD_FAILURE() << "rank " << dist::job_rank() << " went ahead with non-finite gradients";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("inf or nan"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(shard_bits(rt), before);
+  EXPECT_EQ(rt.optimizer().steps_taken(), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shardings, ShardedLossScaling,

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "offload_optimizer.h"
+#include "shardtrain/autograd/node.h"
 #include "shardtrain/optim/optimizer.h"
 #include "shardtrain/train/runtime.h"
 
@@ -106,6 +107,30 @@ TEST_P(Fp16Overflow, SkipsTheStep) {
   EXPECT_NE(weights(rt), before);
 }
 
+// Without loss scaling nothing skips a step whose gradients hold inf or nan: train_step stops with
+// an error instead, before the update writes nan into every weight.
+class NonFiniteGradient : public ::testing::TestWithParam<Case> {};
+
+TEST_P(NonFiniteGradient, StopsTheStepWithoutLossScaling) {
+  train::Runtime rt(config_with(GetParam(), 1.0, "precision.loss_scale=none"));
+  ASSERT_FALSE(rt.scaler().enabled());
+  const std::vector<std::vector<uint32_t>> before = weights(rt);
+  // One weight's gradient turns nan on its way into .grad: the loss stays finite.
+  Tensor& victim = *rt.trainable().front().param;
+  autograd::register_hook(
+      victim, [](const Tensor& g) { return full(g.shape(), NAN, g.dtype(), g.device()); });
+  try {
+    rt.train_step(golden_batch(), kLr);
+    ADD_FAILURE() << "a step with a nan gradient went ahead";
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("inf or nan"), std::string::npos) << message;
+    EXPECT_NE(message.find("not updated"), std::string::npos) << message;
+  }
+  EXPECT_EQ(weights(rt), before);
+  EXPECT_EQ(rt.optimizer().steps_taken(), 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Optimizers, Clipping,
                          ::testing::Combine(::testing::Values("", "optim.offload=cpu",
                                                               "optim.name=sgd"),
@@ -119,6 +144,15 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, Fp16Overflow,
                          ::testing::Values("", "optim.offload=cpu", "optim.name=sgd"),
                          [](const auto& info) -> std::string {
                            return optimizer_name(info.param);
+                         });
+
+INSTANTIATE_TEST_SUITE_P(OptimizersAndPrecisions, NonFiniteGradient,
+                         ::testing::Combine(::testing::Values("", "optim.offload=cpu",
+                                                              "optim.name=sgd"),
+                                            ::testing::Values("fp32", "bf16", "fp16")),
+                         [](const auto& info) -> std::string {
+                           return optimizer_name(std::get<0>(info.param)) + "_" +
+                                  std::get<1>(info.param);
                          });
 
 }  // namespace

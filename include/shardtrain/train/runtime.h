@@ -68,6 +68,9 @@ class Runtime {
   explicit Runtime(const Config& config);
   ~Runtime();
 
+  // One optimizer step over this rank's micro-batches. An inf or nan gradient skips the step
+  // under loss scaling (StepResult::skipped); without it, it throws shardtrain::Error before the
+  // update, leaving the weights and the optimizer as they were.
   StepResult train_step(const std::vector<Batch>& micro_batches, float lr);
   // Forward and backward only: gradients are left unscaled in .grad, no optimizer step.
   struct Gradients {
