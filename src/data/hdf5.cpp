@@ -24,6 +24,12 @@ void checked_status(herr_t status, const std::string& what) {
   if (status < 0) fail(what);
 }
 
+// No clean-up of the library at process exit, asked for during static initialisation, before
+// any other HDF5 call (the library registers its clean-up on its first use). Every file is
+// closed by its Handle; but a file whose write failed (a full disk) cannot be closed, and the
+// exit-time clean-up then crashes on it after the error has been reported.
+const bool kNoExitCleanup = H5dont_atexit() >= 0;
+
 TypeInfo describe_type(hid_t type) {
   TypeInfo info;
   info.type_class = H5Tget_class(type);
@@ -45,6 +51,13 @@ std::string take_error_message() {
       },
       &message);
   H5Eclear2(H5E_DEFAULT);
+  // A failed read or write of the file driver describes itself with a dump of its arguments
+  // (over several lines); the operating system's message in it is what a user can act on.
+  const std::string os_marker = "error message = '";
+  if (const size_t at = message.find(os_marker); at != std::string::npos) {
+    const size_t from = at + os_marker.size(), to = message.find('\'', from);
+    if (to != std::string::npos) message = message.substr(from, to - from);
+  }
   return message.empty() ? std::string("HDF5 reported an error") : message;
 }
 

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -744,7 +745,7 @@ CheckpointReader::CheckpointReader(const std::string& path)
     throw FormatError(concat("'", path, "' is not a shardtrain checkpoint (no format attribute '",
                              kFormat, "')"));
   const int64_t version = f.read_int64_attribute("format_version");
-  if (version > kFormatVersion)
+  if (version < 1 || version > kFormatVersion)
     throw FormatError(concat("'", path, "' has checkpoint format version ", version,
                              "; this build reads up to ", kFormatVersion));
   if (!f.has_attribute("complete") || f.read_int64_attribute("complete") != 1)
@@ -754,6 +755,11 @@ CheckpointReader::CheckpointReader(const std::string& path)
   TrainingState& s = state_;
   s.step = f.read_int64_attribute("step");
   s.world_size = f.read_int64_attribute("world_size");
+  // Ranks that saved it; it sizes what is read next. (A job of more than 2^20 ranks is not one
+  // this reads; such a number is damage.)
+  if (s.step < 0 || s.world_size < 1 || s.world_size > (int64_t{1} << 20))
+    throw FormatError(concat("'", path, "' is damaged: step ", s.step, ", world_size ",
+                             s.world_size, " (a step of at least 0 and 1 to 2^20 ranks expected)"));
   s.sharding = f.read_string_attribute("sharding");
   s.config_yaml = f.read_string_attribute("config");
   Node optim = open_group(f, "optim");
@@ -977,7 +983,10 @@ std::vector<DirFile> checkpoint_files(const std::string& dir) {
     if (!std::regex_match(name, m, pattern)) continue;
     DirFile f;
     f.path = entry.path().string();
-    f.step = std::stoll(m[1].str());
+    // A step too large for int64 is not a name this program writes: such a file is not ours.
+    const std::string digits = m[1].str();
+    const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), f.step);
+    if (ec != std::errc() || end != digits.data() + digits.size()) continue;
     f.temporary = m[3].matched;
     f.main = !m[2].matched && !f.temporary;
     out.push_back(f);

@@ -226,20 +226,35 @@ bool defines_the_weights(const std::string& key) {
          key == "lora.alpha" || key == "lora.target_modules" || key == "lora.quantize_base";
 }
 
-// The keys of `defines_the_weights` whose values differ between a checkpoint's resolved config
-// and this run's, as "key: checkpoint X, this run Y". Both are Config::to_yaml text; a key only
-// one of them has (a config of another version) is not compared.
-std::vector<std::string> weight_settings_that_differ(const std::string& saved_yaml,
-                                                     const std::string& current_yaml) {
-  std::vector<std::string> out;
-  YAML::Node saved, current;
+// Every checkpoint holds its resolved config, with a model section: without it the settings
+// that keep the tensors' shapes (heads, RoPE) could not be compared with this run's, so one that
+// does not parse or lacks it is damaged. What is wrong with it, or "" when nothing is.
+std::string saved_config_problem(const std::string& saved_yaml, YAML::Node* parsed = nullptr) {
+  YAML::Node saved;
   try {
     saved = YAML::Load(saved_yaml);
-    current = YAML::Load(current_yaml);
-  } catch (const YAML::Exception&) {
-    return out;  // not comparable; the tensor checks below still apply
+  } catch (const YAML::Exception& e) {
+    return concat("its saved config does not parse (", e.what(), ")");
   }
-  if (!saved.IsMap() || !current.IsMap()) return out;
+  if (!saved.IsMap() || !saved["model"] || !saved["model"].IsMap())
+    return "its saved config has no model section";
+  if (parsed != nullptr) *parsed = saved;
+  return "";
+}
+
+// The keys of `defines_the_weights` whose values differ between a checkpoint's resolved config
+// and this run's, as "key: checkpoint X, this run Y". Both are Config::to_yaml text; a key only
+// one of them has (a config of another version) is not compared. A saved config with a problem
+// (above) is a FormatError.
+std::vector<std::string> weight_settings_that_differ(const std::string& path,
+                                                     const std::string& saved_yaml,
+                                                     const std::string& current_yaml) {
+  std::vector<std::string> out;
+  YAML::Node saved;
+  if (std::string problem = saved_config_problem(saved_yaml, &saved); !problem.empty())
+    throw FormatError(concat("checkpoint '", path, "': ", problem,
+                             "; the checkpoint is damaged: resume from another one"));
+  const YAML::Node current = YAML::Load(current_yaml);
   for (const auto& section : current) {
     if (!section.second.IsMap()) continue;
     const std::string name = section.first.Scalar();
@@ -262,7 +277,7 @@ io::TrainingState load_checkpoint(Runtime& rt, const std::string& path) {
   io::CheckpointReader reader(path);
   const io::TrainingState& state = reader.state();
   const std::vector<std::string> differ =
-      weight_settings_that_differ(state.config_yaml, config.to_yaml());
+      weight_settings_that_differ(path, state.config_yaml, config.to_yaml());
   if (!differ.empty()) {
     std::string list;
     for (const std::string& d : differ) list += (list.empty() ? "" : "; ") + d;
@@ -374,6 +389,13 @@ std::optional<ResumePoint> Checkpointing::resume() {
     ST_CHECK(ranks_agree(world, c.step), "train.resume: the ranks see different checkpoints in '",
              dir, "'; the checkpoint directory must be on a file system every rank shares");
     std::string problem = io::verify_checkpoint(world, c.path);
+    if (problem.empty()) {
+      try {  // reading the state changes nothing: any failure here is a reason to fall back
+        problem = saved_config_problem(io::CheckpointReader(c.path).state().config_yaml);
+      } catch (const std::exception& e) {
+        problem = e.what();
+      }
+    }
     if (problem.empty()) return load(c.path);
     log_(concat("refusing checkpoint ", c.path, ": ", problem,
                 "; falling back to the previous one"));

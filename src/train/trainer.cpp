@@ -1,5 +1,7 @@
 #include "shardtrain/train/trainer.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -38,6 +40,21 @@ nlohmann::json memory_json(const MemoryStats& s) {
   for (int i = 0; i < kNumMemoryCategories; ++i)
     j[std::string(category_name(static_cast<MemoryCategory>(i)))] = s.peak[static_cast<size_t>(i)];
   return j;
+}
+
+// Creates a directory the run writes into and checks that a file can be made there, so that a
+// path that cannot serve fails before the first training step rather than at the first write.
+void prepare_output_dir(const std::string& dir, const std::string& key) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  ST_CHECK_AS(ConfigError, !ec, key, " = '", dir, "': cannot create the directory (", ec.message(),
+              "); choose a writable path");
+  const std::filesystem::path probe =
+      std::filesystem::path(dir) / (".write-test-" + std::to_string(::getpid()));
+  const bool writable = std::ofstream(probe).good();
+  std::filesystem::remove(probe, ec);
+  ST_CHECK_AS(ConfigError, writable, key, " = '", dir,
+              "': cannot write files there; choose a writable path");
 }
 
 // The per-rank device memory a plan is made against: train.device_memory, else a GPU's total
@@ -95,7 +112,12 @@ TrainSummary train_with(const Config& config) {
   // writes files and prints progress.
   const int world = dist::job_world_size();
   const bool leader = dist::job_rank() == 0;
-  std::filesystem::create_directories(t.out_dir);
+  prepare_output_dir(t.out_dir, "train.out_dir");
+  if (config.checkpoint.every_steps > 0 || config.checkpoint.every_minutes > 0)
+    prepare_output_dir(config.effective_checkpoint_dir(),
+                       config.checkpoint.dir.empty()
+                           ? "checkpoint.dir (default: under train.out_dir)"
+                           : "checkpoint.dir");
   if (leader) {
     std::ofstream out(t.out_dir + "/config.yaml");
     out << config.to_yaml();

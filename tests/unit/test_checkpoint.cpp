@@ -7,6 +7,7 @@
 
 #include <hdf5.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include "temp_dir.h"
@@ -83,9 +84,10 @@ bool have_tool(const std::string& name) {
 // ---- children ---------------------------------------------------------------------------------
 
 // Runs this test binary again, as CheckpointChild.DISABLED_RunTraining on `config`, with stdout
-// and stderr going to `log_path`.
+// and stderr going to `log_path`. A `file_size_limit` (bytes) makes every write past it fail as
+// on a full disk (EFBIG; SIGXFSZ ignored).
 pid_t spawn_training_child(const train::Config& config, const std::string& dir,
-                           const std::string& log_path) {
+                           const std::string& log_path, rlim_t file_size_limit = RLIM_INFINITY) {
   const std::string config_path = dir + "/child.yaml";
   std::ofstream(config_path) << config.to_yaml();
   // Everything the child needs is built before fork: only async-signal-safe calls follow it.
@@ -106,6 +108,11 @@ pid_t spawn_training_child(const train::Config& config, const std::string& dir,
     if (fd >= 0) {
       dup2(fd, 1);
       dup2(fd, 2);
+    }
+    if (file_size_limit != RLIM_INFINITY) {
+      const struct rlimit limit = {file_size_limit, file_size_limit};
+      setrlimit(RLIMIT_FSIZE, &limit);
+      signal(SIGXFSZ, SIG_IGN);  // kept across execve
     }
     execve(exe.c_str(), argv, envp.data());
     _exit(127);
@@ -357,6 +364,23 @@ TEST(CheckpointResume, AutoRefusesDamagedCheckpointsAndFallsBackToAnIntactOne) {
     std::string bytes = file_bytes(main_file(2));
     std::ofstream(main_file(10), std::ios::binary).write(bytes.data(), bytes.size() / 2);
   }
+  // steps 12 and 14: copies of step 2 (sharing its rank file) whose attributes were damaged:
+  // the saved config is gone (so model settings could not be compared), and world_size is -1.
+  for (int step : {12, 14}) {
+    fs::copy_file(main_file(2), main_file(step));
+    fs::copy_file(rank_file(2), rank_file(step));
+    hid_t f = H5Fopen(main_file(step).c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    ASSERT_GE(f, 0);
+    if (step == 12) {
+      ASSERT_GE(H5Adelete(f, "config"), 0);
+    } else {
+      hid_t a = H5Aopen(f, "world_size", H5P_DEFAULT);
+      const int64_t minus_one = -1;
+      ASSERT_GE(H5Awrite(a, H5T_NATIVE_INT64, &minus_one), 0);
+      H5Aclose(a);
+    }
+    H5Fclose(f);
+  }
 
   dist::LocalProcessGroup local;
   std::string v10 = io::verify_checkpoint(local, main_file(10));
@@ -374,7 +398,7 @@ TEST(CheckpointResume, AutoRefusesDamagedCheckpointsAndFallsBackToAnIntactOne) {
   EXPECT_EQ(io::verify_checkpoint(local, main_file(2)), "");
 
   // An explicit path to a damaged checkpoint is an error naming it.
-  for (int step : {10, 8, 6, 4}) {
+  for (int step : {14, 12, 10, 8, 6, 4}) {
     try {
       train::run_training(
           tiny_config(tmp / "explicit", {"train.steps=7", "train.resume=" + main_file(step)}));
@@ -384,13 +408,13 @@ TEST(CheckpointResume, AutoRefusesDamagedCheckpointsAndFallsBackToAnIntactOne) {
     }
   }
 
-  // auto: refuses 10, 8, 6 and 4 (logging each) and continues from step 2 exactly.
+  // auto: refuses 14 to 4 (logging each) and continues from step 2 exactly.
   train::Config cfg =
       tiny_config(tmp / "run", {"train.steps=3", "train.resume=auto", "train.progress=lines"});
   ::testing::internal::CaptureStderr();
   train::TrainSummary resumed = train::run_training(cfg);
   std::string log = ::testing::internal::GetCapturedStderr();
-  for (int step : {10, 8, 6, 4})
+  for (int step : {14, 12, 10, 8, 6, 4})
     EXPECT_NE(log.find("refusing checkpoint " + main_file(step)), std::string::npos) << log;
   EXPECT_NE(log.find("resumed from " + main_file(2)), std::string::npos) << log;
   std::map<int64_t, double> losses = step_losses(resumed.metrics_path);
@@ -445,9 +469,38 @@ TEST(CheckpointResume, ACheckpointAtOrPastTheLastStep) {
 
 TEST(CheckpointResume, ResumeAutoWithoutCheckpointsStartsFromScratch) {
   TempDir tmp;
+  // Files that only look like checkpoints (a step past int64, of a main file, a rank file and a
+  // temporary) are not this program's: they are passed over, not an error.
+  fs::create_directories(tmp / "run/checkpoints");
+  for (const char* name : {"step-99999999999999999999999.h5", "step-99999999999999999999.rank-0.h5",
+                           "step-99999999999999999999.h5.tmp"})
+    std::ofstream(tmp / "run/checkpoints" + "/" + name) << "not a checkpoint";
+  EXPECT_TRUE(io::list_checkpoints(tmp / "run/checkpoints").empty());
   train::TrainSummary s =
       train::run_training(tiny_config(tmp / "run", {"train.steps=2", "train.resume=auto"}));
   EXPECT_EQ(step_losses(s.metrics_path).size(), 2u);
+}
+
+// An output or checkpoint directory that cannot be made is a config error naming its key, raised
+// before any training step (not at the first save, after the steps before it).
+TEST(CheckpointDirectory, AnUnusableDirectoryIsAConfigErrorBeforeTraining) {
+  TempDir tmp;
+  const std::string file = tmp / "a-file";
+  std::ofstream(file) << "x";
+  auto error_of = [&](const train::Config& config) -> std::string {
+    try {
+      train::run_training(config);
+    } catch (const ConfigError& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  std::string message = error_of(tiny_config(file, {"train.steps=2"}));
+  EXPECT_NE(message.find("train.out_dir = '" + file + "'"), std::string::npos) << message;
+  message = error_of(tiny_config(
+      tmp / "run", {"train.steps=2", "checkpoint.every_steps=1", "checkpoint.dir=" + file + "/c"}));
+  EXPECT_NE(message.find("checkpoint.dir = '" + file + "/c'"), std::string::npos) << message;
+  EXPECT_FALSE(fs::exists(tmp / "run/metrics.jsonl")) << "training started";
 }
 
 TEST(CheckpointRetention, KeepLastDeletesOlderCheckpointsAndTheirRankFiles) {
@@ -503,6 +556,22 @@ TEST(CheckpointSignals, SigtermSavesAtTheEndOfTheStepExitsZeroAndResumesBitwise)
   EXPECT_TRUE(file_bytes(resumed.export_dir + "/model.safetensors") ==
               file_bytes(ref.export_dir + "/model.safetensors"))
       << "the exported weights differ from the uninterrupted run's";
+}
+
+TEST(CheckpointCrash, AFullDiskFailsTheSaveWithTheSystemsMessageAndNoCrash) {
+  // Every file write past 64 KiB fails, as on a full disk: the first checkpoint's (a few hundred
+  // KiB) does. HDF5 cannot close a file whose write failed; the process must still end with the
+  // error (the gtest failure of the child: exit 1), not crash in the library's exit clean-up.
+  TempDir tmp;
+  train::Config config = tiny_config(tmp / "run", {"checkpoint.every_steps=1", "train.steps=3"});
+  pid_t child = spawn_training_child(config, tmp.path.string(), tmp / "child.log", 64 << 10);
+  ASSERT_GT(child, 0);
+  const int code = wait_child(child);
+  const std::string log = file_bytes(tmp / "child.log");
+  EXPECT_EQ(code, 1) << log;
+  EXPECT_NE(log.find("saving checkpoint step 1 failed"), std::string::npos) << log;
+  EXPECT_NE(log.find("(File too large)"), std::string::npos) << log;
+  EXPECT_TRUE(io::list_checkpoints(tmp / "run/checkpoints").empty());
 }
 
 TEST(CheckpointCrash, ASaveKilledPartWayLeavesThePreviousCheckpointIntactAndChosen) {
