@@ -245,6 +245,49 @@ int64_t Dataset::num_elements() const {
   return n;
 }
 
+void Dataset::check_stored_here() const {
+  Handle dcpl = plist(checked(H5Dget_create_plist(id()), where_ + ": cannot read its properties"));
+  const H5D_layout_t layout = H5Pget_layout(dcpl.get());
+  if (layout == H5D_VIRTUAL)
+    throw FormatError(concat(where_,
+                             " is a virtual dataset: its data lives in other files, whose "
+                             "absence would read as zeros; store the data in the file"));
+  if (H5Pget_external_count(dcpl.get()) > 0)
+    throw FormatError(concat(where_, " keeps its data in external files; store it in the file"));
+  // Unwritten storage: a contiguous dataset allocates all of it on the first write (none before);
+  // a chunked one allocates each chunk as it is first written.
+  bool complete = true;
+  if (layout == H5D_CONTIGUOUS) {
+    complete = static_cast<int64_t>(H5Dget_storage_size(id())) >=
+               num_elements() * static_cast<int64_t>(type().size);
+  } else if (layout == H5D_CHUNKED) {
+    std::vector<hsize_t> chunk(dims_.size());
+    checked_status(
+        H5Pget_chunk(dcpl.get(), static_cast<int>(chunk.size()), chunk.data()) < 0 ? -1 : 0,
+        where_ + ": cannot read its chunk shape");
+    hsize_t expected = 1;
+    for (size_t i = 0; i < dims_.size(); ++i) expected *= (dims_[i] + chunk[i] - 1) / chunk[i];
+    Handle space = dataspace(checked(H5Dget_space(id()), where_ + ": cannot read the dataspace"));
+    hsize_t written = 0;
+    checked_status(H5Dget_num_chunks(id(), space.get(), &written),
+                   where_ + ": cannot count its chunks");
+    complete = written >= expected;
+  }
+  if (!complete)
+    throw FormatError(concat(where_, " was never completely written (", num_elements(),
+                             " elements, not all of them stored): reading it would give fill "
+                             "values; write the data again"));
+  // The file that holds the dataset (another one when it was reached through an external link).
+  Handle file(checked(H5Iget_file_id(id()), where_ + ": cannot find its file"), H5Fclose);
+  hsize_t file_size = 0;
+  checked_status(H5Fget_filesize(file.get(), &file_size), where_ + ": cannot read its file's size");
+  const auto stored = static_cast<int64_t>(H5Dget_storage_size(id()));
+  const auto file_bytes = static_cast<int64_t>(file_size);
+  if (stored > file_bytes)
+    throw FormatError(concat(where_, " claims ", stored, " bytes of storage but the file holds ",
+                             file_bytes, " (truncated?)"));
+}
+
 TypeInfo Dataset::type() const {
   Handle type = datatype(checked(H5Dget_type(id()), where_ + ": cannot read the element type"));
   return describe_type(type.get());

@@ -133,8 +133,9 @@ TokenDataset TokenDataset::open(const std::string& path) {
     throw FormatError(concat(path, ": vocab_size ", out.vocab_size_, " is outside [1, 2^32]"));
   out.tokenizer_ = owner("tokenizer").read_string_attribute("tokenizer");
 
+  if (ds.num_elements() == 0) throw FormatError(concat(path, ": dataset 'tokens' holds no tokens"));
+  ds.check_stored_here();
   auto tokens = std::make_shared<std::vector<uint32_t>>(static_cast<size_t>(ds.num_elements()));
-  if (tokens->empty()) throw FormatError(concat(path, ": dataset 'tokens' holds no tokens"));
   ds.read(tokens->data(), H5T_NATIVE_UINT32);
   for (size_t i = 0; i < tokens->size(); ++i)
     if ((*tokens)[i] >= out.vocab_size_)

@@ -145,6 +145,58 @@ TEST_F(DataTest, TokenAtOrAboveVocabSize) {
                             {p, "token 10 at position 3", "vocab_size 10"});
 }
 
+// Datasets whose elements are not all stored in the file would read as fill values (zeros) and
+// train on them in silence: never written (contiguous), chunks never written (an extendible
+// dataset grown without its data), and a virtual dataset whose source file is missing.
+TEST_F(DataTest, UnwrittenOrElsewhereStoredTokensAreRefused) {
+  auto with_attributes = [](h5::Dataset& ds) {
+    ds.write_int64_attribute("vocab_size", 256);
+    ds.write_string_attribute("tokenizer", "byte");
+  };
+  const std::string contiguous = path("unwritten.h5");
+  {
+    h5::File f = h5::File::create(contiguous);
+    h5::Dataset ds = f.create_dataset("tokens", H5T_STD_U16LE, {4096});
+    with_attributes(ds);
+  }
+  expect_error<FormatError>([&] { TokenDataset::open(contiguous); },
+                            {contiguous, "never completely written", "4096 elements"});
+
+  const std::string chunked = path("unwritten-chunks.h5");
+  {
+    h5::File f = h5::File::create(chunked);
+    h5::Dataset ds = f.create_extendible_1d("tokens", H5T_STD_U16LE, 1024);
+    std::vector<uint16_t> first(1024, 7);
+    ds.append(first.data(), H5T_NATIVE_UINT16, first.size());
+    with_attributes(ds);
+    // Grown to 4096 elements with only the first chunk written.
+    const hsize_t grown = 4096;
+    ASSERT_GE(H5Dset_extent(ds.id(), &grown), 0);
+  }
+  expect_error<FormatError>([&] { TokenDataset::open(chunked); },
+                            {chunked, "never completely written"});
+
+  const std::string virtual_path = path("virtual.h5");
+  {
+    hid_t file = H5Fcreate(virtual_path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+    const hsize_t n = 4096;
+    hid_t space = H5Screate_simple(1, &n, nullptr);
+    hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
+    ASSERT_GE(H5Pset_virtual(dcpl, space, path("missing-source.h5").c_str(), "tokens", space), 0);
+    hid_t ds = H5Dcreate2(file, "tokens", H5T_STD_U16LE, space, H5P_DEFAULT, dcpl, H5P_DEFAULT);
+    ASSERT_GE(ds, 0);
+    H5Dclose(ds);
+    H5Pclose(dcpl);
+    H5Sclose(space);
+    H5Fclose(file);
+    h5::File f = h5::File::open(virtual_path, true);
+    h5::Dataset tokens = f.open_dataset("tokens");
+    with_attributes(tokens);
+  }
+  expect_error<FormatError>([&] { TokenDataset::open(virtual_path); },
+                            {virtual_path, "virtual dataset"});
+}
+
 TEST_F(DataTest, WrongTypeAndRank) {
   const std::string p = path("signed.h5");
   {

@@ -96,6 +96,10 @@ class Dataset : public Object {
   int64_t num_elements() const;
   TypeInfo type() const;
 
+  // Throws FormatError unless every element is stored in its file: HDF5 reads fill values (zeros)
+  // in silence for a virtual dataset whose sources are missing, a dataset with external storage,
+  // one whose chunks were never all written, and one that claims more bytes than the file holds.
+  void check_stored_here() const;
   // Reads the whole dataset, converting to `mem_type` (e.g. H5T_NATIVE_UINT32).
   void read(void* out, hid_t mem_type) const;
   // Reads elements [start, start + count) of a 1-D dataset.

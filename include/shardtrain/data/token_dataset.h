@@ -1,5 +1,8 @@
 // Token datasets: a token stream stored in HDF5 as a 1-D dataset `tokens` (uint16 when the
 // vocabulary fits, else uint32) with attributes `vocab_size` (int64) and `tokenizer` (string).
+// Every token must be stored in the file that holds the dataset (compressed or not, reached
+// through an external link or not): a virtual dataset, external raw storage, or storage never
+// written is refused, since HDF5 would read its missing elements as zeros.
 #pragma once
 #include <cstdint>
 #include <memory>
