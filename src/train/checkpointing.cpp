@@ -29,6 +29,11 @@ namespace {
 volatile std::sig_atomic_t g_stop_signal = 0;
 
 extern "C" void record_stop_signal(int signal) {
+  if (signal == SIGINT && g_stop_signal == SIGINT) {  // Ctrl-C twice: stop now, default action
+    ::signal(SIGINT, SIG_DFL);
+    ::raise(SIGINT);
+    return;
+  }
   g_stop_signal = signal;
 }
 
@@ -56,11 +61,13 @@ StopSignalHandlers::StopSignalHandlers() {
   action.sa_flags = SA_RESTART;
   sigaction(SIGTERM, &action, &previous_term_);
   sigaction(SIGUSR1, &action, &previous_usr1_);
+  sigaction(SIGINT, &action, &previous_int_);
 }
 
 StopSignalHandlers::~StopSignalHandlers() {
   sigaction(SIGTERM, &previous_term_, nullptr);
   sigaction(SIGUSR1, &previous_usr1_, nullptr);
+  sigaction(SIGINT, &previous_int_, nullptr);
 }
 
 int stop_signal() {

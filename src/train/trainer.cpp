@@ -259,7 +259,8 @@ TrainSummary train_with(const Config& config) {
                         {"copy_s", r.copy_seconds},
                         {"device_memory", memory_json(r.device_memory)},
                         {"host_memory", memory_json(r.host_memory)}};
-    metrics << j.dump() << "\n";
+    // Flushed every step: a run killed later keeps every step up to its last checkpoint.
+    metrics << j.dump() << "\n" << std::flush;
     if ((step + 1) % std::max<int64_t>(t.log_every, 1) == 0 || step + 1 == t.steps) {
       char text[256];
       std::snprintf(text, sizeof text, "loss %.4f lr %.2e | %.0f tok/s | peak %s", r.loss, r.lr,

@@ -517,7 +517,12 @@ TEST(CheckpointRetention, KeepLastDeletesOlderCheckpointsAndTheirRankFiles) {
 
 // ---- signals and crashes ----------------------------------------------------------------------
 
-TEST(CheckpointSignals, SigtermSavesAtTheEndOfTheStepExitsZeroAndResumesBitwise) {
+// SIGTERM (schedulers), and SIGINT (Ctrl-C) once.
+class CheckpointSignals : public ::testing::TestWithParam<int> {};
+
+TEST_P(CheckpointSignals, ASignalSavesAtTheEndOfTheStepExitsZeroAndResumesBitwise) {
+  const int signal = GetParam();
+  const std::string name = signal == SIGTERM ? "SIGTERM" : "SIGINT";
   TempDir tmp;
   train::TrainSummary ref = train::run_training(tiny_config(tmp / "ref"));
   std::map<int64_t, double> ref_losses = step_losses(ref.metrics_path);
@@ -530,13 +535,13 @@ TEST(CheckpointSignals, SigtermSavesAtTheEndOfTheStepExitsZeroAndResumesBitwise)
   ASSERT_TRUE(wait_until([&] {
     return file_bytes(log_path).find("parameters on") != std::string::npos;
   })) << file_bytes(log_path);
-  kill(child, SIGTERM);
+  kill(child, signal);
   const int code = wait_child(child);
   const std::string log = file_bytes(log_path);
   EXPECT_EQ(code, 0) << log;
   std::smatch m;
   ASSERT_TRUE(
-      std::regex_search(log, m, std::regex(R"(received SIGTERM: stopped after step (\d+))")))
+      std::regex_search(log, m, std::regex("received " + name + R"(: stopped after step (\d+))")))
       << log;
   const int64_t stopped = std::stoll(m[1].str());
   EXPECT_GE(stopped, 1);
@@ -557,6 +562,11 @@ TEST(CheckpointSignals, SigtermSavesAtTheEndOfTheStepExitsZeroAndResumesBitwise)
               file_bytes(ref.export_dir + "/model.safetensors"))
       << "the exported weights differ from the uninterrupted run's";
 }
+
+INSTANTIATE_TEST_SUITE_P(TermAndInt, CheckpointSignals, ::testing::Values(SIGTERM, SIGINT),
+                         [](const auto& info) {
+                           return std::string(info.param == SIGTERM ? "sigterm" : "sigint");
+                         });
 
 TEST(CheckpointCrash, AFullDiskFailsTheSaveWithTheSystemsMessageAndNoCrash) {
   // Every file write past 64 KiB fails, as on a full disk: the first checkpoint's (a few hundred
