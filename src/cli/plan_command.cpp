@@ -39,19 +39,25 @@ Command plan_command() {
       "fits this machine on the CPU device and prints the measured peak beside the prediction.";
   c.flags = config_flags();
   c.flags.front().required = true;
-  c.flags.push_back(Flag("device-memory", "BYTES", "memory of one device, e.g. 80GiB, 24GB")
-                        .defaults_to("80GiB"));
+  c.flags.push_back(Flag("device-memory", "BYTES",
+                         "memory of one device, e.g. 80GiB, 24GB (default: train.device_memory "
+                         "when set, else 80GiB)"));
   c.flags.push_back(Flag("world-size", "N", "ranks (default: the launcher's world size, else 1)"));
   c.flags.push_back(Flag("measure", "", "measure the rows that fit this machine (CPU device)"));
   c.flags.push_back(
       Flag("measure-steps", "N", "measured steps per row with --measure").defaults_to("2"));
   c.run = [](const Args& args) {
     train::Config config = config_from_args(args);
-    int64_t device_bytes = parse_bytes(args.get("device-memory"));
-    int world = args.has("world-size") ? static_cast<int>(args.get_int("world-size"))
-                                       : dist::job_world_size();
-    if (world < 1)
-      throw UsageError("--world-size must be at least 1, got " + std::to_string(world));
+    const int64_t device_bytes = args.has("device-memory") ? parse_bytes(args.get("device-memory"))
+                                 : !config.train.device_memory.empty()
+                                     ? config.train.device_memory_bytes()
+                                     : parse_bytes("80GiB");
+    const long long world_arg =
+        args.has("world-size") ? args.get_int("world-size") : dist::job_world_size();
+    if (world_arg < 1 || world_arg > (1 << 24))
+      throw UsageError("--world-size must be from 1 to 2^24 ranks, got " +
+                       std::to_string(world_arg));
+    const int world = static_cast<int>(world_arg);
     train::Plan plan = train::make_plan(config, device_bytes, world);
     if (args.has("measure")) {
       long long steps = args.get_int("measure-steps");

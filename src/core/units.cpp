@@ -61,6 +61,9 @@ int64_t parse_bytes(const std::string& text) {
   else
     throw ConfigError("unknown byte unit '" + unit + "' in '" + text +
                       "': use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB");
+  // 2^63 bytes and more do not fit the signed 64-bit sizes used everywhere.
+  if (!(v * mult < 9223372036854775808.0))
+    throw ConfigError("byte size '" + text + "' is too large (at most 8 EiB)");
   return static_cast<int64_t>(v * mult);
 }
 

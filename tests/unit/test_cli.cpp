@@ -150,6 +150,34 @@ TEST(Cli, TopLevelHelpAndExitCodes) {
   EXPECT_EQ(run({"help", "config"}).out, r.out);
 }
 
+// plan: the device size comes from --device-memory, else train.device_memory, else 80 GiB; sizes
+// and rank counts past what 64 and 32 bits hold are refused, not wrapped round.
+TEST(Cli, PlanTakesTheDeviceSizeFromTheConfigAndRefusesOverflowingNumbers) {
+  const std::string config = std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/tiny.yaml";
+  // The table goes to stdout through printf: capture the file descriptor, not std::cout.
+  auto plan_output = [&](std::vector<std::string> args) {
+    ::testing::internal::CaptureStdout();
+    Result r = run(args);
+    r.out += ::testing::internal::GetCapturedStdout();
+    return r;
+  };
+  Result r = plan_output({"plan", "--config", config, "--set", "train.device_memory=1GiB"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(r.out, "1 rank(s) of 1.00 GiB");
+  r = plan_output({"plan", "--config", config, "--set", "train.device_memory=1GiB",
+                   "--device-memory", "24GiB"});
+  EXPECT_CONTAINS(r.out, "1 rank(s) of 24.00 GiB");
+  r = plan_output({"plan", "--config", config});
+  EXPECT_CONTAINS(r.out, "1 rank(s) of 80.00 GiB");
+
+  r = run({"plan", "--config", config, "--device-memory", "9223372036854775807"});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_CONTAINS(r.err, "byte size '9223372036854775807' is too large");
+  r = run({"plan", "--config", config, "--world-size", "2147483648"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "--world-size must be from 1 to 2^24 ranks, got 2147483648");
+}
+
 TEST(Cli, ConfigCommandPrintsTheResolvedConfig) {
   const std::string tiny = std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/tiny.yaml";
   Result r = run({"config", "--config", tiny, "--set", "optim.lr=1e-4", "--set=train.steps=9"});
