@@ -8,10 +8,10 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <vector>
 
+#include "bits.h"
 #include "shardtrain/dist/env.h"
 #include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/optim/optimizer.h"
@@ -44,12 +44,8 @@ std::vector<Batch> rank_batches(const train::Config& config, int rank) {
 // This rank's shard of the trainable weights, as bit patterns.
 std::vector<std::vector<uint32_t>> shard_bits(train::Runtime& rt) {
   std::vector<std::vector<uint32_t>> out;
-  for (const optim::NamedParam& p : rt.trainable()) {
-    const std::vector<float> v = p.param->to_float_vector();
-    std::vector<uint32_t> bits(v.size());
-    std::memcpy(bits.data(), v.data(), v.size() * sizeof(float));
-    out.push_back(std::move(bits));
-  }
+  for (const optim::NamedParam& p : rt.trainable())
+    out.push_back(shardtrain::testing::bits_of(*p.param));
   return out;
 }
 

@@ -3,14 +3,15 @@
 // device.
 #include <gtest/gtest.h>
 
-#include <cstring>
-
+#include "bits.h"
 #include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/optim/offload.h"
 #include "tiny_llama.h"
 
 namespace shardtrain::fsdp {
 namespace {
+
+using shardtrain::testing::bits_of;
 
 constexpr uint64_t kInitSeed = 11;
 constexpr float kLr = 1e-2f;
@@ -21,13 +22,6 @@ int64_t rounded(int64_t bytes) {
 
 int64_t optimizer_state(Device device) {
   return allocator_for(device).stats().in_use_of(MemoryCategory::OptimizerState);
-}
-
-std::vector<uint32_t> bits_of(const Tensor& t) {
-  std::vector<float> f = t.to_float_vector();
-  std::vector<uint32_t> out(f.size());
-  std::memcpy(out.data(), f.data(), f.size() * 4);
-  return out;
 }
 
 TEST(OffloadOnShards, FullShardStepsAreBitwiseEqualToAdamWWithTheStateOnTheHost) {

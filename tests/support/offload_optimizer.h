@@ -4,11 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "bits.h"
 #include "shardtrain/autograd/node.h"
 #include "shardtrain/data/batch.h"
 #include "shardtrain/io/safetensors.h"
@@ -24,17 +24,6 @@ inline const std::string kGoldenModelDir =
 // The allocators' granularity (memory/allocator.cpp).
 inline int64_t rounded(int64_t bytes) {
   return (bytes + 63) / 64 * 64;
-}
-
-// Bit patterns (as fp32), so that -0.0 against 0.0 and NaN payloads count as differences.
-inline std::vector<uint32_t> bits_of(const std::vector<float>& f) {
-  std::vector<uint32_t> out(f.size());
-  std::memcpy(out.data(), f.data(), f.size() * sizeof(float));
-  return out;
-}
-
-inline std::vector<uint32_t> bits_of(const Tensor& t) {
-  return bits_of(t.to_float_vector());
 }
 
 struct ParamSet {
