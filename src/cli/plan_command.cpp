@@ -48,10 +48,11 @@ Command plan_command() {
       Flag("measure-steps", "N", "measured steps per row with --measure").defaults_to("2"));
   c.run = [](const Args& args) {
     train::Config config = config_from_args(args);
+    // train.device_memory_bytes() is 0 when the key is unset.
+    const int64_t configured = config.train.device_memory_bytes();
     const int64_t device_bytes = args.has("device-memory") ? parse_bytes(args.get("device-memory"))
-                                 : !config.train.device_memory.empty()
-                                     ? config.train.device_memory_bytes()
-                                     : parse_bytes("80GiB");
+                                 : configured > 0          ? configured
+                                                           : int64_t{80} << 30;
     const long long world_arg =
         args.has("world-size") ? args.get_int("world-size") : dist::job_world_size();
     if (world_arg < 1 || world_arg > (1 << 24))

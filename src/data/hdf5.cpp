@@ -256,15 +256,14 @@ void Dataset::check_stored_here() const {
     throw FormatError(concat(where_, " keeps its data in external files; store it in the file"));
   // Unwritten storage: a contiguous dataset allocates all of it on the first write (none before);
   // a chunked one allocates each chunk as it is first written.
+  const auto stored = static_cast<int64_t>(H5Dget_storage_size(id()));
   bool complete = true;
   if (layout == H5D_CONTIGUOUS) {
-    complete = static_cast<int64_t>(H5Dget_storage_size(id())) >=
-               num_elements() * static_cast<int64_t>(type().size);
+    complete = stored >= num_elements() * static_cast<int64_t>(type().size);
   } else if (layout == H5D_CHUNKED) {
     std::vector<hsize_t> chunk(dims_.size());
-    checked_status(
-        H5Pget_chunk(dcpl.get(), static_cast<int>(chunk.size()), chunk.data()) < 0 ? -1 : 0,
-        where_ + ": cannot read its chunk shape");
+    if (H5Pget_chunk(dcpl.get(), static_cast<int>(chunk.size()), chunk.data()) < 0)
+      fail(where_ + ": cannot read its chunk shape");
     hsize_t expected = 1;
     for (size_t i = 0; i < dims_.size(); ++i) expected *= (dims_[i] + chunk[i] - 1) / chunk[i];
     Handle space = dataspace(checked(H5Dget_space(id()), where_ + ": cannot read the dataspace"));
@@ -281,7 +280,6 @@ void Dataset::check_stored_here() const {
   Handle file(checked(H5Iget_file_id(id()), where_ + ": cannot find its file"), H5Fclose);
   hsize_t file_size = 0;
   checked_status(H5Fget_filesize(file.get(), &file_size), where_ + ": cannot read its file's size");
-  const auto stored = static_cast<int64_t>(H5Dget_storage_size(id()));
   const auto file_bytes = static_cast<int64_t>(file_size);
   if (stored > file_bytes)
     throw FormatError(concat(where_, " claims ", stored, " bytes of storage but the file holds ",
