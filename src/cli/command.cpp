@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <iostream>
 #include <optional>
 
 #include "shardtrain/core/suggest.h"
+#include "shardtrain/dist/env.h"
 
 namespace shardtrain::cli {
 
@@ -160,7 +162,12 @@ std::vector<Flag> config_flags() {
 train::Config config_from_args(const Args& args) {
   if (!args.has("config"))
     throw UsageError("a run config is needed: --config FILE (e.g. --config configs/tiny.yaml)");
-  return train::load_config(args.get("config"), args.all("set"));
+  train::Config config = train::load_config(args.get("config"), args.all("set"));
+  // Under mpirun every rank reads the same config: one copy of each warning is enough.
+  if (dist::job_rank() == 0)
+    for (const std::string& line : config.unused_settings())
+      std::cerr << "warning: " << line << "\n";
+  return config;
 }
 
 }  // namespace shardtrain::cli

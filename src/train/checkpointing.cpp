@@ -436,10 +436,21 @@ bool Checkpointing::after_step(int64_t step, const SamplerState& sampler, float 
   return true;
 }
 
+bool Checkpointing::stop_if_requested(int64_t step, const SamplerState& sampler, float lr) {
+  const int signal = static_cast<int>(
+      runtime_.dist().world().all_reduce_host(int64_t{stop_signal()}, dist::ReduceOp::Max));
+  if (signal == 0) return false;
+  if (last_saved_step_ != step) save(step, sampler, lr);
+  log_(concat("received ", signal_name(signal), ": stopped after step ", step, " with checkpoint ",
+              last_saved_, " (continue with train.resume=auto)"));
+  return true;
+}
+
 std::string Checkpointing::save(int64_t step, const SamplerState& sampler, float lr) {
   auto start = std::chrono::steady_clock::now();
   io::SaveRequest req = make_save_request(runtime_, dir_, step, sampler, lr);
   last_saved_ = io::save_checkpoint(runtime_.dist().world(), req);
+  last_saved_step_ = step;
   if (runtime_.dist().rank() == 0) io::prune_checkpoints(dir_, config_.checkpoint.keep_last);
   last_save_time_ = std::chrono::steady_clock::now();
   char seconds[32];

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <optional>
 #include <set>
@@ -57,6 +58,15 @@ std::optional<double> read_float(const std::string& text) {
   if (ec != std::errc() || end != t.data() + t.size() || t.empty() || !std::isfinite(v))
     return std::nullopt;
   return v;
+}
+
+// A well-formed number that a double cannot hold (1e400, or 1e-400 which rounds to nothing).
+bool beyond_double_range(const std::string& text) {
+  std::string t = trim(text);
+  if (!t.empty() && t[0] == '+') t.erase(0, 1);
+  double v = 0;
+  auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
+  return ec == std::errc::result_out_of_range && end == t.data() + t.size();
 }
 
 std::optional<bool> read_bool(const std::string& text) {
@@ -806,8 +816,19 @@ void assign(const Key& key, const YAML::Node& node, const std::string& origin, C
     check_range(key, static_cast<double>(*v), node, origin);
     **i = *v;
   } else if (auto* d = std::get_if<double*>(&field)) {
-    auto v = read_float(scalar_text(key, node, origin, "a number"));
-    if (!v) wrong_type(key, node, origin, "a number");
+    const std::string text = scalar_text(key, node, origin, "a number");
+    auto v = read_float(text);
+    if (!v && !beyond_double_range(text)) wrong_type(key, node, origin, "a number");
+    // The values reach the kernels as fp32: one outside its range would arrive as inf or 0
+    // (optim.eps = 1e-50 becomes a zero divisor) instead of failing here. A number beyond even
+    // a double's range (1e400, 1e-400) does not read at all.
+    const double magnitude = v ? std::fabs(*v) : HUGE_VAL;
+    if (magnitude > std::numeric_limits<float>::max() ||
+        (magnitude > 0 && magnitude < std::numeric_limits<float>::min()))
+      fail_at(origin, key.path + " = " + trim(text) +
+                          " is outside fp32's range, in which the runtime computes: use 0 or a "
+                          "magnitude between 1.2e-38 and 3.4e38 (" +
+                          key.description + ")");
     check_range(key, *v, node, origin);
     **d = *v;
   } else if (auto* s = std::get_if<std::string*>(&field)) {
@@ -1085,6 +1106,49 @@ Config Config::defaults() {
 Config Config::parse(const std::string& yaml_text, const std::vector<std::string>& overrides,
                      const std::string& source) {
   return parse_tree(yaml_text, overrides, source).config;
+}
+
+std::vector<std::string> Config::unused_settings() const {
+  const Config defaults;
+  std::map<std::string, std::string> value, default_value;
+  for (const auto& [path, text] : key_values()) value[path] = text;
+  for (const auto& [path, text] : defaults.key_values()) default_value[path] = text;
+  std::vector<std::string> out;
+  // `keys` are not read when `unused` holds; `because` says why and how to make them count.
+  auto rule = [&](bool unused, const std::vector<std::string>& keys, const std::string& because) {
+    if (!unused) return;
+    for (const std::string& key : keys)
+      if (value.at(key) != default_value.at(key))
+        out.push_back(key + " = " + value.at(key) + " has no effect: " + because);
+  };
+  rule(optim.name == "sgd", {"optim.beta1", "optim.beta2", "optim.eps"},
+       "it is an AdamW setting and optim.name is sgd");
+  rule(optim.name == "adamw", {"optim.momentum"}, "it is an SGD setting and optim.name is adamw");
+  rule(optim.offload == "none", {"optim.offload_moments"},
+       "it places offloaded optimizer state and optim.offload is none");
+  rule(optim.schedule == "constant", {"optim.min_lr"},
+       "optim.schedule is constant (the rate stays at optim.lr after warmup)");
+  const bool loss_scaling = precision.loss_scale == "dynamic" ||
+                            (precision.loss_scale == "auto" && precision.compute == "fp16");
+  rule(!loss_scaling,
+       {"precision.init_scale", "precision.growth_interval", "precision.growth_factor",
+        "precision.backoff_factor"},
+       "this run has no loss scaling (precision.loss_scale " + precision.loss_scale +
+           " with precision.compute " + precision.compute + "; auto scales fp16 only)");
+  rule(train.eval_every == 0, {"train.eval_batches"}, "train.eval_every is 0 (no evaluation)");
+  const std::string& s = activation.strategy;
+  rule(s == "none", {"activation.layers"}, "activation.strategy is none");
+  rule(s == "none" || s == "offload", {"activation.checkpoint_impl"},
+       "activation.strategy " + s + " recomputes nothing");
+  rule(s != "offload" && s != "offload_checkpoint", {"activation.offload_min_bytes"},
+       "activation.strategy " + s + " offloads nothing");
+  rule(activation.attention == "plain", {"activation.attention_backward"},
+       "it chooses the fused attention's backward and activation.attention is plain");
+  rule(!lora.enabled,
+       {"lora.r", "lora.alpha", "lora.dropout", "lora.target_modules", "lora.quantize_base",
+        "lora.adapter_out", "lora.merge_on_export"},
+       "lora.enabled is false");
+  return out;
 }
 
 std::vector<std::pair<std::string, std::string>> Config::key_values() const {

@@ -410,6 +410,11 @@ StepResult Runtime::train_step(const std::vector<Batch>& micro_batches, float lr
 }
 
 double Runtime::eval_loss(const std::vector<Batch>& batches) {
+  return *eval_loss(batches, nullptr);
+}
+
+std::optional<double> Runtime::eval_loss(const std::vector<Batch>& batches,
+                                         const std::function<bool()>& stop_requested) {
   autograd::NoGrad no_grad;
   model_->train(false);  // no adapter dropout
   struct BackToTraining {
@@ -426,6 +431,9 @@ double Runtime::eval_loss(const std::vector<Batch>& batches) {
   double total = 0;
   int64_t tokens = 0;
   for (int64_t round = 0; round < rounds; ++round) {
+    if (stop_requested &&
+        world.all_reduce_host(int64_t{stop_requested() ? 1 : 0}, dist::ReduceOp::Max) != 0)
+      return std::nullopt;
     const int64_t index = round * ranks + rank;
     const bool counted = index < count;
     const Batch& b = batches[static_cast<size_t>(counted ? index : rank % count)];

@@ -152,6 +152,23 @@ TrainSummary train_with(const Config& config) {
     SamplerConfig ec = sc;
     ec.shuffle = false;
     Sampler eval_sampler(data, Split::Eval, ec);
+    // More than the split holds would count some windows twice: a wrong figure, not a bigger
+    // sample.
+    const int64_t windows = eval_sampler.num_windows();
+    if (t.eval_batches * t.micro_batch > windows) {
+      const std::string fix = windows >= t.micro_batch
+                                  ? "lower train.eval_batches to " +
+                                        std::to_string(windows / t.micro_batch) +
+                                        " or less, or raise data.eval_fraction"
+                                  : "raise data.eval_fraction, or lower train.micro_batch";
+      throw ConfigError(
+          "train.eval_batches x train.micro_batch = " + std::to_string(t.eval_batches) + " x " +
+          std::to_string(t.micro_batch) + " = " + std::to_string(t.eval_batches * t.micro_batch) +
+          " held-out sequences, but the evaluation split of " + data.source() +
+          " (data.eval_fraction " + (std::ostringstream() << config.data.eval_fraction).str() +
+          ") holds " + std::to_string(windows) + " of train.seq_len " + std::to_string(t.seq_len) +
+          ": " + fix);
+    }
     for (int64_t i = 0; i < t.eval_batches; ++i)
       eval_set.push_back(eval_sampler.next_batch(t.micro_batch));
   }
@@ -212,8 +229,17 @@ TrainSummary train_with(const Config& config) {
                      " = train.steps: nothing left to train");
   if (leader) open_metrics(metrics, summary.metrics_path, first_step);
 
+  // False when a stop request (a signal, on any rank) cut the evaluation short: the caller
+  // saves and stops instead of waiting for the rest of the held-out set.
+  double total_tokens = 0, total_seconds = 0;
   auto run_eval = [&](int64_t step) {
-    double loss = rt.eval_loss(eval_set);
+    std::optional<double> evaluated = rt.eval_loss(eval_set, [] { return stop_signal() != 0; });
+    if (!evaluated) {
+      progress.message("the evaluation at step " + std::to_string(step) +
+                       " was abandoned: a stop was requested");
+      return false;
+    }
+    const double loss = *evaluated;
     summary.final_eval_loss = loss;
     nlohmann::json j = {{"event", "eval"}, {"step", step}, {"eval_loss", loss}};
     metrics << j.dump() << "\n" << std::flush;
@@ -221,9 +247,17 @@ TrainSummary train_with(const Config& config) {
     std::snprintf(line, sizeof line, "eval step %lld: loss %.4f (unigram entropy %.4f nats)",
                   static_cast<long long>(step), loss, summary.unigram_entropy_nats);
     progress.message(line);
+    return true;
+  };
+  auto stopped_after = [&](int64_t step) {
+    progress.finish();
+    summary.steps = step;
+    summary.stopped_early = true;
+    summary.last_checkpoint = checkpoints.last_saved();
+    summary.tokens_per_second = total_seconds > 0 ? total_tokens / total_seconds : 0;
+    return summary;
   };
 
-  double total_tokens = 0, total_seconds = 0;
   for (int64_t step = first_step; step < t.steps; ++step) {
     Batch batch = train_sampler.next_batch(global_batch);
     std::vector<Batch> all = split_batch(batch, accumulation * world);
@@ -268,19 +302,18 @@ TrainSummary train_with(const Config& config) {
       progress.update(step + 1, text);
     }
     if (t.eval_every > 0 && (step + 1) % t.eval_every == 0) run_eval(step + 1);
-    if (checkpoints.after_step(step + 1, train_sampler.state(), r.lr)) {
-      // A stop request: the checkpoint is written; skip the final evaluation and export.
-      progress.finish();
-      summary.steps = step + 1;
-      summary.stopped_early = true;
-      summary.last_checkpoint = checkpoints.last_saved();
-      summary.tokens_per_second = total_seconds > 0 ? total_tokens / total_seconds : 0;
-      return summary;
-    }
+    // A stop request: the checkpoint is written; skip the final evaluation and export.
+    if (checkpoints.after_step(step + 1, train_sampler.state(), r.lr))
+      return stopped_after(step + 1);
   }
+  // A stop during the final evaluation saves the last step (unless saved already); the resumed
+  // run has no step left and goes straight to this evaluation and the export.
+  if (!eval_set.empty() && (t.eval_every == 0 || t.steps % t.eval_every != 0) &&
+      !run_eval(t.steps) &&
+      checkpoints.stop_if_requested(t.steps, train_sampler.state(), schedule.at(t.steps - 1)))
+    return stopped_after(t.steps);
   progress.finish();
   summary.last_checkpoint = checkpoints.last_saved();
-  if (!eval_set.empty() && (t.eval_every == 0 || t.steps % t.eval_every != 0)) run_eval(t.steps);
   summary.steps = t.steps;
   summary.tokens_per_second = total_seconds > 0 ? total_tokens / total_seconds : 0;
   if (config.lora.enabled) {

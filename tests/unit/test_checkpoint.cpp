@@ -568,6 +568,98 @@ INSTANTIATE_TEST_SUITE_P(TermAndInt, CheckpointSignals, ::testing::Values(SIGTER
                            return std::string(info.param == SIGTERM ? "sigterm" : "sigint");
                          });
 
+// A stop signal during an evaluation (here 40,000 held-out sequences, seconds of work) abandons
+// it at the next batch rather than at its end: the step before it is saved and a resumed run
+// carries on. Both evaluations of a run: one inside the loop (train.eval_every) and the final one
+// after the last step, which saves that step and leaves the evaluation and export to the resume.
+class EvaluationSignals : public ::testing::TestWithParam<bool> {};
+
+TEST_P(EvaluationSignals, ASignalAbandonsTheEvaluationAndSavesTheStepBeforeIt) {
+  const bool final_evaluation = GetParam();
+  TempDir tmp;
+  const int64_t steps = final_evaluation ? 2 : 3;
+  train::Config config =
+      tiny_config(tmp / "run", {"train.progress=lines", "train.steps=" + std::to_string(steps),
+                                "data.eval_fraction=0.5", "train.eval_batches=10000",
+                                final_evaluation ? "train.eval_every=1000" : "train.eval_every=1"});
+  const std::string log_path = tmp / "child.log";
+  pid_t child = spawn_training_child(config, tmp.path.string(), log_path);
+  ASSERT_GT(child, 0);
+  // Metrics are flushed every step: once a step's line is there, its evaluation is running.
+  const std::string metrics = tmp / "run/metrics.jsonl";
+  const int64_t evaluated = final_evaluation ? steps : 1;
+  ASSERT_TRUE(wait_until([&] {
+    return file_bytes(metrics).find("\"step\":" + std::to_string(evaluated) + ",") !=
+           std::string::npos;
+  })) << file_bytes(log_path);
+  const auto sent = std::chrono::steady_clock::now();
+  kill(child, SIGTERM);
+  const int code = wait_child(child);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - sent).count();
+  const std::string log = file_bytes(log_path);
+  EXPECT_EQ(code, 0) << log;
+  const std::string step = std::to_string(evaluated);
+  EXPECT_NE(log.find("the evaluation at step " + step + " was abandoned: a stop was requested"),
+            std::string::npos)
+      << "the evaluation ran to its end before the stop (" << seconds << " s)\n"
+      << log;
+  EXPECT_EQ(log.find("eval step " + step + ":"), std::string::npos) << log;
+  EXPECT_NE(log.find("received SIGTERM: stopped after step " + step + " with checkpoint"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("child finished: " + step + " steps, stopped_early 1"), std::string::npos)
+      << log;
+  EXPECT_EQ(log.find("exported the model"), std::string::npos) << log;
+  dist::LocalProcessGroup local;
+  EXPECT_EQ(io::verify_checkpoint(local,
+                                  tmp / ("run/checkpoints/" + io::checkpoint_file_name(evaluated))),
+            "");
+  EXPECT_EQ(io::list_checkpoints(tmp / "run/checkpoints").size(), 1u) << "saved once";
+
+  // The resumed run evaluates that step in full and finishes (final: nothing left to train). A
+  // smaller evaluation set (not a setting of the weights) keeps it short on an emulated GPU.
+  config.train.resume = "auto";
+  config.train.eval_batches = 4;
+  config.train.progress = "none";
+  train::TrainSummary resumed = train::run_training(config);
+  EXPECT_EQ(resumed.first_step, evaluated);
+  EXPECT_EQ(resumed.steps, steps);
+  EXPECT_FALSE(resumed.stopped_early);
+  EXPECT_GT(resumed.final_eval_loss, 0);
+  EXPECT_TRUE(fs::exists(resumed.export_dir + "/model.safetensors"));
+}
+
+INSTANTIATE_TEST_SUITE_P(LoopAndFinal, EvaluationSignals, ::testing::Values(false, true),
+                         [](const auto& info) {
+                           return std::string(info.param ? "final" : "in_the_loop");
+                         });
+
+// An evaluation set larger than the held-out split would count windows twice.
+TEST(CheckpointEvaluation, MoreEvaluationBatchesThanTheSplitHoldsIsAConfigError) {
+  TempDir tmp;
+  // 0.1 % of the built-in corpus's 1,310,720 tokens: 1,311 tokens, 81 windows of 16 + 1 tokens,
+  // 20 micro-batches of 4.
+  try {
+    train::run_training(tiny_config(
+        tmp / "run", {"data.eval_fraction=0.001", "train.eval_every=1", "train.eval_batches=21"}));
+    ADD_FAILURE() << "an evaluation set past the split was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find(
+                  "train.eval_batches x train.micro_batch = 21 x 4 = 84 held-out sequences, but "
+                  "the evaluation split of builtin corpus (data.eval_fraction 0.001) holds 81 of "
+                  "train.seq_len 16: lower train.eval_batches to 20 or less, or raise "
+                  "data.eval_fraction"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(fs::exists(tmp / "run/metrics.jsonl")) << "the error came after training began";
+  train::TrainSummary s = train::run_training(
+      tiny_config(tmp / "run", {"data.eval_fraction=0.001", "train.steps=1", "train.eval_every=1",
+                                "train.eval_batches=20"}));
+  EXPECT_GT(s.final_eval_loss, 0);
+}
+
 TEST(CheckpointCrash, AFullDiskFailsTheSaveWithTheSystemsMessageAndNoCrash) {
   // Every file write past 64 KiB fails, as on a full disk: the first checkpoint's (a few hundred
   // KiB) does. HDF5 cannot close a file whose write failed; the process must still end with the

@@ -189,6 +189,14 @@ TEST(Cli, ConfigCommandPrintsTheResolvedConfig) {
   shardtrain::train::Config printed = shardtrain::train::Config::parse(r.out);
   EXPECT_TRUE(printed == shardtrain::train::load_config(tiny, {"optim.lr=1e-4", "train.steps=9"}));
 
+  // A setting the run would never read is a warning on stderr, not an error.
+  r = run({"config", "--config", tiny, "--set", "optim.name=sgd", "--set", "optim.beta2=0.99"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.err,
+            "warning: optim.beta2 = 0.99 has no effect: it is an AdamW setting and optim.name is "
+            "sgd\n");
+  EXPECT_CONTAINS(r.out, "  beta2: 0.99 ");
+
   // A config error exits with 1 and names the key.
   r = run({"config", "--config", tiny, "--set", "optim.lr=0"});
   EXPECT_EQ(r.code, 1);

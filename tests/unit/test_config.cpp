@@ -176,6 +176,61 @@ TEST(Config, OutOfRangeNamesTheAllowedRange) {
   EXPECT_CONTAINS(parse_error("precision:\n  growth_factor: 1\n"), "must be > 1");
 }
 
+TEST(Config, NumbersMustFitFp32) {
+  // fp32 would make these inf or 0; beyond a double they do not read at all.
+  EXPECT_CONTAINS(parse_error("optim:\n  lr: 1e39\n"),
+                  "optim.lr = 1e39 is outside fp32's range, in which the runtime computes: use 0 "
+                  "or a magnitude between 1.2e-38 and 3.4e38 (peak learning rate)");
+  EXPECT_CONTAINS(parse_error("optim:\n  eps: 1e-50\n"), "optim.eps = 1e-50 is outside fp32's");
+  EXPECT_CONTAINS(parse_error("optim:\n  weight_decay: 1e400\n"),
+                  "optim.weight_decay = 1e400 is outside fp32's");
+  EXPECT_CONTAINS(parse_error("model:\n  init_std: 1e-400\n"),
+                  "model.init_std = 1e-400 is outside fp32's");
+  EXPECT_CONTAINS(parse_error("", {"optim.lr=-1e39"}), "optim.lr = -1e39 is outside fp32's");
+  // Not a number at all stays a type error.
+  EXPECT_CONTAINS(parse_error("optim:\n  lr: 1e5e5\n"), "has the wrong type: expected a number");
+  // The edges of the range read.
+  EXPECT_EQ(Config::parse("optim:\n  lr: 3e38\n").optim.lr, 3e38);
+  EXPECT_EQ(Config::parse("optim:\n  eps: 2e-38\n").optim.eps, 2e-38);
+  EXPECT_EQ(Config::parse("optim:\n  weight_decay: 0\n").optim.weight_decay, 0.0);
+}
+
+TEST(Config, SettingsThatTheRunNeverReadsAreListed) {
+  auto unused = [](const std::string& yaml) { return Config::parse(yaml).unused_settings(); };
+  EXPECT_TRUE(Config::defaults().unused_settings().empty());
+  EXPECT_EQ(unused("optim:\n  name: sgd\n  beta1: 0.8\n  eps: 1e-6\n  momentum: 0.5\n"),
+            (std::vector<std::string>{
+                "optim.beta1 = 0.8 has no effect: it is an AdamW setting and optim.name is sgd",
+                "optim.eps = 1e-06 has no effect: it is an AdamW setting and optim.name is sgd"}));
+  EXPECT_EQ(unused("optim:\n  momentum: 0.5\n"),
+            (std::vector<std::string>{"optim.momentum = 0.5 has no effect: it is an SGD setting "
+                                      "and optim.name is adamw"}));
+  // A key at its default value is not reported (every dumped config holds every key).
+  EXPECT_TRUE(unused("optim:\n  name: sgd\n  beta1: 0.9\n").empty());
+  EXPECT_EQ(unused("precision:\n  compute: bf16\n  init_scale: 1024\n"),
+            (std::vector<std::string>{
+                "precision.init_scale = 1024 has no effect: this run has no loss scaling "
+                "(precision.loss_scale auto with precision.compute bf16; auto scales fp16 "
+                "only)"}));
+  EXPECT_TRUE(unused("precision:\n  compute: fp16\n  init_scale: 1024\n").empty());
+  EXPECT_TRUE(unused("precision:\n  loss_scale: dynamic\n  init_scale: 1024\n").empty());
+  EXPECT_EQ(unused("activation:\n  strategy: offload\n  checkpoint_impl: reentrant\n"),
+            (std::vector<std::string>{"activation.checkpoint_impl = reentrant has no effect: "
+                                      "activation.strategy offload recomputes nothing"}));
+  EXPECT_TRUE(unused("activation:\n  strategy: offload_checkpoint\n  checkpoint_impl: reentrant\n  "
+                     "offload_min_bytes: 4096\n")
+                  .empty());
+  EXPECT_EQ(unused("activation:\n  strategy: per_layer\n  offload_min_bytes: 4096\n").size(), 1u);
+  EXPECT_EQ(unused("activation:\n  layers: \"0\"\n").size(), 1u);
+  EXPECT_EQ(unused("activation:\n  attention_backward: atomic_dq\n").size(), 1u);
+  EXPECT_TRUE(unused("activation:\n  attention: fused\n  attention_backward: atomic_dq\n").empty());
+  EXPECT_EQ(unused("lora:\n  r: 8\n  target_modules: [q_proj]\n").size(), 2u);
+  EXPECT_TRUE(unused("lora:\n  enabled: true\n  r: 8\n").empty());
+  EXPECT_EQ(unused("train:\n  eval_every: 0\n  eval_batches: 2\n").size(), 1u);
+  EXPECT_EQ(unused("optim:\n  offload_moments: device\n").size(), 1u);
+  EXPECT_EQ(unused("optim:\n  schedule: constant\n  min_lr: 1e-4\n").size(), 1u);
+}
+
 TEST(Config, BadEnumListsChoicesAndSuggests) {
   std::string msg = parse_error("optim:\n  schedule: cosin\n");
   EXPECT_CONTAINS(msg, "run.yaml:2:13");
@@ -504,6 +559,8 @@ TEST(Config, EveryShippedConfigLoads) {
     EXPECT_EQ(c.train.out_dir, "runs/" + entry.path().stem().string());
     // A dump of a shipped config reads back to the same config.
     EXPECT_TRUE(Config::parse(c.to_yaml(), {}, "dump") == c);
+    // Nothing in it is set for nothing.
+    EXPECT_EQ(c.unused_settings(), std::vector<std::string>{});
     ++count;
   }
   EXPECT_GE(count, 4);

@@ -85,6 +85,11 @@ class Checkpointing {
   // any rank. One small all-reduce per call. Returns true when the loop must stop.
   bool after_step(int64_t step, const SamplerState& sampler, float lr);
 
+  // For a stop requested after step `step`'s after_step (during the final evaluation): when one
+  // was requested on any rank, saves step `step` unless it is already saved and returns true.
+  // Collective, one small all-reduce.
+  bool stop_if_requested(int64_t step, const SamplerState& sampler, float lr);
+
   // Saves now (collective) and applies checkpoint.keep_last; returns the main file's path.
   std::string save(int64_t step, const SamplerState& sampler, float lr);
 
@@ -97,6 +102,7 @@ class Checkpointing {
   Log log_;
   std::string dir_;
   std::string last_saved_;
+  int64_t last_saved_step_ = -1;
   std::chrono::steady_clock::time_point last_save_time_;
 };
 

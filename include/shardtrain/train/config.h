@@ -238,6 +238,12 @@ struct Config {
   // ({"model.rope_scaling.factor", "8"}, {"lora.target_modules", "[q_proj, v_proj]"}).
   std::vector<std::pair<std::string, std::string>> key_values() const;
 
+  // Keys set away from their defaults that this configuration never reads (optim.beta1 with
+  // optim.name=sgd, lora.r with lora.enabled=false), one line each naming the key and what would
+  // make it count. Not an error: a config may keep them for a switch made with --set. The CLI
+  // prints them as warnings.
+  std::vector<std::string> unused_settings() const;
+
   std::string effective_checkpoint_dir() const {
     return checkpoint.dir.empty() ? train.out_dir + "/checkpoints" : checkpoint.dir;
   }

@@ -10,7 +10,9 @@
 //   4. optimizer step unless the scaler found inf/nan, the loss scale and the clipping factor
 //      applied inside the update; scaler update.
 #pragma once
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -82,6 +84,12 @@ class Runtime {
   // Collective: each rank evaluates its share (every world-size-th batch) and the sums are
   // all-reduced, so W ranks evaluate a set W times faster than one.
   double eval_loss(const std::vector<Batch>& batches);
+  // The same, abandoned between batches once `stop_requested` is true on any rank (asked before
+  // each round and agreed by a host all-reduce, so every rank leaves at the same round):
+  // nullopt then. For a long evaluation that a stop signal should not have to wait for. An empty
+  // `stop_requested` never stops (and costs no all-reduce).
+  std::optional<double> eval_loss(const std::vector<Batch>& batches,
+                                  const std::function<bool()>& stop_requested);
 
   nn::LlamaModel& model() { return *model_; }
   optim::Optimizer& optimizer() { return *optimizer_; }
