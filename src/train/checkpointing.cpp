@@ -277,6 +277,39 @@ std::vector<std::string> weight_settings_that_differ(const std::string& path,
   return out;
 }
 
+// Resumed on another number of ranks with global_batch 0 (micro_batch x ranks), or with batch
+// keys changed, a run takes another number of sequences per step than before: legitimate (a job
+// grown or shrunk), but it changes the training, so the log says so and how to keep the old one.
+// "" when the batch is the same, or the saved config is of another version and does not parse.
+std::string batch_change_note(const io::TrainingState& state, const TrainConfig& now,
+                              int64_t ranks) {
+  int64_t before = 0;
+  try {
+    before = Config::parse(state.config_yaml, {}, "saved config")
+                 .train.sequences_per_step(state.world_size);
+  } catch (const std::exception&) {
+    return "";
+  }
+  const int64_t after = now.sequences_per_step(ranks);
+  if (before == after) return "";
+  TrainConfig same = now;
+  same.global_batch = before;
+  same.global_batch_tokens = 0;
+  std::string keep;
+  try {
+    same.sequences_per_step(ranks);
+    keep = concat("set train.global_batch=", before, " to keep it");
+  } catch (const ConfigError&) {
+    keep = concat("train.global_batch=", before, " would keep it but is not a multiple of ",
+                  "train.micro_batch x ranks = ", now.micro_batch * ranks);
+  }
+  return concat("note: the checkpoint's run took ", before, " sequences per step (",
+                state.world_size, " rank(s)); this one takes ", after, " (", ranks,
+                " rank(s)), so the steps from here on see another batch size at the same learning "
+                "rates; ",
+                keep);
+}
+
 }  // namespace
 
 io::TrainingState load_checkpoint(Runtime& rt, const std::string& path) {
@@ -377,6 +410,8 @@ std::optional<ResumePoint> Checkpointing::resume() {
     io::TrainingState state = load_checkpoint(runtime_, path);
     log_(concat("resumed from ", path, " (step ", state.step, ", saved by ", state.world_size,
                 " rank(s), sharding ", state.sharding, ")"));
+    if (std::string note = batch_change_note(state, config_.train, world.size()); !note.empty())
+      log_(note);
     return ResumePoint{path, state.step, state.sampler};
   };
   std::error_code ec;

@@ -4,6 +4,7 @@
 // still take part in the sharded forward).
 #include <gtest/gtest.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,32 @@ TEST(ShardedEval, MeanOverRanksEqualsTheBatchesOneByOne) {
       EXPECT_NEAR(got, expected, 1e-12 * expected) << sharding << ", " << count << " batches";
       EXPECT_GT(got, 1.0) << "an untrained model's loss on bytes is several nats";
     }
+  }
+}
+
+// A stop asked on one rank only (the last) at its third round ends the evaluation on every rank
+// at that round: each has run exactly three rounds' forwards, none returns a loss, and the
+// collectives stay matched (the evaluation after it, with no stop, gives the full mean).
+TEST(ShardedEval, AStopOnOneRankAbandonsTheEvaluationOnAll) {
+  for (const char* sharding : {"full_shard", "no_shard"}) {
+    train::Config config =
+        train::Config::parse(shardtrain::testing::kTinyRunYaml,
+                             {std::string("dist.sharding=") + sharding}, "sharded eval test");
+    train::Runtime rt(config);
+    const int ranks = rt.dist().world_size(), rank = rt.dist().rank();
+    std::vector<Batch> batches =
+        shardtrain::testing::first_batches(config, Split::Eval, 5 * ranks, 2);
+    int asked = 0;
+    std::optional<double> abandoned = rt.eval_loss(batches, [&] {
+      ++asked;
+      return rank == ranks - 1 && asked == 3;
+    });
+    EXPECT_FALSE(abandoned.has_value()) << sharding << ": rank " << rank << " evaluated to the end";
+    EXPECT_EQ(asked, 3) << sharding << ": rank " << rank;
+    const double full = rt.eval_loss(batches);
+    std::optional<double> again = rt.eval_loss(batches, [] { return false; });
+    ASSERT_TRUE(again.has_value());
+    EXPECT_EQ(*again, full) << sharding;
   }
 }
 

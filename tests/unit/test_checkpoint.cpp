@@ -467,6 +467,39 @@ TEST(CheckpointResume, ACheckpointAtOrPastTheLastStep) {
   }
 }
 
+// A resumed run that takes another number of sequences per step (another rank count with
+// global_batch 0, or changed batch keys) says so and how to keep the old batch.
+TEST(CheckpointResume, AnotherBatchSizeThanTheCheckpointsIsNoted) {
+  TempDir tmp;
+  train::run_training(tiny_config(tmp / "run", {"train.steps=2", "checkpoint.every_steps=1"}));
+  auto resume_log = [&](const std::vector<std::string>& overrides) {
+    std::vector<std::string> all = {"train.steps=3", "train.resume=auto", "train.progress=lines",
+                                    "checkpoint.keep_last=0", "train.export=false"};
+    all.insert(all.end(), overrides.begin(), overrides.end());
+    ::testing::internal::CaptureStderr();
+    train::run_training(tiny_config(tmp / "run", all));
+    fs::remove(tmp / ("run/checkpoints/" + io::checkpoint_file_name(3)));
+    return ::testing::internal::GetCapturedStderr();
+  };
+  std::string log = resume_log({"train.global_batch=8"});
+  EXPECT_NE(log.find("note: the checkpoint's run took 4 sequences per step (1 rank(s)); this one "
+                     "takes 8 (1 rank(s)), so the steps from here on see another batch size at "
+                     "the same learning rates; set train.global_batch=4 to keep it"),
+            std::string::npos)
+      << log;
+  log = resume_log({"train.global_batch=0", "train.micro_batch=3"});
+  EXPECT_NE(log.find("this one takes 3 (1 rank(s)), so the steps from here on see another batch "
+                     "size at the same learning rates; train.global_batch=4 would keep it but is "
+                     "not a multiple of train.micro_batch x ranks = 3"),
+            std::string::npos)
+      << log;
+  log = resume_log({"train.global_batch=0", "train.micro_batch=2", "train.global_batch_tokens=64"});
+  EXPECT_NE(log.find("resumed from"), std::string::npos) << log;
+  EXPECT_EQ(log.find("note: the checkpoint's run"), std::string::npos)
+      << "64 tokens of 16 are the same 4 sequences\n"
+      << log;
+}
+
 TEST(CheckpointResume, ResumeAutoWithoutCheckpointsStartsFromScratch) {
   TempDir tmp;
   // Files that only look like checkpoints (a step past int64, of a main file, a rank file and a
