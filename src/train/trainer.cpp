@@ -24,6 +24,7 @@
 #include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/io/hf_model.h"
 #include "shardtrain/io/peft.h"
+#include "shardtrain/memory/host_capacity.h"
 #include "shardtrain/train/checkpointing.h"
 #include "shardtrain/train/plan.h"
 #include "shardtrain/train/progress.h"
@@ -66,6 +67,48 @@ int64_t planning_capacity(const Config& config) {
   if (device_bytes == 0 && device.is_cuda()) device_bytes = cuda::total_memory(device.index);
 #endif
   return device_bytes;
+}
+
+// The memory model's host bytes for the ranks of this node against what the node has. A run past
+// it would be ended by the kernel's out-of-memory killer part-way through a step (SIGKILL: no
+// message, and under mpirun a dead rank), so it fails here with the figures. Only a prediction
+// beyond the whole of the memory fails; below that the allocators' own errors speak, and a
+// configuration the memory model cannot read is not checked.
+void check_host_memory(const Config& config, int world) {
+  const HostCapacity capacity = host_memory_capacity();
+  if (capacity.bytes <= 0) return;
+  MemoryPrediction p;
+  try {
+    p = predict_memory(MemoryModelInput::from_config(config, world));
+  } catch (const std::exception&) {
+    return;
+  }
+  const bool on_host = training_device(config).is_cpu();
+  const int64_t per_rank = p.host_bytes() + (on_host ? p.peak : 0);
+  const int64_t ranks_here = std::max(1, dist::detect_launch().local_size);
+  const int64_t needed = per_rank * ranks_here;
+  if (needed <= capacity.bytes) return;
+  std::string parts =
+      on_host ? "a peak of " + format_bytes(p.peak) + " on the cpu device at " + p.peak_moment : "";
+  if (p.host_bytes() > 0)
+    parts += std::string(parts.empty() ? "" : " + ") + format_bytes(p.host_bytes()) +
+             " of offloaded optimizer state and activations";
+  const std::string ranks = ranks_here > 1 ? " x " + std::to_string(ranks_here) +
+                                                 " ranks on this node = " + format_bytes(needed)
+                                           : "";
+  const std::string fix =
+      on_host ? "lower train.micro_batch or train.seq_len, use an activation.strategy that "
+                "recomputes (per_layer, sqrt_segment), put fewer ranks on each node, or train "
+                "on a GPU"
+              : "keep the optimizer state on the GPU (optim.offload=none, or "
+                "optim.offload_moments=device), use an activation.strategy that recomputes "
+                "instead of offloading, or put fewer ranks on each node";
+  throw OutOfMemoryError("out of host memory before the first step: the memory model predicts " +
+                             format_bytes(per_rank) + " of host memory per rank (" + parts + ")" +
+                             ranks + ", more than the " + format_bytes(capacity.bytes) + " of " +
+                             capacity.source + ": " + fix +
+                             " (`shardtrain plan --config ...` shows the figures)",
+                         needed);
 }
 
 Config resolve_recipe(const Config& requested) {
@@ -112,6 +155,7 @@ TrainSummary train_with(const Config& config) {
   // writes files and prints progress.
   const int world = dist::job_world_size();
   const bool leader = dist::job_rank() == 0;
+  check_host_memory(config, world);
   prepare_output_dir(t.out_dir, "train.out_dir");
   if (config.checkpoint.every_steps > 0 || config.checkpoint.every_minutes > 0)
     prepare_output_dir(config.effective_checkpoint_dir(),

@@ -8,7 +8,10 @@
 #include <nlohmann/json.hpp>
 
 #include "shardtrain/core/error.h"
+#include "shardtrain/core/units.h"
+#include "shardtrain/memory/host_capacity.h"
 #include "shardtrain/train/config.h"
+#include "shardtrain/train/memory_model.h"
 #include "shardtrain/train/trainer.h"
 
 using namespace shardtrain;
@@ -86,4 +89,40 @@ TEST(RecipeAuto, NothingFitsGivesThePlanTable) {
     EXPECT_NE(m.find("optimizer offload"), std::string::npos) << m;
   }
   std::filesystem::remove_all(out);
+}
+
+// A run the memory model says cannot fit in the machine's memory fails before building anything,
+// with the figures, instead of being killed by the kernel part-way through a step.
+TEST(HostMemory, APredictionPastTheMachinesMemoryFailsBeforeTheFirstStep) {
+  const HostCapacity host = host_memory_capacity();
+  ASSERT_GT(host.bytes, 0) << "no memory figure on this machine";
+  const int64_t physical =
+      static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGE_SIZE);
+  EXPECT_LE(host.bytes, physical);
+  // Llama-2-7B layers: 202 M parameters, ~3.2 GB each in fp32 with gradients and AdamW moments.
+  const int64_t layers = host.bytes / (3ll << 30) + 2;
+  const std::string out = out_dir("host");
+  train::Config config = train::load_config(
+      std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/tiny.yaml",
+      {"model.vocab_size=32000", "model.hidden_size=4096", "model.intermediate_size=11008",
+       "model.num_heads=32", "model.num_kv_heads=32", "model.num_layers=" + std::to_string(layers),
+       "train.micro_batch=1", "train.device=cpu", "train.progress=none", "train.out_dir=" + out});
+  const train::MemoryPrediction p =
+      train::predict_memory(train::MemoryModelInput::from_config(config, 1));
+  ASSERT_GT(p.peak, host.bytes);
+  try {
+    train::run_training(config);
+    ADD_FAILURE() << "a " << format_bytes(p.peak) << " run started on " << format_bytes(host.bytes);
+  } catch (const OutOfMemoryError& e) {
+    const std::string expected =
+        "out of host memory before the first step: the memory model "
+        "predicts " +
+        format_bytes(p.peak) + " of host memory per rank (a peak of " + format_bytes(p.peak) +
+        " on the cpu device at " + p.peak_moment + "), more than the " + format_bytes(host.bytes) +
+        " of " + host.source + ": lower train.micro_batch";
+    EXPECT_NE(std::string(e.what()).find(expected), std::string::npos)
+        << e.what() << "\nexpected: " << expected;
+    EXPECT_EQ(e.requested_bytes(), p.peak);
+  }
+  EXPECT_FALSE(std::filesystem::exists(out)) << "the check came after the run began";
 }
