@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 
 #include "shardtrain/core/error.h"
 
@@ -59,6 +60,13 @@ std::string take_error_message() {
     if (to != std::string::npos) message = message.substr(from, to - from);
   }
   return message.empty() ? std::string("HDF5 reported an error") : message;
+}
+
+bool has_hdf5_signature(const std::string& path) {
+  static constexpr char kSignature[8] = {'\x89', 'H', 'D', 'F', '\r', '\n', '\x1a', '\n'};
+  std::ifstream in(path, std::ios::binary);
+  char head[8] = {};
+  return in.read(head, sizeof head) && std::memcmp(head, kSignature, sizeof head) == 0;
 }
 
 void silence_library_errors() {

@@ -13,6 +13,7 @@
 #include "shardtrain/core/error.h"
 #include "shardtrain/core/units.h"
 #include "shardtrain/data/corpus.h"
+#include "shardtrain/data/hdf5.h"
 #include "shardtrain/data/token_dataset.h"
 #include "shardtrain/data/tokenizer.h"
 
@@ -48,16 +49,6 @@ class TokenCounts {
 
 }  // namespace
 
-namespace {
-// HDF5 files begin with this signature (at offset 0 unless a user block precedes it).
-bool starts_with_hdf5_signature(const std::string& path) {
-  static constexpr char kSignature[8] = {'\x89', 'H', 'D', 'F', '\r', '\n', '\x1a', '\n'};
-  std::ifstream in(path, std::ios::binary);
-  char head[8] = {};
-  return in.read(head, sizeof head) && std::memcmp(head, kSignature, sizeof head) == 0;
-}
-}  // namespace
-
 PrepareSummary prepare_data(const std::string& input, const std::string& output_h5,
                             const std::string& tokenizer_name) {
   if (input != "builtin") {
@@ -65,7 +56,7 @@ PrepareSummary prepare_data(const std::string& input, const std::string& output_
     ST_CHECK_AS(ConfigError, !std::filesystem::equivalent(input, output_h5, ec),
                 "prepare-data: --input and --output are the same file ('", input,
                 "'); the output replaces its file, so write the token dataset elsewhere");
-    ST_CHECK_AS(ConfigError, !starts_with_hdf5_signature(input), "prepare-data: --input '", input,
+    ST_CHECK_AS(ConfigError, !h5::has_hdf5_signature(input), "prepare-data: --input '", input,
                 "' is an HDF5 file (a token dataset already?); --input takes text to tokenize");
   }
   auto tokenizer = make_tokenizer(tokenizer_name);

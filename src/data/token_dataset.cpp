@@ -167,15 +167,38 @@ TokenDataset load_token_source(const std::string& path) {
     return TokenDataset::from_tokens(tok.encode(builtin_corpus()), tok.vocab_size(), tok.name(),
                                      "builtin corpus");
   }
-  if (path.size() > 4 && path.substr(path.size() - 4) == ".txt") {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw ConfigError("data.path: cannot open '" + path + "'");
-    std::stringstream text;
-    text << in.rdbuf();
-    ByteTokenizer tok;
-    return TokenDataset::from_tokens(tok.encode(text.str()), tok.vocab_size(), tok.name(), path);
+  // The content decides, the name only confirms: a token dataset named .txt would otherwise be
+  // trained on as the bytes of its HDF5 structure.
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec))
+    throw ConfigError(concat("data.path '", path,
+                             "' does not exist (builtin, a .txt file or a token dataset written "
+                             "by `shardtrain prepare-data`)"));
+  if (!std::filesystem::is_regular_file(path, ec))
+    throw ConfigError(concat("data.path '", path, "' is not a regular file"));
+  const bool named_text = path.size() > 4 && path.substr(path.size() - 4) == ".txt";
+  if (h5::has_hdf5_signature(path)) {
+    ST_CHECK_AS(ConfigError, !named_text, "data.path '", path,
+                "' is named .txt but is an HDF5 file (a token dataset?): name token datasets .h5, "
+                "and point data.path at the text itself to train on text");
+    return TokenDataset::open(path);
   }
-  return TokenDataset::open(path);
+  ST_CHECK_AS(ConfigError, named_text, "data.path '", path,
+              "' is not an HDF5 token dataset: give a text file the .txt extension (it is then "
+              "trained on as bytes), or convert it with `shardtrain prepare-data --input ",
+              path, " --output DATA.h5`");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ConfigError("data.path: cannot open '" + path + "'");
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string bytes = text.str();
+  // Text holds no NUL bytes; a binary file named .txt (a token array, an archive) does.
+  if (const size_t nul = bytes.find('\0'); nul != std::string::npos)
+    throw ConfigError(concat("data.path '", path, "' holds a NUL byte at offset ", nul,
+                             ", so it is not text: a .txt file is trained on as bytes of text; "
+                             "token arrays go in a token dataset (`shardtrain prepare-data`)"));
+  ByteTokenizer tok;
+  return TokenDataset::from_tokens(tok.encode(bytes), tok.vocab_size(), tok.name(), path);
 }
 
 }  // namespace shardtrain

@@ -456,6 +456,39 @@ TEST(Corpus, ArithmeticFactsAreTrue) {
   EXPECT_GT(checked, 500);
 }
 
+// data.path: the file's content decides what it is; a name that disagrees is an error.
+TEST_F(DataTest, DataPathIsTakenByContentAndItsNameMustAgree) {
+  const std::string text = path("corpus.txt");
+  std::ofstream(text) << "abca";
+  EXPECT_EQ(load_token_source(text).tokens(), (std::vector<uint32_t>{97, 98, 99, 97}));
+  prepare_data(text, path("tokens.h5"));
+  EXPECT_EQ(load_token_source(path("tokens.h5")).tokens(), load_token_source(text).tokens());
+  // Any name but .txt for a dataset: the signature, not the extension, makes it one.
+  fs::copy_file(path("tokens.h5"), path("tokens.bin"));
+  EXPECT_EQ(load_token_source(path("tokens.bin")).tokens(), load_token_source(text).tokens());
+
+  // A dataset named .txt would be trained on as the bytes of its HDF5 structure.
+  fs::copy_file(path("tokens.h5"), path("tokens.txt"));
+  expect_error<ConfigError>(
+      [&] { load_token_source(path("tokens.txt")); },
+      {"data.path '" + path("tokens.txt") + "' is named .txt but is an HDF5 file"});
+  // Text under another name: say how to use it.
+  fs::copy_file(text, path("corpus.md"));
+  expect_error<ConfigError>([&] { load_token_source(path("corpus.md")); },
+                            {"data.path '" + path("corpus.md") +
+                                 "' is not an HDF5 token dataset: give a text file the "
+                                 ".txt extension",
+                             "shardtrain prepare-data --input " + path("corpus.md")});
+  // A binary file named .txt.
+  std::ofstream(path("array.txt"), std::ios::binary) << std::string("ab\0\1cd", 6);
+  expect_error<ConfigError>([&] { load_token_source(path("array.txt")); },
+                            {"holds a NUL byte at offset 2, so it is not text"});
+  expect_error<ConfigError>([&] { load_token_source(path("absent.txt")); },
+                            {"data.path '" + path("absent.txt") + "' does not exist"});
+  expect_error<ConfigError>([&] { load_token_source(tmp_.path.string()); },
+                            {"is not a regular file"});
+}
+
 TEST_F(DataTest, PrepareDataFromBuiltinAndFile) {
   const std::string out = path("builtin.h5");
   PrepareSummary s = prepare_data("builtin", out, "byte");

@@ -23,6 +23,10 @@ void silence_library_errors();
 // e.g. "truncated file: eof = ..."), then clears the stack. For exception messages.
 std::string take_error_message();
 
+// Whether the file at `path` begins with HDF5's 8-byte signature (as every file this program
+// writes does: none has a user block). False for a file that cannot be read.
+bool has_hdf5_signature(const std::string& path);
+
 // One HDF5 identifier and the function that closes it.
 class Handle {
  public:

@@ -69,7 +69,9 @@ class TokenDataset {
 };
 
 // The token stream a run's `data.path` names: "builtin" (the embedded corpus), a .txt file
-// (tokenized as bytes) or a token dataset written by `shardtrain prepare-data` (.h5).
+// (tokenized as bytes) or a token dataset written by `shardtrain prepare-data` (.h5, or any name
+// but .txt). The content decides, by HDF5's signature; ConfigError when the name disagrees (a
+// dataset named .txt, text under another name) or a .txt file holds NUL bytes (not text).
 TokenDataset load_token_source(const std::string& path);
 
 }  // namespace shardtrain
