@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -29,7 +30,9 @@ namespace {
 
 constexpr const char* kFormat = "shardtrain-checkpoint";
 constexpr const char* kRankFormat = "shardtrain-checkpoint-rank";
-constexpr int64_t kFormatVersion = 1;
+// 2: the main file ends in a whole-file checksum trailer (below). Version 1 files, without it,
+// still read.
+constexpr int64_t kFormatVersion = 2;
 constexpr const char* kTmpSuffix = ".tmp";
 
 // ---- HDF5 plumbing ----------------------------------------------------------------------------
@@ -249,6 +252,75 @@ class WordHash {
   size_t fill_ = 0;
 };
 
+// ---- the main file's whole-file checksum ------------------------------------------------------
+
+// HDF5 checksums its object headers and B-trees but not its global heap, where the main file keeps
+// the virtual datasets' mappings and variable-length strings: a damaged byte there can crash the
+// library while it parses the file (seen: a segmentation fault in H5S_select_deserialize under
+// H5Oget_info_by_name). So the main file (small: metadata and mappings) ends in a trailer past
+// HDF5's end of file, which HDF5 ignores, holding the length and the checksum of everything
+// before it, and the trailer is checked before HDF5 opens the file.
+constexpr char kTrailerMagic[8] = {'s', 't', '-', 's', 'u', 'm', '0', '1'};
+constexpr size_t kTrailerBytes = 24;  // magic, length, checksum (little-endian uint64s)
+
+// The checksum of the first `length` bytes of `path`; throws Error when they cannot be read.
+uint64_t file_checksum(const std::string& path, uint64_t length) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(concat("cannot open '", path, "' to checksum it: ", std::strerror(errno)));
+  WordHash hash;
+  std::vector<char> buffer(1 << 20);
+  uint64_t left = length;
+  while (left > 0) {
+    const size_t take = static_cast<size_t>(std::min<uint64_t>(left, buffer.size()));
+    if (!in.read(buffer.data(), static_cast<std::streamsize>(take)))
+      throw Error(concat("cannot read '", path, "' to checksum it"));
+    hash.update(buffer.data(), take);
+    left -= take;
+  }
+  return hash.digest();
+}
+
+void append_checksum_trailer(const std::string& path) {
+  std::error_code ec;
+  const uint64_t length = fs::file_size(path, ec);
+  if (ec) throw Error(concat("cannot read the size of '", path, "': ", ec.message()));
+  const uint64_t checksum = file_checksum(path, length);
+  char trailer[kTrailerBytes];
+  std::memcpy(trailer, kTrailerMagic, 8);
+  std::memcpy(trailer + 8, &length, 8);
+  std::memcpy(trailer + 16, &checksum, 8);
+  std::ofstream out(path, std::ios::binary | std::ios::app);
+  out.write(trailer, kTrailerBytes);
+  out.close();
+  if (!out)
+    throw Error(concat("cannot append the checksum to '", path, "': ", std::strerror(errno)));
+}
+
+enum class Trailer { Matches, Absent };
+
+// Matches: the trailer is there and the bytes before it are the ones it describes. Absent: no
+// trailer (a version-1 file, or one whose trailer was damaged: the caller checks the version).
+// A trailer that does not match is a FormatError.
+Trailer check_checksum_trailer(const std::string& path) {
+  std::error_code ec;
+  const uint64_t size = fs::file_size(path, ec);
+  if (ec || size < kTrailerBytes) return Trailer::Absent;
+  char trailer[kTrailerBytes] = {};
+  std::ifstream in(path, std::ios::binary);
+  in.seekg(static_cast<std::streamoff>(size - kTrailerBytes));
+  if (!in.read(trailer, kTrailerBytes) || std::memcmp(trailer, kTrailerMagic, 8) != 0)
+    return Trailer::Absent;
+  uint64_t length = 0, recorded = 0;
+  std::memcpy(&length, trailer + 8, 8);
+  std::memcpy(&recorded, trailer + 16, 8);
+  if (length != size - kTrailerBytes)
+    throw FormatError(concat("'", path, "' is ", size, " bytes but its checksum trailer covers ",
+                             length, " (truncated or appended to)"));
+  if (file_checksum(path, length) != recorded)
+    throw FormatError(concat("'", path, "' does not match its whole-file checksum (damaged)"));
+  return Trailer::Matches;
+}
+
 std::string hex(uint64_t v) {
   char text[17];
   std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(v));
@@ -368,6 +440,20 @@ void sync_to_disk(const std::string& path, bool directory) {
   // Some file systems cannot sync directories (EINVAL): their renames are as durable as it gets.
   if (rc != 0 && !(directory && err == EINVAL))
     throw Error(concat("cannot sync '", path, "' to disk: ", std::strerror(err)));
+}
+
+// A checkpoint's main file, its checksum trailer checked before HDF5 reads a byte of it. Without
+// a trailer it must say it predates them (format version 1).
+Node open_main_file(const std::string& path) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) throw FormatError(concat("checkpoint file '", path, "' is missing"));
+  const Trailer trailer = check_checksum_trailer(path);
+  Node file = open_file(path);
+  if (trailer == Trailer::Absent && file.has_attribute("format_version") &&
+      file.read_int64_attribute("format_version") >= 2)
+    throw FormatError(
+        concat("'", path, "' has lost its whole-file checksum trailer (truncated or damaged)"));
+  return file;
 }
 
 void rename_file(const std::string& from, const std::string& to) {
@@ -584,7 +670,8 @@ void write_main_file(const std::string& path, const TrainingState& state,
   }
   file.write_int64_attribute("complete", 1);  // last: a file without it was cut short
   file.close();
-  sync_to_disk(path, false);
+  // The trailer and the sync come from the caller: HDF5 truncates the file to its own end when
+  // the last handle into it closes, and this function's groups close only as it returns.
 }
 
 // ---- collective helpers -----------------------------------------------------------------------
@@ -682,6 +769,8 @@ std::string save_checkpoint(dist::ProcessGroup& group, const SaveRequest& reques
         all.insert(all.end(), records.begin(), records.end());
       }
       write_main_file(tmp(main_path), state, writers, all);
+      append_checksum_trailer(tmp(main_path));
+      sync_to_disk(tmp(main_path), false);
       // A previous checkpoint of the same step (a rerun from an older one) must not stay
       // published while its rank files are being replaced.
       remove_quietly(main_path);
@@ -739,7 +828,7 @@ void collect_datasets(const Node& file, const std::string& group_path,
 
 CheckpointReader::CheckpointReader(const std::string& path)
     : path_(path), file_(std::make_unique<File>()) {
-  file_->file = open_file(path);
+  file_->file = open_main_file(path);
   const Node& f = file_->file;
   if (!f.has_attribute("format") || f.read_string_attribute("format") != kFormat)
     throw FormatError(concat("'", path, "' is not a shardtrain checkpoint (no format attribute '",
@@ -865,7 +954,7 @@ std::string verify_checkpoint(dist::ProcessGroup& group, const std::string& path
   try {
     CheckpointReader reader(path);
     step = reader.state().step;
-    Node f = open_file(path);
+    Node f = open_main_file(path);
     for (int64_t r : read_attr<int64_t>(f, "writer_ranks")) {
       const std::string rank_path =
           (fs::path(dir) / rank_file_name(step, static_cast<int>(r))).string();
@@ -996,7 +1085,7 @@ std::vector<DirFile> checkpoint_files(const std::string& dir) {
 
 bool is_complete(const std::string& path) {
   try {
-    Node f = open_file(path);
+    Node f = open_main_file(path);
     return f.has_attribute("complete") && f.read_int64_attribute("complete") == 1;
   } catch (const Error&) {
     return false;
@@ -1004,6 +1093,13 @@ bool is_complete(const std::string& path) {
 }
 
 }  // namespace
+
+void reseal_checkpoint_file(const std::string& main_path) {
+  std::error_code ec;
+  if (!fs::exists(main_path, ec))
+    throw FormatError(concat("checkpoint file '", main_path, "' is missing"));
+  if (check_checksum_trailer(main_path) == Trailer::Absent) append_checksum_trailer(main_path);
+}
 
 std::vector<CheckpointEntry> list_checkpoints(const std::string& dir) {
   std::vector<CheckpointEntry> out;

@@ -92,8 +92,10 @@ pid_t spawn_training_child(const train::Config& config, const std::string& dir,
   std::ofstream(config_path) << config.to_yaml();
   // Everything the child needs is built before fork: only async-signal-safe calls follow it.
   std::vector<std::string> env_strings;
+  const std::string own_variable = std::string(kChildEnv) + "=";
   for (char** e = environ; *e != nullptr; ++e)
-    if (std::string(*e).rfind(std::string(kChildEnv) + "=", 0) != 0) env_strings.push_back(*e);
+    if (std::string_view(*e).substr(0, own_variable.size()) != own_variable)
+      env_strings.push_back(*e);
   env_strings.push_back(std::string(kChildEnv) + "=" + config_path);
   std::vector<char*> envp;
   for (auto& s : env_strings) envp.push_back(s.data());
@@ -358,6 +360,7 @@ TEST(CheckpointResume, AutoRefusesDamagedCheckpointsAndFallsBackToAnIntactOne) {
     ASSERT_GE(f, 0);
     ASSERT_GE(H5Adelete(f, "complete"), 0);
     H5Fclose(f);
+    io::reseal_checkpoint_file(main_file(8));  // else refused for its lost checksum alone
   }
   // step 10: a main file cut short.
   {
@@ -380,6 +383,30 @@ TEST(CheckpointResume, AutoRefusesDamagedCheckpointsAndFallsBackToAnIntactOne) {
       H5Aclose(a);
     }
     H5Fclose(f);
+    io::reseal_checkpoint_file(main_file(step));
+  }
+  // step 16: a copy of step 2 with one bit flipped in its main file, where HDF5 keeps the
+  // virtual datasets' mappings (a flip there once crashed the library); and step 18: a copy of
+  // step 2 edited with HDF5 and not re-sealed (its checksum trailer is cut off).
+  {
+    fs::copy_file(main_file(2), main_file(16));
+    fs::copy_file(rank_file(2), rank_file(16));
+    std::fstream f(main_file(16), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(fs::file_size(main_file(16)) / 2));
+    char byte = 0;
+    f.read(&byte, 1);
+    byte = static_cast<char>(byte ^ 0x10);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(main_file(16)) / 2));
+    f.write(&byte, 1);
+  }
+  {
+    fs::copy_file(main_file(2), main_file(18));
+    fs::copy_file(rank_file(2), rank_file(18));
+    hid_t f = H5Fopen(main_file(18).c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    ASSERT_GE(f, 0);
+    H5Fclose(f);
+    EXPECT_EQ(fs::file_size(main_file(18)) + 24, fs::file_size(main_file(2)))
+        << "HDF5 no longer cuts the trailer when it closes a file opened for writing";
   }
 
   dist::LocalProcessGroup local;
@@ -395,10 +422,17 @@ TEST(CheckpointResume, AutoRefusesDamagedCheckpointsAndFallsBackToAnIntactOne) {
   EXPECT_NE(v4.find(rank_file(4)), std::string::npos) << v4;
   std::printf("refusals:\n  %s\n  %s\n  %s\n  %s\n", v10.c_str(), v8.c_str(), v6.c_str(),
               v4.c_str());
+  EXPECT_EQ(io::verify_checkpoint(local, main_file(16)),
+            "'" + main_file(16) + "' does not match its whole-file checksum (damaged)");
+  EXPECT_EQ(
+      io::verify_checkpoint(local, main_file(18)),
+      "'" + main_file(18) + "' has lost its whole-file checksum trailer (truncated or damaged)");
+  // Re-sealing blesses an edit, never damage.
+  EXPECT_THROW(io::reseal_checkpoint_file(main_file(16)), FormatError);
   EXPECT_EQ(io::verify_checkpoint(local, main_file(2)), "");
 
   // An explicit path to a damaged checkpoint is an error naming it.
-  for (int step : {14, 12, 10, 8, 6, 4}) {
+  for (int step : {18, 16, 14, 12, 10, 8, 6, 4}) {
     try {
       train::run_training(
           tiny_config(tmp / "explicit", {"train.steps=7", "train.resume=" + main_file(step)}));
@@ -408,13 +442,13 @@ TEST(CheckpointResume, AutoRefusesDamagedCheckpointsAndFallsBackToAnIntactOne) {
     }
   }
 
-  // auto: refuses 14 to 4 (logging each) and continues from step 2 exactly.
+  // auto: refuses 18 to 4 (logging each) and continues from step 2 exactly.
   train::Config cfg =
       tiny_config(tmp / "run", {"train.steps=3", "train.resume=auto", "train.progress=lines"});
   ::testing::internal::CaptureStderr();
   train::TrainSummary resumed = train::run_training(cfg);
   std::string log = ::testing::internal::GetCapturedStderr();
-  for (int step : {14, 12, 10, 8, 6, 4})
+  for (int step : {18, 16, 14, 12, 10, 8, 6, 4})
     EXPECT_NE(log.find("refusing checkpoint " + main_file(step)), std::string::npos) << log;
   EXPECT_NE(log.find("resumed from " + main_file(2)), std::string::npos) << log;
   std::map<int64_t, double> losses = step_losses(resumed.metrics_path);

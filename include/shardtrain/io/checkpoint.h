@@ -94,6 +94,13 @@ std::string save_checkpoint(dist::ProcessGroup& group, const SaveRequest& reques
 // "" when it is intact, else a message naming the file and what is wrong, the same on every rank.
 std::string verify_checkpoint(dist::ProcessGroup& group, const std::string& path);
 
+// A main file ends in a checksum of its bytes, checked before HDF5 parses them (HDF5 does not
+// checksum the part that holds the virtual datasets' mappings, and damage there can crash it).
+// Editing the file with HDF5 (h5py, H5Adelete, ...) drops the trailer, and the file is then
+// refused as damaged; this re-seals such a file as it now is. A file with a valid trailer is
+// left alone; one whose trailer does not match is a FormatError (damage is not re-sealed).
+void reseal_checkpoint_file(const std::string& main_path);
+
 struct CheckpointEntry {
   int64_t step = 0;
   std::string path;  // main file
