@@ -455,6 +455,20 @@ TEST(CheckpointResume, AutoRefusesDamagedCheckpointsAndFallsBackToAnIntactOne) {
   // Steps 1 and 2 kept from the first run (the metrics file is shared), step 3 recomputed.
   ASSERT_EQ(losses.size(), 3u);
   EXPECT_EQ(losses.at(3), first_losses.at(3));
+
+  // A main file of format version 1 (before the trailer) still verifies.
+  fs::copy_file(main_file(2), main_file(20));
+  fs::copy_file(rank_file(2), rank_file(20));
+  {
+    hid_t f = H5Fopen(main_file(20).c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    ASSERT_GE(f, 0);
+    hid_t a = H5Aopen(f, "format_version", H5P_DEFAULT);
+    const int64_t one = 1;
+    ASSERT_GE(H5Awrite(a, H5T_NATIVE_INT64, &one), 0);
+    H5Aclose(a);
+    H5Fclose(f);
+  }
+  EXPECT_EQ(io::verify_checkpoint(local, main_file(20)), "");
 }
 
 TEST(CheckpointResume, ACheckpointOfAnotherModelIsAClearError) {
