@@ -49,6 +49,17 @@ TokenDatasetWriter::TokenDatasetWriter(const std::string& path, int64_t vocab_si
       narrow_(vocab_size <= 65536) {
   ST_CHECK_AS(ConfigError, vocab_size >= 1 && vocab_size <= kMaxVocab, "cannot write '", path,
               "': vocab_size ", vocab_size, " is outside [1, 2^32]");
+  // The finished file is renamed over `path`: only a regular file may be replaced that way (a
+  // directory cannot be, and a FIFO or device node would be silently swapped for the dataset).
+  std::error_code ec;
+  const std::filesystem::file_status existing = std::filesystem::symlink_status(path, ec);
+  ST_CHECK_AS(ConfigError,
+              !std::filesystem::exists(existing) || std::filesystem::is_regular_file(existing) ||
+                  std::filesystem::is_symlink(existing),
+              "cannot write the token dataset to '", path, "': it exists and is not a regular file",
+              std::filesystem::is_directory(existing)
+                  ? concat(" but a directory; name a file in it, e.g. ", path, "/tokens.h5")
+                  : std::string(" but a FIFO, socket or device; name a file to write"));
   file_ = std::make_unique<h5::File>(h5::File::create(tmp_path_));
   dataset_ = std::make_unique<h5::Dataset>(file_->create_extendible_1d(
       kTokensName, narrow_ ? H5T_STD_U16LE : H5T_STD_U32LE, kChunkElements));

@@ -93,7 +93,7 @@ void save_peft_adapter(nn::LlamaModel& model, const std::string& dir,
   for (const std::string& name : nn::lora_projection_names())
     if (targeted.count(name)) targets.push_back(name);
 
-  std::filesystem::create_directories(dir);
+  create_output_dir(dir);
   save_safetensors((std::filesystem::path(dir) / kAdapterWeightsFile).string(), tensors,
                    {{"format", "pt"}});
 
@@ -261,7 +261,7 @@ void save_merged_hf_model(nn::LlamaModel& model, const std::string& dir, DType d
   add("model.norm.weight", model.norm.weight);
   if (model.lm_head) add("lm_head.weight", nn::dense_weight(*model.lm_head));
 
-  std::filesystem::create_directories(dir);
+  create_output_dir(dir);
   save_sharded(dir, tensors, max_shard_bytes, {{"format", "pt"}});
   write_text_atomically((std::filesystem::path(dir) / "config.json").string(),
                         model.config().to_hf_json() + "\n");

@@ -578,6 +578,14 @@ void SafetensorsWriter::commit() {
   st.committed = true;
 }
 
+void create_output_dir(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec)
+    throw ConfigError(concat("cannot create the output directory '", dir, "': ", ec.message(),
+                             "; choose a writable path"));
+}
+
 void save_safetensors(const std::string& path, const NamedTensors& tensors,
                       const std::map<std::string, std::string>& metadata) {
   SafetensorsWriter out(path, declare(tensors, path), metadata);
@@ -614,10 +622,7 @@ ShardedSafetensorsWriter::ShardedSafetensorsWriter(
                              "': max_shard_bytes must be positive, got ", max_shard_bytes));
   std::vector<TensorDecl> sorted = sorted_by_name(std::move(tensors));
   check_tensor_names(dir_, sorted);
-  std::error_code ec;
-  fs::create_directories(dir_, ec);
-  if (ec)
-    throw ConfigError(concat("cannot create checkpoint directory '", dir_, "': ", ec.message()));
+  create_output_dir(dir_);
   for (const TensorDecl& d : sorted) total_bytes_ += d.nbytes();
 
   // Greedy packing in name order; a tensor larger than the limit gets a shard of its own. Only

@@ -3,8 +3,10 @@
 #include "shardtrain/train/checkpointing.h"
 
 #include <yaml-cpp/yaml.h>
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -497,8 +499,13 @@ std::string Checkpointing::save(int64_t step, const SamplerState& sampler, float
 
 void open_metrics(std::ofstream& out, const std::string& path, int64_t resumed_step) {
   std::error_code ec;
+  auto check = [&] {
+    ST_CHECK(out.good(), "cannot write ", path, " (", std::strerror(errno),
+             "); train.out_dir must be a writable directory with free space");
+  };
   if (resumed_step <= 0 || !fs::exists(path, ec)) {
     out.open(path);
+    check();
     return;
   }
   std::vector<std::string> kept;
@@ -513,6 +520,8 @@ void open_metrics(std::ofstream& out, const std::string& path, int64_t resumed_s
   }
   out.open(path, std::ios::trunc);
   for (const std::string& line : kept) out << line << "\n";
+  out.flush();
+  check();
 }
 
 }  // namespace shardtrain::train

@@ -2,9 +2,11 @@
 
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -162,9 +164,25 @@ TrainSummary train_with(const Config& config) {
                        config.checkpoint.dir.empty()
                            ? "checkpoint.dir (default: under train.out_dir)"
                            : "checkpoint.dir");
+  // The adapter and the export are written after the last step: a path that cannot take them
+  // fails now, not after the whole run.
+  const std::string adapter_dir =
+      config.lora.adapter_out.empty() ? t.out_dir + "/adapter" : config.lora.adapter_out;
+  const bool exports = t.export_model && (!config.lora.enabled || config.lora.merge_on_export);
+  if (config.lora.enabled)
+    prepare_output_dir(adapter_dir, config.lora.adapter_out.empty()
+                                        ? "lora.adapter_out (default: <train.out_dir>/adapter)"
+                                        : "lora.adapter_out");
+  if (exports)
+    prepare_output_dir(t.out_dir + "/export", "train.export (to <train.out_dir>/export)");
   if (leader) {
-    std::ofstream out(t.out_dir + "/config.yaml");
+    const std::string path = t.out_dir + "/config.yaml";
+    std::ofstream out(path);
     out << config.to_yaml();
+    out.close();
+    ST_CHECK(out.good(), "cannot write ", path, " (", std::strerror(errno),
+             "): the run's resolved config must be kept with its results; free space or choose "
+             "another train.out_dir");
   }
 
   TokenDataset data = load_token_source(config.data.path);
@@ -272,6 +290,16 @@ TrainSummary train_with(const Config& config) {
     progress.message("the checkpoint is at step " + std::to_string(first_step) +
                      " = train.steps: nothing left to train");
   if (leader) open_metrics(metrics, summary.metrics_path, first_step);
+  // One event a line, flushed at once: a run killed later keeps every step up to its last
+  // checkpoint. A line that cannot be written (a full disk) ends the run: training on without
+  // its record would lose what it is for.
+  auto record = [&](const nlohmann::json& event) {
+    if (!leader) return;
+    metrics << event.dump() << "\n" << std::flush;
+    ST_CHECK(metrics.good(), "cannot write ", summary.metrics_path, " (", std::strerror(errno),
+             "); free space or choose another train.out_dir, then continue with "
+             "train.resume=auto");
+  };
 
   // False when a stop request (a signal, on any rank) cut the evaluation short: the caller
   // saves and stops instead of waiting for the rest of the held-out set.
@@ -285,8 +313,7 @@ TrainSummary train_with(const Config& config) {
     }
     const double loss = *evaluated;
     summary.final_eval_loss = loss;
-    nlohmann::json j = {{"event", "eval"}, {"step", step}, {"eval_loss", loss}};
-    metrics << j.dump() << "\n" << std::flush;
+    record(nlohmann::json{{"event", "eval"}, {"step", step}, {"eval_loss", loss}});
     char line[128];
     std::snprintf(line, sizeof line, "eval step %lld: loss %.4f (unigram entropy %.4f nats)",
                   static_cast<long long>(step), loss, summary.unigram_entropy_nats);
@@ -337,8 +364,7 @@ TrainSummary train_with(const Config& config) {
                         {"copy_s", r.copy_seconds},
                         {"device_memory", memory_json(r.device_memory)},
                         {"host_memory", memory_json(r.host_memory)}};
-    // Flushed every step: a run killed later keeps every step up to its last checkpoint.
-    metrics << j.dump() << "\n" << std::flush;
+    record(j);
     if ((step + 1) % std::max<int64_t>(t.log_every, 1) == 0 || step + 1 == t.steps) {
       char text[256];
       std::snprintf(text, sizeof text, "loss %.4f lr %.2e | %.0f tok/s | peak %s", r.loss, r.lr,
@@ -360,17 +386,13 @@ TrainSummary train_with(const Config& config) {
   summary.last_checkpoint = checkpoints.last_saved();
   summary.steps = t.steps;
   summary.tokens_per_second = total_seconds > 0 ? total_tokens / total_seconds : 0;
-  if (config.lora.enabled) {
-    ST_CHECK_AS(ConfigError, rt.sharded() == nullptr,
-                "lora.enabled with dist sharding is not supported: QLoRA runs on one rank");
-    std::string dir =
-        config.lora.adapter_out.empty() ? t.out_dir + "/adapter" : config.lora.adapter_out;
+  if (config.lora.enabled) {  // one rank: the runtime refuses to shard a LoRA model
     io::save_peft_adapter(
-        rt.model(), dir,
+        rt.model(), adapter_dir,
         config.lora.base_model.empty() ? config.model.from_hf : config.lora.base_model);
-    progress.message("saved the LoRA adapter (PEFT layout) to " + dir);
+    progress.message("saved the LoRA adapter (PEFT layout) to " + adapter_dir);
   }
-  if (t.export_model && (!config.lora.enabled || config.lora.merge_on_export)) {
+  if (exports) {
     summary.export_dir = t.out_dir + "/export";
     if (config.lora.enabled) {
       io::save_merged_hf_model(rt.model(), summary.export_dir);

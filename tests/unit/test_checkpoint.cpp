@@ -582,6 +582,22 @@ TEST(CheckpointDirectory, AnUnusableDirectoryIsAConfigErrorBeforeTraining) {
       tmp / "run", {"train.steps=2", "checkpoint.every_steps=1", "checkpoint.dir=" + file + "/c"}));
   EXPECT_NE(message.find("checkpoint.dir = '" + file + "/c'"), std::string::npos) << message;
   EXPECT_FALSE(fs::exists(tmp / "run/metrics.jsonl")) << "training started";
+  // The adapter and the export are written after the last step, and checked before the first.
+  message =
+      error_of(tiny_config(tmp / "run", {"train.steps=2", "lora.enabled=true",
+                                         "lora.quantize_base=none", "lora.adapter_out=" + file}));
+  EXPECT_NE(message.find("lora.adapter_out = '" + file + "': cannot create the directory"),
+            std::string::npos)
+      << message;
+  EXPECT_FALSE(fs::exists(tmp / "run/metrics.jsonl")) << "training started";
+  fs::create_directories(tmp / "run");
+  std::ofstream(tmp / "run/export") << "x";
+  message = error_of(tiny_config(tmp / "run", {"train.steps=2", "train.export=true"}));
+  EXPECT_NE(message.find("train.export (to <train.out_dir>/export) = '" + (tmp / "run/export") +
+                         "': cannot create the directory"),
+            std::string::npos)
+      << message;
+  EXPECT_FALSE(fs::exists(tmp / "run/metrics.jsonl")) << "training started";
 }
 
 TEST(CheckpointRetention, KeepLastDeletesOlderCheckpointsAndTheirRankFiles) {
@@ -755,6 +771,45 @@ TEST(CheckpointCrash, AFullDiskFailsTheSaveWithTheSystemsMessageAndNoCrash) {
   EXPECT_NE(log.find("saving checkpoint step 1 failed"), std::string::npos) << log;
   EXPECT_NE(log.find("(File too large)"), std::string::npos) << log;
   EXPECT_TRUE(io::list_checkpoints(tmp / "run/checkpoints").empty());
+}
+
+// The run's record must not be lost quietly: a config.yaml or metrics.jsonl that cannot be
+// written (a full disk, as a file-size limit makes it; a directory in the way) ends the run with
+// the file and the system's message.
+TEST(CheckpointCrash, AMetricsOrConfigFileThatCannotBeWrittenEndsTheRun) {
+  TempDir tmp;
+  train::Config config = tiny_config(tmp / "run", {"train.export=false"});
+  const int64_t config_bytes = static_cast<int64_t>(config.to_yaml().size());
+  struct Case {
+    rlim_t limit;
+    std::string file;
+  };
+  // The config first (half of it fits), then metrics.jsonl (the config and a few steps fit).
+  for (const Case& c : {Case{static_cast<rlim_t>(config_bytes / 2), "config.yaml"},
+                        Case{static_cast<rlim_t>(config_bytes + 2000), "metrics.jsonl"}}) {
+    SCOPED_TRACE(c.file);
+    fs::remove_all(tmp / "run");
+    pid_t child = spawn_training_child(config, tmp.path.string(), tmp / "child.log", c.limit);
+    ASSERT_GT(child, 0);
+    const int code = wait_child(child);
+    const std::string log = file_bytes(tmp / "child.log");
+    EXPECT_EQ(code, 1) << log;
+    EXPECT_NE(log.find("cannot write " + (tmp / ("run/" + c.file)) + " (File too large)"),
+              std::string::npos)
+        << log;
+    EXPECT_EQ(log.find("child finished"), std::string::npos) << log;
+  }
+  // metrics.jsonl is a directory.
+  fs::remove_all(tmp / "run");
+  fs::create_directories(tmp / "run/metrics.jsonl");
+  try {
+    train::run_training(config);
+    ADD_FAILURE() << "trained without a metrics file";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot write " + (tmp / "run/metrics.jsonl")),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(CheckpointCrash, ASaveKilledPartWayLeavesThePreviousCheckpointIntactAndChosen) {

@@ -1,6 +1,7 @@
 // Data pipeline: byte tokenizer, HDF5 token datasets (and their validation), the deterministic
 // sampler, micro-batch splitting, and the built-in corpus.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <unistd.h>
 #include "expect_error.h"
@@ -108,6 +109,28 @@ TEST_F(DataTest, WriterRejectsOutOfVocabularyTokensAndLeavesNoFile) {
       },
       {p, "token 300", "position 2", "vocab_size 256"});
   EXPECT_EQ(std::distance(fs::directory_iterator(tmp_.path), fs::directory_iterator()), 0);
+}
+
+// The finished dataset is renamed over the output path: never over a directory, FIFO or device.
+TEST_F(DataTest, WriterRefusesAnOutputThatIsNotARegularFile) {
+  const std::string fifo = path("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_error<ConfigError>(
+      [&] {
+        write_token_dataset(fifo, {1, 2}, 256, "byte");
+      },
+      {"cannot write the token dataset to '" + fifo +
+       "': it exists and is not a regular file but a FIFO"});
+  EXPECT_TRUE(fs::is_fifo(fifo));
+  fs::create_directories(path("dir"));
+  expect_error<ConfigError>(
+      [&] { prepare_data("builtin", path("dir")); },
+      {"but a directory; name a file in it, e.g. " + path("dir") + "/tokens.h5"});
+  EXPECT_TRUE(fs::is_directory(path("dir")));
+  // A regular file is replaced.
+  std::ofstream(path("old.h5")) << "old";
+  write_token_dataset(path("old.h5"), {1, 2}, 256, "byte");
+  EXPECT_EQ(TokenDataset::open(path("old.h5")).tokens(), (std::vector<uint32_t>{1, 2}));
 }
 
 TEST_F(DataTest, MissingTokensDataset) {

@@ -118,6 +118,10 @@ class SafetensorsWriter {
   std::unique_ptr<State> state_;
 };
 
+// Creates the directory a model or adapter is written to (and its parents); ConfigError naming
+// it and the system's reason when it cannot be (a file in the way, no permission).
+void create_output_dir(const std::string& dir);
+
 // Writes `tensors` (any devices; dtypes kept) sorted by name, atomically: the bytes go to
 // `path.tmp.<pid>`, are fsynced, and the file is renamed over `path`. Throws ConfigError on
 // duplicate or empty names and when the file cannot be written.
