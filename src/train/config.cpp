@@ -60,6 +60,15 @@ std::optional<double> read_float(const std::string& text) {
   return v;
 }
 
+// A well-formed integer that 64 bits cannot hold (99999999999999999999).
+bool beyond_int64_range(const std::string& text) {
+  std::string t = trim(text);
+  if (!t.empty() && t[0] == '+') t.erase(0, 1);
+  int64_t v = 0;
+  auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
+  return ec == std::errc::result_out_of_range && end == t.data() + t.size();
+}
+
 // A well-formed number that a double cannot hold (1e400, or 1e-400 which rounds to nothing).
 bool beyond_double_range(const std::string& text) {
   std::string t = trim(text);
@@ -303,6 +312,13 @@ struct Key {
 
   std::string type_name() const { return byte_size ? "integer or byte size" : type; }
 
+  // Whether `v` is within the key's bounds (true without bounds).
+  bool admits(double v) const {
+    if (min && !(min->inclusive ? v >= min->value : v > min->value)) return false;
+    if (max && !(max->inclusive ? v <= max->value : v < max->value)) return false;
+    return true;
+  }
+
   // The allowed values or range, e.g. "> 0", "in [0, 1)", "one of cosine, constant, linear".
   std::string allowed() const {
     auto show = [](const std::string& s) { return s.empty() ? std::string("\"\"") : s; };
@@ -420,7 +436,7 @@ const std::vector<Key>& schema() {
           .at_least(1)
           .help("longest sequence the model supports"),
       Key("model.init_std", &C::model, &ModelConfig::init_std)
-          .at_least(0)
+          .above(0)  // all-zero weights have all-zero gradients: such a model never learns
           .help("std of the normal weight initialisation"),
 
       Key("data.path", &C::data, &DataConfig::path)
@@ -769,10 +785,7 @@ std::string node_kind(const YAML::Node& node) {
 }
 
 void check_range(const Key& key, double v, const YAML::Node& node, const std::string& origin) {
-  bool ok = true;
-  if (key.min) ok = ok && (key.min->inclusive ? v >= key.min->value : v > key.min->value);
-  if (key.max) ok = ok && (key.max->inclusive ? v <= key.max->value : v < key.max->value);
-  if (!ok)
+  if (!key.admits(v))
     fail_at(origin, key.path + " = " + show(node) + " is out of range: must be " + key.allowed() +
                         " (" + key.description + ")");
 }
@@ -812,6 +825,11 @@ void assign(const Key& key, const YAML::Node& node, const std::string& origin, C
       } catch (const ConfigError&) {
       }
     }
+    if (!v && beyond_int64_range(text))
+      fail_at(origin,
+              key.path + " = " + trim(text) + " is out of range: must be " +
+                  (key.allowed().empty() ? std::string("a 64-bit integer") : key.allowed()) + " (" +
+                  key.description + ")");
     if (!v) wrong_type(key, node, origin, expected);
     check_range(key, static_cast<double>(*v), node, origin);
     **i = *v;
@@ -830,6 +848,14 @@ void assign(const Key& key, const YAML::Node& node, const std::string& origin, C
                           "magnitude between 1.2e-38 and 3.4e38 (" +
                           key.description + ")");
     check_range(key, *v, node, origin);
+    // In range as a double, out of it as the fp32 the kernels get: optim.beta2 = 0.99999999 is
+    // 1 in fp32, and an AdamW with beta2 = 1 divides by zero in its bias correction.
+    const double as_fp32 = static_cast<double>(static_cast<float>(*v));
+    if (as_fp32 != *v && !key.admits(as_fp32))
+      fail_at(origin, key.path + " = " + trim(text) + " rounds to " + format_float(as_fp32) +
+                          " in fp32, in which the runtime computes, and that is out of range: "
+                          "must be " +
+                          key.allowed() + " (" + key.description + ")");
     **d = *v;
   } else if (auto* s = std::get_if<std::string*>(&field)) {
     std::string v = node.IsNull() ? "" : scalar_text(key, node, origin, "a single value");
@@ -959,6 +985,13 @@ void apply_override(YAML::Node& root, const std::string& assignment,
   } catch (const YAML::ParserException& e) {
     throw ConfigError(origin + ": cannot read the value as YAML: " + e.msg);
   }
+  // On a command line '#' is part of the value, not a YAML comment: --set
+  // train.out_dir="runs/a #2" means all of it, not "runs/a". (A quoted value is YAML's own.)
+  const std::string written = trim(value_text);
+  const bool quoted = !written.empty() && (written.front() == '"' || written.front() == '\'');
+  if (written.find('#') != std::string::npos && !quoted && !value.IsSequence() && !value.IsMap() &&
+      (!value.IsScalar() || value.Scalar() != written))
+    value = YAML::Node(written);
   // Walk down section and group mappings (created when the config lacks them) to the key.
   std::vector<std::string> parts;
   std::stringstream names(path);

@@ -174,6 +174,18 @@ TEST(Config, OutOfRangeNamesTheAllowedRange) {
   EXPECT_NO_THROW(Config::parse("data:\n  eval_fraction: 0.5\n"));
   EXPECT_CONTAINS(parse_error("optim:\n  beta1: 1\n"), "must be in [0, 1)");
   EXPECT_CONTAINS(parse_error("precision:\n  growth_factor: 1\n"), "must be > 1");
+  // In range as written, out of range as the fp32 the kernels compute with.
+  EXPECT_CONTAINS(parse_error("optim:\n  beta2: 0.99999999\n"),
+                  "optim.beta2 = 0.99999999 rounds to 1 in fp32, in which the runtime computes, "
+                  "and that is out of range: must be in [0, 1) (AdamW second-moment decay)");
+  EXPECT_CONTAINS(parse_error("precision:\n  growth_factor: 1.00000000001\n"),
+                  "precision.growth_factor = 1.00000000001 rounds to 1 in fp32");
+  EXPECT_EQ(Config::parse("optim:\n  beta2: 0.9999999\n").optim.beta2, 0.9999999);
+  // Integers past 64 bits are out of range, not of the wrong type.
+  EXPECT_CONTAINS(parse_error("model:\n  hidden_size: 99999999999999999999\n"),
+                  "model.hidden_size = 99999999999999999999 is out of range: must be >= 1");
+  // A model whose weights start at zero has zero gradients and never learns.
+  EXPECT_CONTAINS(parse_error("model:\n  init_std: 0\n"), "model.init_std = 0 is out of range");
 }
 
 TEST(Config, NumbersMustFitFp32) {
@@ -278,6 +290,15 @@ TEST(Config, SetOverridesApplyBeforeValidation) {
   EXPECT_CONTAINS(parse_error(file, {"lora.target_modules=[q_proj"}),
                   "--set lora.target_modules=[q_proj: cannot read the value as YAML");
   EXPECT_CONTAINS(parse_error("optim: 3\n", {"optim.lr=1"}), "'optim' in the config is not a");
+
+  // '#' on a command line is text, not a comment; quoted values stay YAML's.
+  c = Config::parse("",
+                    {"train.out_dir=runs/a #2", "data.path=#1.txt", "model.from_hf=\"dir #3\""});
+  EXPECT_EQ(c.train.out_dir, "runs/a #2");
+  EXPECT_EQ(c.data.path, "#1.txt");
+  EXPECT_EQ(c.model.from_hf, "dir #3");
+  EXPECT_CONTAINS(parse_error("", {"train.steps=5 #6"}),
+                  "train.steps = '5 #6' has the wrong type: expected a whole number");
 }
 
 TEST(Config, YamlSyntaxErrorNamesFileLineAndColumn) {
