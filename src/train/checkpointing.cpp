@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -279,37 +280,54 @@ std::vector<std::string> weight_settings_that_differ(const std::string& path,
   return out;
 }
 
-// Resumed on another number of ranks with global_batch 0 (micro_batch x ranks), or with batch
-// keys changed, a run takes another number of sequences per step than before: legitimate (a job
-// grown or shrunk), but it changes the training, so the log says so and how to keep the old one.
-// "" when the batch is the same, or the saved config is of another version and does not parse.
-std::string batch_change_note(const io::TrainingState& state, const TrainConfig& now,
-                              int64_t ranks) {
+// What a resumed run changes about the training it continues, one note each: legitimate (a job
+// grown or shrunk, a new data mix), but not silent. Empty when nothing changed, or when the saved
+// config is of another version and does not parse.
+//  - sequences per step: another rank count with global_batch 0 (micro_batch x ranks), or changed
+//    batch keys. The note says which train.global_batch keeps the old batch.
+//  - data.path or data.eval_fraction: the windows held out for evaluation are no longer the ones
+//    the earlier steps never trained on.
+std::vector<std::string> resume_notes(const io::TrainingState& state, const Config& now,
+                                      int64_t ranks) {
+  Config saved;
   int64_t before = 0;
   try {
-    before = Config::parse(state.config_yaml, {}, "saved config")
-                 .train.sequences_per_step(state.world_size);
+    saved = Config::parse(state.config_yaml, {}, "saved config");
+    before = saved.train.sequences_per_step(state.world_size);
   } catch (const std::exception&) {
-    return "";
+    return {};
   }
-  const int64_t after = now.sequences_per_step(ranks);
-  if (before == after) return "";
-  TrainConfig same = now;
-  same.global_batch = before;
-  same.global_batch_tokens = 0;
-  std::string keep;
-  try {
-    same.sequences_per_step(ranks);
-    keep = concat("set train.global_batch=", before, " to keep it");
-  } catch (const ConfigError&) {
-    keep = concat("train.global_batch=", before, " would keep it but is not a multiple of ",
-                  "train.micro_batch x ranks = ", now.micro_batch * ranks);
+  std::vector<std::string> notes;
+  const int64_t after = now.train.sequences_per_step(ranks);
+  if (before != after) {
+    TrainConfig same = now.train;
+    same.global_batch = before;
+    same.global_batch_tokens = 0;
+    std::string keep;
+    try {
+      same.sequences_per_step(ranks);
+      keep = concat("set train.global_batch=", before, " to keep it");
+    } catch (const ConfigError&) {
+      keep = concat("train.global_batch=", before, " would keep it but is not a multiple of ",
+                    "train.micro_batch x ranks = ", now.train.micro_batch * ranks);
+    }
+    notes.push_back(concat("note: the checkpoint's run took ", before, " sequences per step (",
+                           state.world_size, " rank(s)); this one takes ", after, " (", ranks,
+                           " rank(s)), so the steps from here on see another batch size at the "
+                           "same learning rates; ",
+                           keep));
   }
-  return concat("note: the checkpoint's run took ", before, " sequences per step (",
-                state.world_size, " rank(s)); this one takes ", after, " (", ranks,
-                " rank(s)), so the steps from here on see another batch size at the same learning "
-                "rates; ",
-                keep);
+  auto data_note = [&](const std::string& key, const std::string& was, const std::string& is) {
+    if (was != is)
+      notes.push_back(concat("note: ", key, " was ", was, " for the checkpoint's run and is ", is,
+                             " now: the held-out windows are no longer those the earlier steps "
+                             "never trained on, so evaluation losses may read low; keep ",
+                             key, " to compare them with the run's earlier ones"));
+  };
+  data_note("data.path", saved.data.path, now.data.path);
+  data_note("data.eval_fraction", (std::ostringstream() << saved.data.eval_fraction).str(),
+            (std::ostringstream() << now.data.eval_fraction).str());
+  return notes;
 }
 
 }  // namespace
@@ -412,8 +430,7 @@ std::optional<ResumePoint> Checkpointing::resume() {
     io::TrainingState state = load_checkpoint(runtime_, path);
     log_(concat("resumed from ", path, " (step ", state.step, ", saved by ", state.world_size,
                 " rank(s), sharding ", state.sharding, ")"));
-    if (std::string note = batch_change_note(state, config_.train, world.size()); !note.empty())
-      log_(note);
+    for (const std::string& note : resume_notes(state, config_, world.size())) log_(note);
     return ResumePoint{path, state.step, state.sampler};
   };
   std::error_code ec;

@@ -516,8 +516,9 @@ TEST(CheckpointResume, ACheckpointAtOrPastTheLastStep) {
 }
 
 // A resumed run that takes another number of sequences per step (another rank count with
-// global_batch 0, or changed batch keys) says so and how to keep the old batch.
-TEST(CheckpointResume, AnotherBatchSizeThanTheCheckpointsIsNoted) {
+// global_batch 0, or changed batch keys) says so and how to keep the old batch; one whose
+// held-out split moved says that its evaluation losses are no longer comparable.
+TEST(CheckpointResume, AnotherBatchSizeOrHeldOutSplitThanTheCheckpointsIsNoted) {
   TempDir tmp;
   train::run_training(tiny_config(tmp / "run", {"train.steps=2", "checkpoint.every_steps=1"}));
   auto resume_log = [&](const std::vector<std::string>& overrides) {
@@ -543,9 +544,17 @@ TEST(CheckpointResume, AnotherBatchSizeThanTheCheckpointsIsNoted) {
       << log;
   log = resume_log({"train.global_batch=0", "train.micro_batch=2", "train.global_batch_tokens=64"});
   EXPECT_NE(log.find("resumed from"), std::string::npos) << log;
-  EXPECT_EQ(log.find("note: the checkpoint's run"), std::string::npos)
-      << "64 tokens of 16 are the same 4 sequences\n"
+  EXPECT_EQ(log.find("note: "), std::string::npos) << "64 tokens of 16 are the same 4 sequences\n"
+                                                   << log;
+  // Another held-out split.
+  log = resume_log({"data.eval_fraction=0.1"});
+  EXPECT_NE(log.find("note: data.eval_fraction was 0.05 for the checkpoint's run and is 0.1 now: "
+                     "the held-out windows are no longer those the earlier steps never trained "
+                     "on, so evaluation losses may read low; keep data.eval_fraction to compare "
+                     "them with the run's earlier ones"),
+            std::string::npos)
       << log;
+  EXPECT_EQ(log.find("sequences per step"), std::string::npos) << log;
 }
 
 TEST(CheckpointResume, ResumeAutoWithoutCheckpointsStartsFromScratch) {
