@@ -14,9 +14,9 @@ Command train_command() {
   c.description =
       "Trains the model of --config on its data, printing progress on stderr and writing\n"
       "<train.out_dir>/metrics.jsonl, config.yaml and (train.export) the model in Hugging Face\n"
-      "layout. Under mpirun every rank runs this same command. SIGTERM or SIGUSR1 stops the run\n"
-      "after the current step with a checkpoint (exit code 0); train.resume=auto continues it\n"
-      "(docs/checkpoints.md).";
+      "layout. Under mpirun every rank runs this same command. SIGTERM, SIGUSR1, SIGINT or\n"
+      "SIGHUP stops the run after the current step with a checkpoint (exit code 0);\n"
+      "train.resume=auto continues it (docs/checkpoints.md).";
   c.flags = config_flags();
   c.run = [](const Args& args) {
     train::Config config = config_from_args(args);

@@ -48,6 +48,8 @@ const char* signal_name(int signal) {
       return "SIGUSR1";
     case SIGINT:
       return "SIGINT";
+    case SIGHUP:
+      return "SIGHUP";
     default:
       return "a stop request";
   }
@@ -65,12 +67,17 @@ StopSignalHandlers::StopSignalHandlers() {
   sigaction(SIGTERM, &action, &previous_term_);
   sigaction(SIGUSR1, &action, &previous_usr1_);
   sigaction(SIGINT, &action, &previous_int_);
+  // A closed terminal (an ssh session that dropped) stops the run with a checkpoint rather than
+  // killing it, except under nohup, whose ignoring of SIGHUP is the user's choice and is kept.
+  sigaction(SIGHUP, nullptr, &previous_hup_);
+  if (previous_hup_.sa_handler != SIG_IGN) sigaction(SIGHUP, &action, nullptr);
 }
 
 StopSignalHandlers::~StopSignalHandlers() {
   sigaction(SIGTERM, &previous_term_, nullptr);
   sigaction(SIGUSR1, &previous_usr1_, nullptr);
   sigaction(SIGINT, &previous_int_, nullptr);
+  sigaction(SIGHUP, &previous_hup_, nullptr);
 }
 
 int stop_signal() {

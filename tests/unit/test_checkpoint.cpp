@@ -111,6 +111,7 @@ pid_t spawn_training_child(const train::Config& config, const std::string& dir,
       dup2(fd, 1);
       dup2(fd, 2);
     }
+    ::signal(SIGHUP, SIG_DFL);  // an ignored SIGHUP (nohup) would outlive execve
     if (file_size_limit != RLIM_INFINITY) {
       const struct rlimit limit = {file_size_limit, file_size_limit};
       setrlimit(RLIMIT_FSIZE, &limit);
@@ -623,12 +624,12 @@ TEST(CheckpointRetention, KeepLastDeletesOlderCheckpointsAndTheirRankFiles) {
 
 // ---- signals and crashes ----------------------------------------------------------------------
 
-// SIGTERM (schedulers), and SIGINT (Ctrl-C) once.
+// SIGTERM (schedulers), SIGINT (Ctrl-C) once, and SIGHUP (the terminal went away).
 class CheckpointSignals : public ::testing::TestWithParam<int> {};
 
 TEST_P(CheckpointSignals, ASignalSavesAtTheEndOfTheStepExitsZeroAndResumesBitwise) {
   const int signal = GetParam();
-  const std::string name = signal == SIGTERM ? "SIGTERM" : "SIGINT";
+  const std::string name = signal == SIGTERM ? "SIGTERM" : signal == SIGINT ? "SIGINT" : "SIGHUP";
   TempDir tmp;
   train::TrainSummary ref = train::run_training(tiny_config(tmp / "ref"));
   std::map<int64_t, double> ref_losses = step_losses(ref.metrics_path);
@@ -669,10 +670,38 @@ TEST_P(CheckpointSignals, ASignalSavesAtTheEndOfTheStepExitsZeroAndResumesBitwis
       << "the exported weights differ from the uninterrupted run's";
 }
 
-INSTANTIATE_TEST_SUITE_P(TermAndInt, CheckpointSignals, ::testing::Values(SIGTERM, SIGINT),
-                         [](const auto& info) {
-                           return std::string(info.param == SIGTERM ? "sigterm" : "sigint");
+INSTANTIATE_TEST_SUITE_P(TermIntAndHup, CheckpointSignals,
+                         ::testing::Values(SIGTERM, SIGINT, SIGHUP), [](const auto& info) {
+                           return std::string(info.param == SIGTERM  ? "sigterm"
+                                              : info.param == SIGINT ? "sigint"
+                                                                     : "sighup");
                          });
+
+// SIGHUP asks for a stop, unless it was ignored before (nohup): then it stays ignored.
+TEST(CheckpointSignalHandlers, HangupStopsUnlessIgnoredAsUnderNohup) {
+  struct sigaction before {};
+  sigaction(SIGHUP, nullptr, &before);
+  ::signal(SIGHUP, SIG_DFL);  // this test may itself run under nohup
+  {
+    train::StopSignalHandlers handlers;
+    ::raise(SIGHUP);
+    EXPECT_EQ(train::stop_signal(), SIGHUP);
+  }
+  ::signal(SIGHUP, SIG_IGN);
+  {
+    train::StopSignalHandlers handlers;
+    ::raise(SIGHUP);
+    EXPECT_EQ(train::stop_signal(), 0) << "nohup's choice was overridden";
+    struct sigaction now {};
+    sigaction(SIGHUP, nullptr, &now);
+    EXPECT_EQ(now.sa_handler, SIG_IGN);
+  }
+  struct sigaction after {};
+  sigaction(SIGHUP, nullptr, &after);
+  EXPECT_EQ(after.sa_handler, SIG_IGN) << "the handlers did not restore the disposition";
+  sigaction(SIGHUP, &before, nullptr);
+  train::clear_stop_request();
+}
 
 // A stop signal during an evaluation (here 40,000 held-out sequences, seconds of work) abandons
 // it at the next batch rather than at its end: the step before it is saved and a resumed run

@@ -19,11 +19,12 @@ namespace shardtrain::train {
 class Runtime;
 
 // ---- stop requests ----------------------------------------------------------------------------
-// While a StopSignalHandlers lives, SIGTERM, SIGUSR1 and SIGINT (Ctrl-C) only record which signal
-// arrived (the handler sets one flag: async-signal-safe). The training loop looks at the flag at
-// the end of every step; when it is set on any rank, every rank saves a checkpoint and the loop
-// returns. A second SIGINT ends the process at once, as Ctrl-C does elsewhere (no checkpoint).
-// Destruction restores the previous handlers. Constructing one clears an earlier request.
+// While a StopSignalHandlers lives, SIGTERM, SIGUSR1, SIGINT (Ctrl-C) and SIGHUP (a closed
+// terminal; left ignored when it was, as under nohup) only record which signal arrived (the handler
+// sets one flag: async-signal-safe). The training loop looks at the flag at the end of every step;
+// when it is set on any rank, every rank saves a checkpoint and the loop returns. A second SIGINT
+// ends the process at once, as Ctrl-C does elsewhere (no checkpoint). Destruction restores the
+// previous handlers. Constructing one clears an earlier request.
 class StopSignalHandlers {
  public:
   StopSignalHandlers();
@@ -35,6 +36,7 @@ class StopSignalHandlers {
   struct sigaction previous_term_ {};
   struct sigaction previous_usr1_ {};
   struct sigaction previous_int_ {};
+  struct sigaction previous_hup_ {};
 };
 
 // The signal that asked for a stop, 0 when none has.
