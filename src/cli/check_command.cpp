@@ -7,6 +7,9 @@
 
 namespace shardtrain::cli {
 
+// Distinct from the CLI's 1 (an error), so that a script can tell a wrong result from bad input.
+constexpr int kToleranceExceeded = 4;
+
 Command check_command() {
   Command c;
   c.name = "check";
@@ -15,7 +18,9 @@ Command check_command() {
       "Loads a Hugging Face-layout model, runs forward and backward on --batch and one AdamW\n"
       "step with the hyper-parameters in --expected's metadata, under the configuration given\n"
       "by --config/--set (activation strategy, precision, sharding, micro-batches), and prints\n"
-      "the error of every tensor. Exits 1 when any tensor is beyond tolerance.";
+      "the error of every tensor. Exits 0 when every tensor is within tolerance, 4 when any is\n"
+      "beyond it, and 1 when the inputs are unusable (a reference missing tensors, shapes that\n"
+      "do not fit the model, hyper-parameters out of range).";
   c.flags = {
       Flag("model", "DIR", "model directory (config.json + model.safetensors)").mandatory(),
       Flag("batch", "FILE", "safetensors with input_ids and targets [batch, seq]").mandatory(),
@@ -40,7 +45,7 @@ Command check_command() {
       o.atol = args.get_number("atol", true, "an absolute tolerance >= 0 such as 1e-6");
     train::CheckReport report = train::run_check(config, o);
     if (report.leader) std::printf("%s", report.table().c_str());
-    return report.ok() ? 0 : 1;
+    return report.ok() ? 0 : kToleranceExceeded;
   };
   return c;
 }

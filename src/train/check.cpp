@@ -1,5 +1,7 @@
 #include "shardtrain/train/check.h"
 
+#include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 
@@ -14,18 +16,40 @@ namespace shardtrain::train {
 
 namespace {
 
+// One AdamW hyper-parameter of the reference step: the whole text a finite number that `allowed`
+// accepts (a value the reference cannot have run with is a damaged or hand-edited file).
 float metadata_float(const std::map<std::string, std::string>& meta, const std::string& key,
-                     const std::string& file) {
+                     const std::string& file, bool (*allowed)(double), const char* range) {
   auto it = meta.find(key);
   if (it == meta.end())
     throw FormatError("'" + file + "' has no '" + key +
                       "' in its __metadata__ (the AdamW hyper-parameters of the reference step)");
-  try {
-    return std::stof(it->second);
-  } catch (const std::exception&) {
-    throw FormatError("'" + file + "': __metadata__ '" + key + "' = '" + it->second +
+  const std::string& text = it->second;
+  double v = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || end != text.data() + text.size() || text.empty() || !std::isfinite(v))
+    throw FormatError("'" + file + "': __metadata__ '" + key + "' = '" + text +
                       "' is not a number");
-  }
+  if (!allowed(v))
+    throw FormatError("'" + file + "': __metadata__ '" + key + "' = " + text +
+                      " is out of range: must be " + range);
+  return static_cast<float>(v);
+}
+
+// What a reference case holds for a model: loss, logits, and each parameter's gradient and value
+// after one step. All of them are compared: a case missing some would pass on the rest.
+std::vector<std::string> reference_names(const std::vector<std::string>& parameters) {
+  std::vector<std::string> names = {"loss", "logits"};
+  for (const std::string& p : parameters) names.push_back("grad." + p);
+  for (const std::string& p : parameters) names.push_back("step1." + p);
+  return names;
+}
+
+std::string listed(const std::vector<std::string>& names) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < 8; ++i) out += (i ? ", " : "") + names[i];
+  if (names.size() > 8) out += ", ... (" + std::to_string(names.size()) + " in all)";
+  return out;
 }
 
 // `extra_atol` (optional, per element) widens the absolute tolerance element by element.
@@ -96,14 +120,23 @@ CheckReport run_check(Config config, const CheckOptions& options) {
   SafetensorsFile expected = SafetensorsFile::open(options.expected_file);
   const auto& meta = expected.metadata();
   const std::string& ef = options.expected_file;
+  if (auto it = meta.find("optimizer"); it != meta.end() && it->second != "adamw")
+    throw FormatError("'" + ef + "': __metadata__ 'optimizer' = '" + it->second +
+                      "': check reproduces one AdamW step, so the reference must be an AdamW one");
+  ST_CHECK_AS(ConfigError, !config.lora.enabled,
+              "check compares the gradients of every weight, and lora.enabled trains adapters "
+              "only: run check without lora.enabled");
+  auto unit = [](double v) { return v >= 0 && v < 1; };
+  auto positive = [](double v) { return v > 0; };
+  auto non_negative = [](double v) { return v >= 0; };
   config.optim.name = "adamw";
-  config.optim.beta1 = metadata_float(meta, "beta1", ef);
-  config.optim.beta2 = metadata_float(meta, "beta2", ef);
-  config.optim.eps = metadata_float(meta, "eps", ef);
-  config.optim.weight_decay = metadata_float(meta, "weight_decay", ef);
+  config.optim.beta1 = metadata_float(meta, "beta1", ef, unit, "in [0, 1)");
+  config.optim.beta2 = metadata_float(meta, "beta2", ef, unit, "in [0, 1)");
+  config.optim.eps = metadata_float(meta, "eps", ef, positive, "> 0");
+  config.optim.weight_decay = metadata_float(meta, "weight_decay", ef, non_negative, ">= 0");
   config.optim.decay_norms_and_embeddings = true;  // the reference decays every weight
   config.optim.grad_clip = 0;
-  float lr = metadata_float(meta, "lr", ef);
+  float lr = metadata_float(meta, "lr", ef, positive, "> 0");
   double eps = config.optim.eps;
 
   const std::string& compute = config.precision.effective_param_dtype();
@@ -120,6 +153,9 @@ CheckReport run_check(Config config, const CheckOptions& options) {
               full.input_ids.shape() == full.targets.shape() && full.input_ids.dim() == 2, "'",
               options.batch_file, "': input_ids ", full.input_ids.describe(), " and targets ",
               full.targets.describe(), " must both be [batch, seq]");
+  ST_CHECK_AS(FormatError, full.input_ids.numel() > 0, "'", options.batch_file,
+              "': the batch is empty (input_ids ", full.input_ids.describe(),
+              "): a reference case needs at least one sequence");
   full.num_target_tokens = count_target_tokens(full.targets);
   int64_t b = full.batch_size();
 
@@ -149,8 +185,33 @@ CheckReport run_check(Config config, const CheckOptions& options) {
     mine.num_target_tokens = count_target_tokens(mine.targets);
   }
 
+  // The reference must hold every tensor there is to compare, and nothing else.
+  std::vector<std::string> parameters;
+  for (auto& [name, slot] : rt.model().named_parameters()) parameters.push_back(name);
+  const std::vector<std::string> names = reference_names(parameters);
+  std::vector<std::string> missing, unknown;
+  for (const std::string& n : names)
+    if (!expected.contains(n)) missing.push_back(n);
+  for (const std::string& n : expected.names())
+    if (std::find(names.begin(), names.end(), n) == names.end()) unknown.push_back(n);
+  ST_CHECK_AS(FormatError, missing.empty(), "'", ef, "' lacks ", missing.size(), " of the ",
+              names.size(), " reference tensors for this model: ", listed(missing),
+              " (a reference case holds loss, logits, and grad.<name> and step1.<name> for "
+              "every parameter of ",
+              options.model_dir, ")");
+  ST_CHECK_AS(FormatError, unknown.empty(), "'", ef, "' holds ", unknown.size(),
+              " tensor(s) this model has no counterpart for: ", listed(unknown),
+              " (misspelled? its parameters are named like ", parameters.front(), ")");
+
   CheckReport report;
-  auto want = [&](const std::string& name) { return expected.load(name).to_float_vector(); };
+  // The reference tensor `name`, whose shape must be `shape` (numel only for the loss).
+  auto want = [&](const std::string& name, const Shape& shape) {
+    Tensor t = expected.load(name);
+    ST_CHECK_AS(FormatError, name == "loss" ? t.numel() == 1 : t.shape() == shape, "'", ef, "': '",
+                name, "' is ", t.describe(), " but this model and batch give ",
+                name == "loss" ? std::string("one number") : shape_str(shape));
+    return t.to_float_vector();
+  };
   // Every parameter's full value (or gradient), gathered unit by unit when sharded.
   auto for_each_full = [&](bool gradients,
                            const std::function<void(const std::string&, const Tensor&)>& fn) {
@@ -174,38 +235,36 @@ CheckReport run_check(Config config, const CheckOptions& options) {
 
   // Logits without a graph (the same parameters, so the same numbers as the training forward);
   // every rank runs the whole reference batch so that sharded gathers line up.
-  if (expected.contains("logits")) {
+  {
     autograd::NoGrad ng;
     Tensor logits = rt.model().forward(full.input_ids.to(rt.device()));
-    report.tensors.push_back(
-        compare("logits", logits.to_float_vector(), want("logits"), rtol, options.atol, half));
+    const Shape shape = {full.batch_size(), full.seq_len(), logits.shape().back()};
+    report.tensors.push_back(compare("logits", logits.to_float_vector(), want("logits", shape),
+                                     rtol, options.atol, half));
   }
   std::vector<Batch> micro_batches = split_batch(mine, per_rank / micro);
   rt.optimizer().zero_grad();
   Runtime::Gradients grads = rt.forward_backward(micro_batches);
   ST_CHECK(!grads.found_inf, "the gradients overflowed at loss scale ", rt.scaler().scale(),
            "; lower precision.init_scale");
-  if (expected.contains("loss"))
-    report.tensors.push_back(
-        compare("loss", {static_cast<float>(grads.loss)}, want("loss"), rtol, options.atol, half));
+  report.tensors.push_back(compare("loss", {static_cast<float>(grads.loss)}, want("loss", {}), rtol,
+                                   options.atol, half));
   for_each_full(true, [&](const std::string& name, const Tensor& g) {
     std::string key = "grad." + name;
-    if (!expected.contains(key)) return;
     report.tensors.push_back(
-        compare(key, g.to_float_vector(), want(key), rtol, options.atol, half));
+        compare(key, g.to_float_vector(), want(key, g.shape()), rtol, options.atol, half));
   });
   rt.optimizer().step(lr);
   for_each_full(false, [&](const std::string& name, const Tensor& p) {
     std::string key = "step1." + name;
-    if (!expected.contains(key)) return;
     // AdamW's first step moves each weight by lr * g / (|g| + eps): a gradient error d allowed
     // above moves it by up to lr * d / (|g| + eps), which is large where the reference gradient
     // is tiny (its sign is then decided by rounding). That bound, capped at 2 lr, is added per
     // element. In half precision rounding decides many signs: atol 2.5 lr throughout.
     double atol = half ? 2.5 * lr : options.atol;
     std::vector<double> slack;
-    if (!half && expected.contains("grad." + name)) {
-      std::vector<float> g = want("grad." + name);
+    if (!half) {
+      std::vector<float> g = want("grad." + name, p.shape());
       double sq = 0;
       for (float v : g) sq += static_cast<double>(v) * v;
       double grad_atol =
@@ -214,8 +273,9 @@ CheckReport run_check(Config config, const CheckOptions& options) {
       for (size_t i = 0; i < g.size(); ++i)
         slack[i] = lr * std::min(2.0, grad_atol / (std::fabs(static_cast<double>(g[i])) + eps));
     }
-    report.tensors.push_back(compare(key, p.to_float_vector(), want(key), half ? 1e-4 : rtol, atol,
-                                     false, slack.empty() ? nullptr : &slack));
+    report.tensors.push_back(compare(key, p.to_float_vector(), want(key, p.shape()),
+                                     half ? 1e-4 : rtol, atol, false,
+                                     slack.empty() ? nullptr : &slack));
   });
   report.world_size = world;
   report.leader = rank == 0;
