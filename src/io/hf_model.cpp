@@ -30,7 +30,21 @@ void check_hf_tensors(const SafetensorsCheckpoint& ckpt,
     if (expected.count(name)) continue;
     // Hugging Face stores rotary inverse frequencies in some exports; they are recomputed here.
     if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;
-    if (name == "lm_head.weight" && tied_embeddings) continue;
+    // Tied: the head is the embedding. An export may store it anyway, as a copy; a head that
+    // differs would be silently replaced, so it is compared (bytes as stored, once, at load).
+    if (name == "lm_head.weight" && tied_embeddings) {
+      const std::string embedding = "model.embed_tokens.weight";
+      const TensorInfo& head = ckpt.info(name);
+      const bool same = ckpt.contains(embedding) && head.shape == ckpt.info(embedding).shape &&
+                        head.dtype == ckpt.info(embedding).dtype &&
+                        ckpt.load(name).to_float_vector() == ckpt.load(embedding).to_float_vector();
+      if (!same)
+        throw FormatError("model weights in '" + dir +
+                          "' have an lm_head.weight that differs from model.embed_tokens.weight, "
+                          "but config.json ties them (tie_word_embeddings): the head would be "
+                          "replaced by the embedding; set tie_word_embeddings to false to keep it");
+      continue;
+    }
     throw FormatError("model weights in '" + dir + "' have tensor '" + name +
                       "' that this model does not (model section of the config does not match "
                       "the checkpoint)");

@@ -192,7 +192,11 @@ LlamaConfig LlamaConfig::from_hf_json(const std::string& path) {
                   " with num_attention_heads = " + std::to_string(c.num_heads) +
                   " does not give hidden_size = " + std::to_string(c.hidden_size) +
                   ": head_dim * num_attention_heads != hidden_size is not supported");
-  c.validate();
+  try {
+    c.validate();
+  } catch (const ConfigError& e) {
+    throw ConfigError("'" + path + "' describes a model this runtime cannot build: " + e.what());
+  }
   return c;
 }
 

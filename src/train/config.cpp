@@ -6,6 +6,7 @@
 #include <cctype>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -148,6 +149,8 @@ LayerSelection LayerSelection::parse(const std::string& text) {
     return sel;
   }
   if (t.empty()) return fail(kLayerForms);
+  // getline drops a trailing empty item ("0-1,"), which ",," keeps: refuse both alike.
+  if (t.back() == ',') return fail("it ends with a comma; " + std::string(kLayerForms));
   std::stringstream items(t);
   std::string item;
   while (std::getline(items, item, ',')) {
@@ -681,15 +684,31 @@ std::string where(const std::string& source, const YAML::Node& node) {
 }
 
 // A node as the user wrote it, for messages.
+// `text` with control characters written as \xNN: a NUL would end the message where it is
+// printed, and others would garble the terminal.
+std::string printable(const std::string& text) {
+  std::string out;
+  for (unsigned char c : text) {
+    if (c >= 0x20 && c != 0x7f) {
+      out += static_cast<char>(c);
+      continue;
+    }
+    char escaped[8];
+    std::snprintf(escaped, sizeof escaped, "\\x%02x", c);
+    out += escaped;
+  }
+  return out;
+}
+
 std::string show(const YAML::Node& node) {
   if (!node.IsDefined() || node.IsNull()) return "(nothing)";
   if (node.IsScalar()) {
     const std::string& s = node.Scalar();
-    return read_float(s) ? s : "'" + s + "'";
+    return read_float(s) ? s : "'" + printable(s) + "'";
   }
   YAML::Emitter out;
   out << YAML::Flow << node;
-  return out.c_str();
+  return printable(out.c_str());
 }
 
 std::string node_kind(const YAML::Node& node) {
@@ -1046,7 +1065,7 @@ Parsed parse_tree(const std::string& text, const std::vector<std::string>& overr
                              ? override_origins[group]
                              : where(source, value.IsNull() ? name : value);
     const Key* key = find_key(path);
-    if (!key) unknown_key(path, where(source, name));
+    if (!key) unknown_key(printable(path), where(source, name));
     if (!seen.insert(path).second) fail_at(where(source, name), path + " is given twice: keep one");
     found.push_back({key, value, origin});
   };

@@ -188,6 +188,14 @@ TEST(Config, OutOfRangeNamesTheAllowedRange) {
   EXPECT_CONTAINS(parse_error("model:\n  init_std: 0\n"), "model.init_std = 0 is out of range");
 }
 
+TEST(Config, ControlCharactersInValuesAndKeysAreEscapedInMessages) {
+  // A NUL would end the message where it is printed.
+  EXPECT_CONTAINS(parse_error(std::string("optim:\n  schedule: \"cos\\0ine\"\n")),
+                  "optim.schedule = 'cos\\x00ine' is not allowed");
+  EXPECT_CONTAINS(parse_error(std::string("optim:\n  \"l\\x01r\": 1\n")),
+                  "unknown config key 'optim.l\\x01r'");
+}
+
 TEST(Config, NumbersMustFitFp32) {
   // fp32 would make these inf or 0; beyond a double they do not read at all.
   EXPECT_CONTAINS(parse_error("optim:\n  lr: 1e39\n"),
@@ -413,6 +421,7 @@ TEST(Config, LayerSelectionParsesEveryForm) {
                   "expected all, a layer N, a range A-B, every:K");
   EXPECT_CONTAINS(error_of([] { LayerSelection::parse(""); }), "expected all");
   EXPECT_CONTAINS(error_of([] { LayerSelection::parse("1,,2"); }), "expected all");
+  EXPECT_CONTAINS(error_of([] { LayerSelection::parse("0-1,"); }), "ends with a comma");
   EXPECT_CONTAINS(error_of([] { LayerSelection::parse("2-5").applies_to_layer(0, 4); }),
                   "names layer 5 but the model has 4 layers (0-3");
 

@@ -9,6 +9,7 @@
 
 #include "expect_error.h"
 #include "shardtrain/io/hf_model.h"
+#include "shardtrain/io/safetensors.h"
 #include "shardtrain/nn/llama.h"
 #include "shardtrain/train/config.h"
 #include "shardtrain/train/runtime.h"
@@ -222,6 +223,49 @@ TEST(HfConfig, ExportedModelKeepsItsRopeScaling) {
   float diff = 0;
   for (size_t i = 0; i < want.size(); ++i) diff = std::max(diff, std::fabs(want[i] - other[i]));
   EXPECT_GT(diff, 1e-4f);
+}
+
+// With tie_word_embeddings an export may still store lm_head.weight, as a copy of the embedding:
+// it loads. A head that differs would be silently replaced by the embedding: refused.
+TEST(HfConfig, ATiedHeadStoredAsACopyLoadsAndADifferentOneIsRefused) {
+  TempDir dir("hf-tied");
+  nn::LlamaConfig c = read(dir, small_llama3());
+  ASSERT_TRUE(c.tie_embeddings);
+  nn::LlamaModel model(c, Device::cpu());
+  model.init_weights(7);
+  io::save_hf_model(model, dir.str("export"));
+  const std::string weights = dir.str("export/model.safetensors");
+  SafetensorsFile saved = SafetensorsFile::open(weights);
+  ASSERT_FALSE(saved.contains("lm_head.weight"));
+  NamedTensors tensors;
+  for (const std::string& name : saved.names()) tensors.emplace_back(name, saved.load(name));
+  const Tensor embedding = saved.load("model.embed_tokens.weight");
+
+  tensors.emplace_back("lm_head.weight", embedding.clone());
+  save_safetensors(weights, tensors);
+  nn::LlamaModel copy(c, Device::cpu());
+  io::load_hf_weights(copy, dir.str("export"));
+
+  std::vector<float> other = embedding.to_float_vector();
+  other[5] += 1.0f;
+  tensors.back().second = from_floats(other, embedding.shape());
+  save_safetensors(weights, tensors);
+  nn::LlamaModel different(c, Device::cpu());
+  expect_error<FormatError>(
+      [&] { io::load_hf_weights(different, dir.str("export")); },
+      {"an lm_head.weight that differs from model.embed_tokens.weight", "tie_word_embeddings"});
+}
+
+// A config.json the model cannot be built from names the file.
+TEST(HfConfig, AShapeTheModelCannotTakeNamesTheFile) {
+  TempDir dir("hf-shape");
+  json j = small_llama3();
+  j.erase("head_dim");
+  j["num_attention_heads"] = 3;
+  j["num_key_value_heads"] = 1;
+  const std::string path = write_config(dir, j);
+  expect_error<Error>([&] { nn::LlamaConfig::from_hf_json(path); },
+                      {"'" + path + "'", "not divisible by num_heads 3"});
 }
 
 // ---- the run config against config.json ----------------------------------------------------
