@@ -307,26 +307,35 @@ std::string builtin_corpus() {
   return generate_corpus(kBuiltinCorpusBytes, kBuiltinCorpusSeed);
 }
 
-double unigram_entropy_bits(const std::vector<uint32_t>& tokens) {
-  if (tokens.empty()) return 0.0;
-  // Dense counts for small vocabularies; the ordered sum keeps the result platform-independent.
-  std::map<uint32_t, int64_t> counts;
-  std::vector<int64_t> dense(65536, 0);
-  for (uint32_t t : tokens) {
-    if (t < dense.size())
-      ++dense[t];
+void TokenCounts::add(const uint32_t* tokens, size_t count) {
+  for (size_t i = 0; i < count; ++i) {
+    const uint32_t t = tokens[i];
+    if (t < dense_.size())
+      ++dense_[t];
     else
-      ++counts[t];
+      ++sparse_[t];
   }
-  for (uint32_t t = 0; t < dense.size(); ++t)
-    if (dense[t] > 0) counts[t] = dense[t];
-  const double n = static_cast<double>(tokens.size());
+  total_ += static_cast<int64_t>(count);
+}
+
+double TokenCounts::entropy_bits() const {
+  if (total_ == 0) return 0.0;
+  const double n = static_cast<double>(total_);
   double bits = 0.0;
-  for (const auto& entry : counts) {
-    const double p = static_cast<double>(entry.second) / n;
+  auto add_term = [&](int64_t count) {
+    const double p = static_cast<double>(count) / n;
     bits -= p * std::log2(p);
-  }
+  };
+  for (int64_t count : dense_)
+    if (count > 0) add_term(count);
+  for (const auto& entry : sparse_) add_term(entry.second);
   return bits;
+}
+
+double unigram_entropy_bits(const std::vector<uint32_t>& tokens) {
+  TokenCounts counts;
+  counts.add(tokens);
+  return counts.entropy_bits();
 }
 
 }  // namespace shardtrain

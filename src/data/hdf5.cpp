@@ -1,5 +1,6 @@
 #include "shardtrain/data/hdf5.h"
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -292,6 +293,62 @@ void Dataset::check_stored_here() const {
   if (stored > file_bytes)
     throw FormatError(concat(where_, " claims ", stored, " bytes of storage but the file holds ",
                              file_bytes, " (truncated?)"));
+}
+
+std::optional<std::vector<Dataset::RawBlock>> Dataset::raw_blocks() const {
+  if (dims_.size() != 1) return std::nullopt;
+  Handle type_id = datatype(checked(H5Dget_type(id()), where_ + ": cannot read the element type"));
+  if (H5Tget_order(type_id.get()) != H5T_ORDER_LE) return std::nullopt;
+  const auto element = static_cast<int64_t>(H5Tget_size(type_id.get()));
+  Handle dcpl = plist(checked(H5Dget_create_plist(id()), where_ + ": cannot read its properties"));
+  if (H5Pget_nfilters(dcpl.get()) != 0) return std::nullopt;
+  const auto total = static_cast<int64_t>(dims_[0]);
+  std::vector<RawBlock> blocks;
+  const H5D_layout_t layout = H5Pget_layout(dcpl.get());
+  if (layout == H5D_CONTIGUOUS) {
+    const haddr_t offset = H5Dget_offset(id());
+    if (offset == HADDR_UNDEF) return std::nullopt;
+    blocks.push_back({0, total, static_cast<int64_t>(offset)});
+    return blocks;
+  }
+  if (layout != H5D_CHUNKED) return std::nullopt;
+  Handle space = dataspace(checked(H5Dget_space(id()), where_ + ": cannot read the dataspace"));
+  hsize_t count = 0;
+  checked_status(H5Dget_num_chunks(id(), space.get(), &count), where_ + ": cannot count chunks");
+  for (hsize_t i = 0; i < count; ++i) {
+    hsize_t logical = 0, bytes = 0;
+    unsigned filter_mask = 0;
+    haddr_t address = HADDR_UNDEF;
+    checked_status(
+        H5Dget_chunk_info(id(), space.get(), i, &logical, &filter_mask, &address, &bytes),
+        where_ + ": cannot read where chunk " + std::to_string(i) + " is stored");
+    if (address == HADDR_UNDEF) return std::nullopt;
+    const auto first = static_cast<int64_t>(logical);
+    const int64_t in_chunk = static_cast<int64_t>(bytes) / element;
+    const int64_t used = std::min(in_chunk, total - first);
+    if (used <= 0) continue;
+    blocks.push_back({first, used, static_cast<int64_t>(address)});
+  }
+  std::sort(blocks.begin(), blocks.end(),
+            [](const RawBlock& a, const RawBlock& b) { return a.first_element < b.first_element; });
+  // The chunks must tile [0, total) exactly (check_stored_here has already counted them).
+  int64_t next = 0;
+  for (const RawBlock& b : blocks) {
+    if (b.first_element != next) return std::nullopt;
+    next += b.num_elements;
+  }
+  if (next != total) return std::nullopt;
+  return blocks;
+}
+
+std::string Dataset::file_name() const {
+  const ssize_t length = H5Fget_name(id(), nullptr, 0);
+  if (length < 0) fail(where_ + ": cannot read the name of its file");
+  std::string name(static_cast<size_t>(length) + 1, '\0');
+  if (H5Fget_name(id(), name.data(), name.size()) < 0)
+    fail(where_ + ": cannot read the name of its file");
+  name.resize(static_cast<size_t>(length));
+  return name;
 }
 
 TypeInfo Dataset::type() const {

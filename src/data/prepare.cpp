@@ -26,27 +26,6 @@ namespace {
 constexpr size_t kChunkBytes = size_t{16} << 20;
 constexpr int64_t kProgressAboveBytes = int64_t{64} << 20;
 
-// Token frequencies accumulated chunk by chunk, for the entropy figure.
-class TokenCounts {
- public:
-  void add(const std::vector<uint32_t>& tokens) {
-    for (uint32_t t : tokens) ++counts_[t];
-    total_ += static_cast<int64_t>(tokens.size());
-  }
-  double entropy_bits() const {
-    double bits = 0.0;
-    for (const auto& entry : counts_) {
-      const double p = static_cast<double>(entry.second) / static_cast<double>(total_);
-      bits -= p * std::log2(p);
-    }
-    return bits;
-  }
-
- private:
-  std::map<uint32_t, int64_t> counts_;
-  int64_t total_ = 0;
-};
-
 }  // namespace
 
 PrepareSummary prepare_data(const std::string& input, const std::string& output_h5,

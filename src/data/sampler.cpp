@@ -41,7 +41,7 @@ std::vector<Batch> split_batch(const Batch& batch, int64_t num_micro_batches) {
 // ---- Sampler ----------------------------------------------------------------------------------
 
 Sampler::Sampler(const TokenDataset& data, Split split, const SamplerConfig& config)
-    : tokens_(data.shared_tokens()), split_(split), config_(config) {
+    : data_(data), split_(split), config_(config) {
   const char* split_name = split == Split::Train ? "training" : "held-out";
   ST_CHECK_AS(ConfigError, config.seq_len >= 1, "seq_len must be at least 1, got ", config.seq_len);
   ST_CHECK_AS(ConfigError, config.eval_fraction >= 0.0 && config.eval_fraction < 1.0,
@@ -97,9 +97,9 @@ Batch Sampler::next_batch(int64_t batch_size) {
   batch.targets = empty({batch_size, s}, DType::I64, Device::cpu());
   auto* inputs = batch.input_ids.data<int64_t>();
   auto* targets = batch.targets.data<int64_t>();
-  const uint32_t* tokens = tokens_->data();
+  std::vector<uint32_t> window(static_cast<size_t>(s + 1));
   for (int64_t b = 0; b < batch_size; ++b) {
-    const uint32_t* window = tokens + window_start(position_);
+    data_.read(window_start(position_), s + 1, window.data());
     for (int64_t t = 0; t < s; ++t) {
       inputs[b * s + t] = window[t];
       targets[b * s + t] = window[t + 1];

@@ -146,14 +146,27 @@ TokenDataset TokenDataset::open(const std::string& path) {
 
   if (ds.num_elements() == 0) throw FormatError(concat(path, ": dataset 'tokens' holds no tokens"));
   ds.check_stored_here();
-  auto tokens = std::make_shared<std::vector<uint32_t>>(static_cast<size_t>(ds.num_elements()));
-  ds.read(tokens->data(), H5T_NATIVE_UINT32);
-  for (size_t i = 0; i < tokens->size(); ++i)
-    if ((*tokens)[i] >= out.vocab_size_)
-      throw FormatError(concat(path, ": token ", (*tokens)[i], " at position ", i,
-                               " is >= vocab_size ", out.vocab_size_,
-                               " (the data does not match its vocab_size attribute)"));
-  out.tokens_ = std::move(tokens);
+  out.storage_ = map_token_dataset(ds);
+  if (!out.storage_) {  // compressed or big-endian: HDF5 decodes it, into memory
+    std::vector<uint32_t> tokens(static_cast<size_t>(ds.num_elements()));
+    ds.read(tokens.data(), H5T_NATIVE_UINT32);
+    out.storage_ = tokens_in_memory(std::move(tokens));
+  }
+  // One pass over every token, a block at a time: each must be in the vocabulary (a token past
+  // it would index outside the embedding), and the counts give the unigram entropy.
+  TokenCounts counts;
+  std::vector<uint32_t> block(size_t{1} << 20);
+  for (int64_t begin = 0; begin < out.size(); begin += static_cast<int64_t>(block.size())) {
+    const int64_t count = std::min<int64_t>(static_cast<int64_t>(block.size()), out.size() - begin);
+    out.read(begin, count, block.data());
+    for (int64_t i = 0; i < count; ++i)
+      if (block[static_cast<size_t>(i)] >= out.vocab_size_)
+        throw FormatError(concat(path, ": token ", block[static_cast<size_t>(i)], " at position ",
+                                 begin + i, " is >= vocab_size ", out.vocab_size_,
+                                 " (the data does not match its vocab_size attribute)"));
+    counts.add(block.data(), static_cast<size_t>(count));
+  }
+  out.unigram_entropy_bits_ = counts.entropy_bits();
   return out;
 }
 
@@ -168,8 +181,15 @@ TokenDataset TokenDataset::from_tokens(std::vector<uint32_t> tokens, int64_t voc
   out.source_ = std::move(source);
   out.vocab_size_ = vocab_size;
   out.tokenizer_ = std::move(tokenizer);
-  out.tokens_ = std::make_shared<const std::vector<uint32_t>>(std::move(tokens));
+  out.unigram_entropy_bits_ = shardtrain::unigram_entropy_bits(tokens);
+  out.storage_ = tokens_in_memory(std::move(tokens));
   return out;
+}
+
+std::vector<uint32_t> TokenDataset::tokens() const {
+  std::vector<uint32_t> all(static_cast<size_t>(size()));
+  read(0, size(), all.data());
+  return all;
 }
 
 TokenDataset load_token_source(const std::string& path) {

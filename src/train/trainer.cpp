@@ -190,7 +190,7 @@ TrainSummary train_with(const Config& config) {
               data.vocab_size() <= config.model.vocab_size || !config.model.from_hf.empty(),
               "data.path '", config.data.path, "' has vocabulary size ", data.vocab_size(),
               " but model.vocab_size is ", config.model.vocab_size);
-  summary.unigram_entropy_nats = unigram_entropy_bits(data.tokens()) * std::log(2.0);
+  summary.unigram_entropy_nats = data.unigram_entropy_bits() * std::log(2.0);
 
   SamplerConfig sc;
   sc.seq_len = t.seq_len;
@@ -248,7 +248,7 @@ TrainSummary train_with(const Config& config) {
                    rt.device().str() + ", " + std::to_string(global_batch) + " x " +
                    std::to_string(t.seq_len) + " tokens per step (" + std::to_string(accumulation) +
                    " micro-batches), data " + data.source() + " (" + std::to_string(data.size()) +
-                   " tokens)");
+                   (data.memory_mapped() ? " tokens, memory-mapped)" : " tokens, in memory)"));
   // The fused attention's CUDA-core kernels made an fp32 llama-125m step take 1.5 s on an H100
   // where bf16 on tensor cores takes 53 ms (docs/benchmarks.md): worth a word at the start.
   const int64_t head_dim = rt.model().config().head_dim();

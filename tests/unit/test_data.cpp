@@ -23,6 +23,7 @@
 #include "shardtrain/data/hdf5.h"
 #include "shardtrain/data/prepare.h"
 #include "shardtrain/data/sampler.h"
+#include "shardtrain/data/splitmix.h"
 #include "shardtrain/data/token_dataset.h"
 #include "shardtrain/data/tokenizer.h"
 
@@ -152,6 +153,72 @@ TEST_F(DataTest, MissingVocabSize) {
     ds.write_string_attribute("tokenizer", "byte");
   }
   expect_error<FormatError>([&] { TokenDataset::open(p); }, {p, "no attribute 'vocab_size'"});
+}
+
+// Every layout reads back the same tokens, from any range (within a chunk, across chunks, to
+// the partly used last chunk): mapped when stored as raw little-endian bytes (contiguous, or
+// chunked as prepare-data writes), decoded into memory when compressed or big-endian.
+TEST_F(DataTest, EveryStorageLayoutReadsTheSameTokens) {
+  constexpr hsize_t kChunk = 1000;
+  std::vector<uint32_t> tokens(10 * kChunk + 321);
+  SplitMix64 rng(11);
+  for (uint32_t& t : tokens) t = static_cast<uint32_t>(rng.below(70000));
+  auto with_attributes = [](h5::Dataset& ds) {
+    ds.write_int64_attribute("vocab_size", 70000);
+    ds.write_string_attribute("tokenizer", "test");
+  };
+  // (name, element type, compressed, chunked, expect mapped)
+  struct Layout {
+    std::string name;
+    hid_t type;
+    bool deflate, chunked, mapped;
+  };
+  for (const Layout& layout : {Layout{"chunked", H5T_STD_U32LE, false, true, true},
+                               Layout{"contiguous", H5T_STD_U32LE, false, false, true},
+                               Layout{"compressed", H5T_STD_U32LE, true, true, false},
+                               Layout{"big_endian", H5T_STD_U32BE, false, true, false}}) {
+    SCOPED_TRACE(layout.name);
+    const std::string p = path(layout.name + ".h5");
+    {
+      h5::File f = h5::File::create(p);
+      hsize_t dims = tokens.size();
+      h5::Handle space(H5Screate_simple(1, &dims, nullptr), H5Sclose);
+      h5::Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+      if (layout.chunked) {
+        ASSERT_GE(H5Pset_chunk(dcpl.get(), 1, &kChunk), 0);
+      }
+      if (layout.deflate) {
+        ASSERT_GE(H5Pset_deflate(dcpl.get(), 4), 0);
+      }
+      hid_t id = H5Dcreate2(f.id(), "tokens", layout.type, space.get(), H5P_DEFAULT, dcpl.get(),
+                            H5P_DEFAULT);
+      ASSERT_GE(id, 0);
+      h5::Dataset ds(h5::Handle(id, H5Dclose), p + ":/tokens");
+      ds.write(tokens.data(), H5T_NATIVE_UINT32);
+      with_attributes(ds);
+    }
+    TokenDataset ds = TokenDataset::open(p);
+    EXPECT_EQ(ds.memory_mapped(), layout.mapped);
+    EXPECT_EQ(ds.tokens(), tokens);
+    EXPECT_DOUBLE_EQ(ds.unigram_entropy_bits(), unigram_entropy_bits(tokens));
+    for (int64_t begin : {int64_t{0}, int64_t{999}, int64_t{1000}, int64_t{4321}, int64_t{9950}}) {
+      for (int64_t count : {int64_t{1}, int64_t{2}, int64_t{129}, int64_t{2500}}) {
+        if (begin + count > ds.size()) continue;
+        std::vector<uint32_t> got(static_cast<size_t>(count));
+        ds.read(begin, count, got.data());
+        EXPECT_TRUE(std::equal(got.begin(), got.end(), tokens.begin() + begin))
+            << "[" << begin << ", " << begin + count << ")";
+      }
+    }
+    // The last, partly used chunk to the end.
+    std::vector<uint32_t> tail(400);
+    ds.read(ds.size() - 400, 400, tail.data());
+    EXPECT_TRUE(std::equal(tail.begin(), tail.end(), tokens.end() - 400));
+  }
+  // What prepare-data writes (uint16, 64Ki-element chunks) is mapped.
+  write_token_dataset(path("written.h5"), {5, 6, 7}, 256, "byte");
+  EXPECT_TRUE(TokenDataset::open(path("written.h5")).memory_mapped());
+  EXPECT_FALSE(load_token_source("builtin").memory_mapped());
 }
 
 TEST_F(DataTest, TokenAtOrAboveVocabSize) {

@@ -7,6 +7,7 @@
 // entropy; the generator uses its own PRNG, so the text is identical on every platform.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -23,8 +24,22 @@ std::string builtin_corpus();
 // "seven", "forty-two"; n in [0, 999].
 std::string number_word(int n);
 
-// Shannon entropy of the token frequencies, in bits per token: what a model that ignores context
-// would reach at best.
+// Token frequencies, accumulated piece by piece, for the entropy figure.
+class TokenCounts {
+ public:
+  void add(const uint32_t* tokens, size_t count);
+  void add(const std::vector<uint32_t>& tokens) { add(tokens.data(), tokens.size()); }
+  // Shannon entropy of the frequencies, in bits per token: what a model that ignores context
+  // would reach at best. Summed in token order, so the same on every platform.
+  double entropy_bits() const;
+
+ private:
+  std::vector<int64_t> dense_ = std::vector<int64_t>(65536, 0);  // tokens below 2^16
+  std::map<uint32_t, int64_t> sparse_;                           // the rest
+  int64_t total_ = 0;
+};
+
+// TokenCounts of `tokens`, entropy_bits.
 double unigram_entropy_bits(const std::vector<uint32_t>& tokens);
 
 }  // namespace shardtrain

@@ -7,6 +7,7 @@
 #include <hdf5.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -104,6 +105,20 @@ class Dataset : public Object {
   // in silence for a virtual dataset whose sources are missing, a dataset with external storage,
   // one whose chunks were never all written, and one that claims more bytes than the file holds.
   void check_stored_here() const;
+  // Where a 1-D dataset's elements lie in its file, for reading them without HDF5 (mapped into
+  // memory): one block per chunk, or one for a contiguous dataset, in element order. nullopt when
+  // they cannot be read as raw bytes: filtered (compressed) chunks, another layout, elements
+  // not little-endian. A chunk past the end of the data (the last, partly used) is cut to it.
+  struct RawBlock {
+    int64_t first_element = 0;
+    int64_t num_elements = 0;
+    int64_t file_offset = 0;  // bytes
+  };
+  std::optional<std::vector<RawBlock>> raw_blocks() const;
+  // The path of the file that holds the dataset (another than the opened one when it was reached
+  // through an external link).
+  std::string file_name() const;
+
   // Reads the whole dataset, converting to `mem_type` (e.g. H5T_NATIVE_UINT32).
   void read(void* out, hid_t mem_type) const;
   // Reads elements [start, start + count) of a 1-D dataset.

@@ -58,7 +58,7 @@ class Sampler {
  private:
   void build_order();
 
-  std::shared_ptr<const std::vector<uint32_t>> tokens_;
+  TokenDataset data_;  // a copy shares the tokens
   Split split_;
   SamplerConfig config_;
   int64_t begin_ = 0;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "shardtrain/data/hdf5.h"
+#include "shardtrain/data/token_storage.h"
 
 namespace shardtrain {
 
@@ -43,12 +44,14 @@ class TokenDatasetWriter {
 void write_token_dataset(const std::string& path, const std::vector<uint32_t>& tokens,
                          int64_t vocab_size, const std::string& tokenizer);
 
-// A token stream held in memory, shared cheaply between samplers.
+// A token stream: memory-mapped from its file or held in memory (data/token_storage.h), shared
+// cheaply between copies and samplers.
 class TokenDataset {
  public:
-  // Reads and validates a token dataset; throws ConfigError when the file is missing and
-  // FormatError (naming the file and the problem) when it is not a valid token dataset, including
-  // any token >= vocab_size.
+  // Opens and validates a token dataset, mapping its tokens when they are stored uncompressed;
+  // throws ConfigError when the file is missing and FormatError (naming the file and the
+  // problem) when it is not a valid token dataset, including any token >= vocab_size (one pass
+  // over the tokens, which also counts them for unigram_entropy_bits).
   static TokenDataset open(const std::string& path);
   // A dataset over tokens already in memory; `source` names it in messages.
   static TokenDataset from_tokens(std::vector<uint32_t> tokens, int64_t vocab_size,
@@ -57,15 +60,24 @@ class TokenDataset {
   const std::string& source() const { return source_; }
   int64_t vocab_size() const { return vocab_size_; }
   const std::string& tokenizer() const { return tokenizer_; }
-  int64_t size() const { return static_cast<int64_t>(tokens_->size()); }
-  const std::vector<uint32_t>& tokens() const { return *tokens_; }
-  const std::shared_ptr<const std::vector<uint32_t>>& shared_tokens() const { return tokens_; }
+  int64_t size() const { return storage_->size(); }
+  // Copies tokens [begin, begin + count), which must lie within [0, size()), to `out`.
+  void read(int64_t begin, int64_t count, uint32_t* out) const {
+    storage_->read(begin, count, out);
+  }
+  // Every token, copied (for tests and small datasets).
+  std::vector<uint32_t> tokens() const;
+  bool memory_mapped() const { return storage_->memory_mapped(); }
+  // Entropy of the tokens' unigram distribution, bits per token: the loss of a model that
+  // learned only token frequencies (a baseline for the training loss).
+  double unigram_entropy_bits() const { return unigram_entropy_bits_; }
 
  private:
   std::string source_;
   int64_t vocab_size_ = 0;
   std::string tokenizer_;
-  std::shared_ptr<const std::vector<uint32_t>> tokens_;
+  std::shared_ptr<const TokenStorage> storage_;
+  double unigram_entropy_bits_ = 0;
 };
 
 // The token stream a run's `data.path` names: "builtin" (the embedded corpus), a .txt file
