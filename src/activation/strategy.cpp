@@ -5,6 +5,7 @@
 
 #include "shardtrain/activation/checkpoint.h"
 #include "shardtrain/activation/offload.h"
+#include "shardtrain/nn/lora.h"
 
 namespace shardtrain::activation {
 
@@ -78,6 +79,11 @@ void apply_activation_strategy(nn::LlamaModel& model, const ActivationOptions& o
   if (!applies) applies = [](int) { return true; };
   CheckpointOptions ckpt;
   ckpt.reentrant = options.reentrant;
+  // A re-run must draw what the first run drew: the LoRA adapters' dropout masks come from
+  // their generators, which every region records and replays (those the region does not use
+  // come back unchanged).
+  for (const auto& [name, adapter] : nn::lora_modules(model))
+    ckpt.generators.push_back(&adapter->dropout_generator());
 
   if (s == "none") return;
   if (s == "per_layer") {

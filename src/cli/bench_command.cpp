@@ -12,12 +12,16 @@ namespace shardtrain::cli {
 
 namespace {
 
+// Items as written: an empty one (",," or a trailing comma) is kept for run_bench to refuse.
 std::vector<std::string> split_list(const std::string& text) {
   std::vector<std::string> out;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ','))
-    if (!item.empty()) out.push_back(item);
+  if (text.empty()) return out;
+  size_t start = 0;
+  for (size_t comma = text.find(','); comma != std::string::npos; comma = text.find(',', start)) {
+    out.push_back(text.substr(start, comma - start));
+    start = comma + 1;
+  }
+  out.push_back(text.substr(start));
   return out;
 }
 
@@ -63,10 +67,11 @@ Command bench_command() {
       o.peak_tflops = args.get_number("peak-tflops", false,
                                       "a positive number of TFLOP/s (989.4 for an H100 in bf16)");
     const bool leader = dist::job_rank() == 0;
+    const std::string dir = args.has("out") ? args.get("out") : config.train.out_dir + "/bench";
+    if (leader) train::prepare_bench_output(dir);  // before the sweep, not after it
     if (leader) o.log = [](const std::string& line) { std::cerr << line << "\n"; };
     train::BenchReport report = train::run_bench(config, o);
     if (!leader) return 0;
-    std::string dir = args.has("out") ? args.get("out") : config.train.out_dir + "/bench";
     std::printf("%s", report.markdown().c_str());
     std::vector<std::string> written = train::write_bench_outputs(report, dir);
     std::printf("\nwrote:");

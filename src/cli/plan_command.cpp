@@ -60,6 +60,10 @@ Command plan_command() {
                        std::to_string(world_arg));
     const int world = static_cast<int>(world_arg);
     train::Plan plan = train::make_plan(config, device_bytes, world);
+    if (args.has("measure-steps") && !args.has("measure"))
+      throw UsageError(
+          "--measure-steps sets the steps of --measure, which is not given: add "
+          "--measure, or drop --measure-steps");
     if (args.has("measure")) {
       long long steps = args.get_int("measure-steps");
       if (steps < 1) throw UsageError("--measure-steps must be at least 1");

@@ -4,10 +4,12 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -139,6 +141,13 @@ const std::vector<std::string>& known_precisions() {
 void check_names(const std::vector<std::string>& given, const std::vector<std::string>& known,
                  const char* flag) {
   ST_CHECK_AS(ConfigError, !given.empty(), flag, ": the list is empty");
+  for (size_t i = 0; i < given.size(); ++i) {
+    ST_CHECK_AS(ConfigError, !given[i].empty(), flag,
+                ": an empty name in the list (a comma too many?)");
+    ST_CHECK_AS(ConfigError,
+                std::find(given.begin(), given.begin() + i, given[i]) == given.begin() + i, flag,
+                ": '", given[i], "' is listed twice");
+  }
   for (const std::string& g : given) {
     if (std::find(known.begin(), known.end(), g) != known.end()) continue;
     std::string list;
@@ -691,7 +700,9 @@ std::string find_on_path(const std::string& program) {
 void write_file(const fs::path& path, const std::string& text) {
   std::ofstream out(path);
   out << text;
-  ST_CHECK_AS(ConfigError, out.good(), "cannot write '", path.string(), "'");
+  out.close();
+  ST_CHECK_AS(ConfigError, out.good(), "cannot write '", path.string(), "' (", std::strerror(errno),
+              ")");
 }
 
 std::string quoted(const std::string& s) {
@@ -796,11 +807,28 @@ std::vector<std::string> draw_plots(const BenchReport& report, const fs::path& d
 
 }  // namespace
 
-std::vector<std::string> write_bench_outputs(const BenchReport& report, const std::string& dir) {
+void prepare_bench_output(const std::string& dir) {
+  ST_CHECK_AS(ConfigError, !dir.empty(), "bench --out: an empty path; name a directory");
   std::error_code ec;
   fs::create_directories(dir, ec);
-  ST_CHECK_AS(ConfigError, !ec && fs::is_directory(dir), "bench: cannot create '", dir,
-              "': ", ec.message());
+  ST_CHECK_AS(ConfigError, !ec && fs::is_directory(dir), "bench --out '", dir,
+              "': cannot create the directory (",
+              ec ? ec.message() : std::string("a file is in the way"), "); choose another path");
+  for (const char* name : {"bench.csv", "bench.json"}) {
+    const fs::path path = fs::path(dir) / name;
+    ST_CHECK_AS(ConfigError, !fs::exists(path, ec) || fs::is_regular_file(path, ec),
+                "bench --out '", dir, "': '", path.string(),
+                "' exists and is not a file; remove it or choose another directory");
+  }
+  const fs::path probe = fs::path(dir) / (".write-test-" + std::to_string(::getpid()));
+  const bool writable = std::ofstream(probe).good();
+  fs::remove(probe, ec);
+  ST_CHECK_AS(ConfigError, writable, "bench --out '", dir,
+              "': cannot write files there; choose a writable directory");
+}
+
+std::vector<std::string> write_bench_outputs(const BenchReport& report, const std::string& dir) {
+  prepare_bench_output(dir);
   std::vector<std::string> written;
   write_file(fs::path(dir) / "bench.csv", report.csv());
   written.push_back((fs::path(dir) / "bench.csv").string());

@@ -135,21 +135,8 @@ std::pair<std::string, std::string> split_state_name(const std::string& name) {
 // The generators training draws from that this model has: LoRA dropout masks.
 std::vector<std::pair<std::string, Generator*>> reachable_generators(nn::LlamaModel& model) {
   std::vector<std::pair<std::string, Generator*>> out;
-  for (int i = 0; i < model.num_layers(); ++i) {
-    nn::DecoderLayer& layer = *model.layers[static_cast<size_t>(i)];
-    const std::pair<const char*, nn::Linear*> projections[] = {
-        {"self_attn.q_proj", layer.self_attn.q_proj.get()},
-        {"self_attn.k_proj", layer.self_attn.k_proj.get()},
-        {"self_attn.v_proj", layer.self_attn.v_proj.get()},
-        {"self_attn.o_proj", layer.self_attn.o_proj.get()},
-        {"mlp.gate_proj", layer.mlp.gate_proj.get()},
-        {"mlp.up_proj", layer.mlp.up_proj.get()},
-        {"mlp.down_proj", layer.mlp.down_proj.get()}};
-    for (const auto& [name, linear] : projections)
-      if (auto* lora = dynamic_cast<nn::LoraLinear*>(linear))
-        out.emplace_back(concat("model.layers.", i, ".", name, ".lora_dropout"),
-                         &lora->dropout_generator());
-  }
+  for (const auto& [path, adapter] : nn::lora_modules(model))
+    out.emplace_back(path + ".lora_dropout", &adapter->dropout_generator());
   return out;
 }
 

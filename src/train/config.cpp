@@ -61,20 +61,13 @@ std::optional<double> read_float(const std::string& text) {
   return v;
 }
 
-// A well-formed integer that 64 bits cannot hold (99999999999999999999).
-bool beyond_int64_range(const std::string& text) {
+// A well-formed number that a T cannot hold: an int64_t 99999999999999999999, a double 1e400 (or
+// 1e-400, which rounds to nothing).
+template <typename T>
+bool beyond_range(const std::string& text) {
   std::string t = trim(text);
   if (!t.empty() && t[0] == '+') t.erase(0, 1);
-  int64_t v = 0;
-  auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
-  return ec == std::errc::result_out_of_range && end == t.data() + t.size();
-}
-
-// A well-formed number that a double cannot hold (1e400, or 1e-400 which rounds to nothing).
-bool beyond_double_range(const std::string& text) {
-  std::string t = trim(text);
-  if (!t.empty() && t[0] == '+') t.erase(0, 1);
-  double v = 0;
+  T v = 0;
   auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
   return ec == std::errc::result_out_of_range && end == t.data() + t.size();
 }
@@ -844,7 +837,7 @@ void assign(const Key& key, const YAML::Node& node, const std::string& origin, C
       } catch (const ConfigError&) {
       }
     }
-    if (!v && beyond_int64_range(text))
+    if (!v && beyond_range<int64_t>(text))
       fail_at(origin,
               key.path + " = " + trim(text) + " is out of range: must be " +
                   (key.allowed().empty() ? std::string("a 64-bit integer") : key.allowed()) + " (" +
@@ -855,7 +848,7 @@ void assign(const Key& key, const YAML::Node& node, const std::string& origin, C
   } else if (auto* d = std::get_if<double*>(&field)) {
     const std::string text = scalar_text(key, node, origin, "a number");
     auto v = read_float(text);
-    if (!v && !beyond_double_range(text)) wrong_type(key, node, origin, "a number");
+    if (!v && !beyond_range<double>(text)) wrong_type(key, node, origin, "a number");
     // The values reach the kernels as fp32: one outside its range would arrive as inf or 0
     // (optim.eps = 1e-50 becomes a zero divisor) instead of failing here. A number beyond even
     // a double's range (1e400, 1e-400) does not read at all.

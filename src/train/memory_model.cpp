@@ -186,9 +186,36 @@ MemoryModelInput MemoryModelInput::from_config(const Config& config, int world_s
   return in;
 }
 
+// The figures are int64 byte counts. Shapes whose products could pass 2^62 somewhere in them
+// (no machine holds such a model or batch) are refused before any product wraps around and
+// reads as a small or negative size. The bound, in doubles, covers every term with room to
+// spare: weights and their states, per-layer activations (attention scores included), logits.
+void check_plannable(const MemoryModelInput& in) {
+  const nn::LlamaConfig& c = in.model;
+  const double h = static_cast<double>(c.hidden_size), i = static_cast<double>(c.intermediate_size);
+  const double v = static_cast<double>(c.vocab_size), l = static_cast<double>(c.num_layers);
+  const double heads = static_cast<double>(c.num_heads), s = static_cast<double>(in.seq_len);
+  const double t = static_cast<double>(in.micro_batch) * s;
+  const double scores = in.attention == "fused" ? 0 : heads * s;  // fused: never materialised
+  const double elements = l * (h * (4 * h + 3 * i) + t * (16 * h + 4 * i + scores)) + v * (h + t);
+  const double bound = 1024.0 * elements;
+  if (!(bound < 0x1p62))
+    throw ConfigError(
+        detail::concat("the model and batch are too large to plan: with model.hidden_size ",
+                       c.hidden_size, ", model.intermediate_size ", c.intermediate_size,
+                       ", model.num_layers ", c.num_layers, ", model.vocab_size ", c.vocab_size,
+                       ", train.seq_len ", in.seq_len, " and train.micro_batch ", in.micro_batch,
+                       " its byte counts could pass 2^62 (4 EiB) per rank; no device holds that"));
+}
+
 MemoryPrediction predict_memory(const MemoryModelInput& in) {
   const nn::LlamaConfig& c = in.model;
   c.validate();
+  check_plannable(in);
+  // As the job itself refuses it at start (dist/env.cpp).
+  ST_CHECK_AS(ConfigError, in.ranks_per_node <= 0 || in.world_size % in.ranks_per_node == 0,
+              "dist.ranks_per_node=", in.ranks_per_node, " does not divide the ", in.world_size,
+              " ranks planned for; use a divisor of the world size or 0 to detect nodes");
   ST_CHECK_AS(ConfigError, in.world_size >= 1, "world size must be at least 1, got ",
               in.world_size);
   ST_CHECK_AS(ConfigError, in.micro_batch > 0 && in.seq_len > 0,
@@ -470,6 +497,7 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
 
 StepCost predict_step_cost(const MemoryModelInput& in) {
   const nn::LlamaConfig& c = in.model;
+  check_plannable(in);
   const int64_t H = c.hidden_size, L = c.num_layers, S = in.seq_len;
   int64_t layer_matmul = 0;
   for (const Weight& w : layer_weights(c))

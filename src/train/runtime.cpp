@@ -208,6 +208,13 @@ Runtime::Runtime(const Config& config) : config_(config), device_(training_devic
   // storage) and each rank creates only its shards, from the seed or from the checkpoint's
   // files. no_shard keeps full replicas; QLoRA quantizes full base weights and is refused by the
   // sharding below with its own message.
+  // QLoRA quantizes whole base weights on one device; the sharded and replicated paths both
+  // need trainable fp32 parameters everywhere.
+  ST_CHECK_AS(ConfigError, !config_.lora.enabled || dist_->world_size() == 1,
+              "lora.enabled trains on one rank (single-GPU QLoRA), but this job has ",
+              dist_->world_size(),
+              " ranks: start it without mpirun (or with -np 1), or train "
+              "the full model (lora.enabled=false) to use several ranks");
   const bool deferred =
       dist_->world_size() > 1 && !config_.lora.enabled &&
       fsdp::parse_sharding_strategy(config_.dist.sharding) != fsdp::ShardingStrategy::NoShard;

@@ -387,10 +387,19 @@ TrainSummary train_with(const Config& config) {
   summary.steps = t.steps;
   summary.tokens_per_second = total_seconds > 0 ? total_tokens / total_seconds : 0;
   if (config.lora.enabled) {  // one rank: the runtime refuses to shard a LoRA model
-    io::save_peft_adapter(
-        rt.model(), adapter_dir,
-        config.lora.base_model.empty() ? config.model.from_hf : config.lora.base_model);
+    const std::string base =
+        config.lora.base_model.empty() ? config.model.from_hf : config.lora.base_model;
+    io::save_peft_adapter(rt.model(), adapter_dir, base);
     progress.message("saved the LoRA adapter (PEFT layout) to " + adapter_dir);
+    if (base.empty())
+      progress.message(
+          "note: the adapter's base is a model initialised from train.seed (no lora.base_model), "
+          "so its base_model_name_or_path is empty: it applies only to that same model");
+    if (t.export_model && !config.lora.merge_on_export)
+      progress.message(
+          "note: a LoRA run's export is its adapter; set lora.merge_on_export=true to also "
+          "write the merged model to " +
+          t.out_dir + "/export");
   }
   if (exports) {
     summary.export_dir = t.out_dir + "/export";

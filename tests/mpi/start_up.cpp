@@ -39,4 +39,26 @@ TEST(StartUp, RanksWithTheSameConfigStart) {
   EXPECT_EQ(rt.dist().world_size(), dist::job_world_size());
 }
 
+// QLoRA runs on one rank: a LoRA run under mpirun says so at start, on every rank, whatever the
+// sharding (no_shard too), rather than failing inside the sharding with a message about fp32.
+TEST(StartUp, LoraUnderSeveralRanksIsRefusedAtStart) {
+  if (dist::job_world_size() < 2) GTEST_SKIP() << "needs several ranks";
+  for (const char* sharding : {"full_shard", "no_shard"}) {
+    train::Config config = train::Config::parse(
+        shardtrain::testing::kTinyRunYaml,
+        {"lora.enabled=true", "lora.quantize_base=none", std::string("dist.sharding=") + sharding},
+        "start-up test");
+    try {
+      train::Runtime rt(config);
+      ADD_FAILURE() << "a LoRA run started on " << dist::job_world_size() << " ranks";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("lora.enabled trains on one rank (single-GPU QLoRA), "
+                                           "but this job has " +
+                                           std::to_string(dist::job_world_size()) + " ranks"),
+                std::string::npos)
+          << sharding << ": " << e.what();
+    }
+  }
+}
+
 }  // namespace

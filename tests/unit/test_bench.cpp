@@ -386,6 +386,44 @@ TEST(Bench, RejectsUnknownNamesAndEmptyLists) {
   EXPECT_THROW(train::run_bench(config, o), ConfigError);
 }
 
+// A list with a name twice or an empty name, and an --out that cannot take the results, fail
+// before any combination runs (the sweep can take hours on a GPU).
+TEST(Bench, BadListsAndOutputDirectoriesFailBeforeTheSweep) {
+  fs::path dir = temp_dir("bad-out");
+  {
+    std::ofstream out(dir / "tiny.yaml");
+    out << kTinyYaml;
+    std::ofstream(dir / "a-file") << "x";
+  }
+  auto bench = [&](const std::vector<std::string>& extra) {
+    std::vector<std::string> args = {
+        "bench",        "--config", (dir / "tiny.yaml").string(), "--warmup", "0", "--steps", "1",
+        "--precisions", "fp32"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    ::testing::internal::CaptureStderr();
+    const int code = cli::run(args);
+    return std::make_pair(code, ::testing::internal::GetCapturedStderr());
+  };
+  auto [code, err] = bench({"--strategies", "none,none", "--out", (dir / "o1").string()});
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(err.find("--strategies: 'none' is listed twice"), std::string::npos) << err;
+  std::tie(code, err) = bench({"--strategies", "none,", "--out", (dir / "o2").string()});
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(err.find("--strategies: an empty name in the list"), std::string::npos) << err;
+  std::tie(code, err) = bench({"--strategies", "none", "--out", (dir / "a-file").string()});
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(
+      err.find("bench --out '" + (dir / "a-file").string() + "': cannot create the directory"),
+      std::string::npos)
+      << err;
+  EXPECT_EQ(err.find("bench: none/fp32"), std::string::npos) << "a combination ran first:\n" << err;
+  fs::create_directories(dir / "o3/bench.csv");
+  std::tie(code, err) = bench({"--strategies", "none", "--out", (dir / "o3").string()});
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(err.find("bench.csv' exists and is not a file"), std::string::npos) << err;
+  fs::remove_all(dir);
+}
+
 TEST(Bench, SameConfigGivesSameBatches) {
   train::Config config = train::Config::parse(kTinyYaml, {"train.global_batch=4"}, "tiny-bench");
   train::StepBatches a(config), b(config);

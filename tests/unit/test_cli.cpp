@@ -176,6 +176,14 @@ TEST(Cli, PlanTakesTheDeviceSizeFromTheConfigAndRefusesOverflowingNumbers) {
   r = run({"plan", "--config", config, "--world-size", "2147483648"});
   EXPECT_EQ(r.code, 2);
   EXPECT_CONTAINS(r.err, "--world-size must be from 1 to 2^24 ranks, got 2147483648");
+  // Flags and settings that a run would refuse are refused by the plan too.
+  r = run({"plan", "--config", config, "--measure-steps", "3"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "--measure-steps sets the steps of --measure, which is not given");
+  r = run({"plan", "--config", config, "--world-size", "4", "--set", "dist.sharding=hybrid_shard",
+           "--set", "dist.ranks_per_node=3"});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_CONTAINS(r.err, "dist.ranks_per_node=3 does not divide the 4 ranks planned for");
 }
 
 TEST(Cli, ConfigCommandPrintsTheResolvedConfig) {

@@ -223,6 +223,37 @@ TEST(Plan, Llama8bModelStatesFollowZeroBytesPerParameter) {
   EXPECT_NEAR(static_cast<double>(off1.model_state_bytes()), 8.0 * P, 1e-6 * 8.0 * P);
 }
 
+// Shapes whose byte counts would wrap around int64 are refused, not planned as a negative or
+// small peak that "fits"; the largest real shapes plan as before.
+TEST(MemoryModel, ShapesPastWhatInt64CountsAreRefused) {
+  train::Config huge = train::load_config(
+      kConfigs + "tiny.yaml",
+      {"model.hidden_size=2000000000", "model.num_layers=1000000",
+       "model.intermediate_size=2000000000", "model.num_heads=1", "model.num_kv_heads=1"});
+  const auto input = train::MemoryModelInput::from_config(huge, 1);
+  try {
+    train::predict_memory(input);
+    ADD_FAILURE() << "planned a model of 2e9 x 2e9 x 1e6 weights";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("the model and batch are too large to plan: with "
+                                         "model.hidden_size 2000000000"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(train::predict_step_cost(input), ConfigError);
+  // A long sequence alone: 2^24 tokens of the 8B model.
+  train::Config long_context = train::load_config(
+      kConfigs + "llama-3.1-8b.yaml", {"train.seq_len=16777216", "model.max_seq_len=16777216",
+                                       "train.micro_batch=32", "train.global_batch=0"});
+  EXPECT_THROW(train::predict_memory(train::MemoryModelInput::from_config(long_context, 1)),
+               ConfigError);
+  // The shipped 8B config at its own shape plans.
+  EXPECT_GT(train::predict_memory(train::MemoryModelInput::from_config(
+                                      train::load_config(kConfigs + "llama-3.1-8b.yaml"), 1))
+                .peak,
+            int64_t{0});
+}
+
 TEST(Plan, Llama8bOn80GiBNeedsOffloadOnOneGpuAndFullShardOnEight) {
   train::Config c = train::load_config(kConfigs + "llama-3.1-8b.yaml");
   train::Plan one = train::make_plan(c, 80 * kGiB, 1);

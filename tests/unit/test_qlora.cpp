@@ -17,6 +17,7 @@
 #include <set>
 
 #include "gradcheck.h"
+#include "shardtrain/activation/strategy.h"
 #include "shardtrain/autograd/engine.h"
 #include "shardtrain/autograd/grad_mode.h"
 #include "shardtrain/backend/backend.h"
@@ -420,6 +421,44 @@ TEST(Lora, OnlyAdaptersReceiveGradients) {
     }
   }
   EXPECT_EQ(adapters, 28);
+}
+
+// With adapter dropout, a strategy that recomputes a layer's forward in backward must draw the
+// masks the first forward drew: every strategy gives the gradients of none, bit for bit (and
+// leaves the generators where none leaves them, so the next step's masks agree too).
+TEST(Lora, DropoutMasksAreReplayedByEveryRecomputingStrategy) {
+  const Batch batch = fixed_batch();
+  auto run = [&](const std::string& strategy, bool reentrant) {
+    auto m = tiny_model();
+    nn::LoraOptions o = options(nn::BaseQuantization::None, 4, 8);
+    o.dropout = 0.5f;
+    nn::apply_lora(*m, o);
+    randomize_b(*m, 41);
+    activation::ActivationOptions a;
+    a.strategy = strategy;
+    a.reentrant = reentrant;
+    activation::apply_activation_strategy(*m, a);
+    std::map<std::string, std::vector<float>> grads;
+    for (int step = 0; step < 2; ++step) {
+      autograd::backward(m->loss_sum(batch.ids, batch.targets));
+      for (auto& [name, slot] : m->named_parameters()) {
+        Tensor g = autograd::grad(*slot);
+        if (!g.defined()) continue;
+        grads[std::to_string(step) + ":" + name] = g.to_float_vector();
+        autograd::set_grad(*slot, Tensor());
+      }
+    }
+    return grads;
+  };
+  const auto reference = run("none", false);
+  ASSERT_EQ(reference.size(), 2u * 28u);
+  for (const std::string& strategy : activation::activation_strategies())
+    for (bool reentrant : {false, true}) {
+      SCOPED_TRACE(strategy + (reentrant ? " reentrant" : ""));
+      const auto got = run(strategy, reentrant);
+      ASSERT_EQ(got.size(), reference.size());
+      for (const auto& [name, g] : reference) EXPECT_EQ(got.at(name), g) << name;
+    }
 }
 
 TEST(Lora, FrozenDtypeAndValidation) {

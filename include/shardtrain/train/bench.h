@@ -148,6 +148,11 @@ BenchReport run_bench(const Config& config, const BenchOptions& options);
 // any other shardtrain::Error are caught and reported in the row's status.
 BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t measured_steps);
 
+// Creates `dir` and checks that bench.csv and bench.json can be written there: called before
+// the combinations run, so that a bad --out fails in seconds, not after the whole sweep. Throws
+// ConfigError naming --out.
+void prepare_bench_output(const std::string& dir);
+
 // Writes bench.csv, bench.json and, when gnuplot is on PATH, frontier.{png,svg} (peak memory
 // against tokens/s per strategy) and memory.{png,svg} (the peak by category, stacked), with the
 // data and scripts they are drawn from. Returns the paths written. Throws ConfigError when `dir`
