@@ -71,7 +71,8 @@ int64_t planning_capacity(const Config& config) {
   return device_bytes;
 }
 
-// The memory model's host bytes for the ranks of this node against what the node has. A run past
+// The memory model's host bytes (and a .txt corpus held in memory) for the ranks of this node
+// against what the node has. A run past
 // it would be ended by the kernel's out-of-memory killer part-way through a step (SIGKILL: no
 // message, and under mpirun a dead rank), so it fails here with the figures. Only a prediction
 // beyond the whole of the memory fails; below that the allocators' own errors speak, and a
@@ -86,7 +87,15 @@ void check_host_memory(const Config& config, int world) {
     return;
   }
   const bool on_host = training_device(config).is_cpu();
-  const int64_t per_rank = p.host_bytes() + (on_host ? p.peak : 0);
+  // A .txt corpus is read whole and held as uint32 tokens: 4 bytes a byte, plus the text while
+  // it is tokenized. (Token datasets are memory-mapped: page cache, not this process's memory.)
+  std::error_code ec;
+  const std::string& data = config.data.path;
+  const int64_t text_bytes = data.size() > 4 && data.substr(data.size() - 4) == ".txt"
+                                 ? static_cast<int64_t>(std::filesystem::file_size(data, ec))
+                                 : 0;
+  const int64_t data_bytes = ec ? 0 : 5 * text_bytes;
+  const int64_t per_rank = p.host_bytes() + (on_host ? p.peak : 0) + data_bytes;
   const int64_t ranks_here = std::max(1, dist::detect_launch().local_size);
   const int64_t needed = per_rank * ranks_here;
   if (needed <= capacity.bytes) return;
@@ -95,17 +104,25 @@ void check_host_memory(const Config& config, int world) {
   if (p.host_bytes() > 0)
     parts += std::string(parts.empty() ? "" : " + ") + format_bytes(p.host_bytes()) +
              " of offloaded optimizer state and activations";
+  if (data_bytes > 0)
+    parts += std::string(parts.empty() ? "" : " + ") + format_bytes(data_bytes) + " for " + data +
+             " read into memory and tokenized";
   const std::string ranks = ranks_here > 1 ? " x " + std::to_string(ranks_here) +
                                                  " ranks on this node = " + format_bytes(needed)
                                            : "";
   const std::string fix =
-      on_host ? "lower train.micro_batch or train.seq_len, use an activation.strategy that "
-                "recomputes (per_layer, sqrt_segment), put fewer ranks on each node, or train "
-                "on a GPU"
-              : "keep the optimizer state on the GPU (optim.offload=none, or "
-                "optim.offload_moments=device), use an activation.strategy that recomputes "
-                "instead of offloading, or put fewer ranks on each node";
-  throw OutOfMemoryError("out of host memory before the first step: the memory model predicts " +
+      data_bytes > capacity.bytes / 2
+          ? "convert " + data +
+                " to a token dataset, which is memory-mapped instead (`shardtrain "
+                "prepare-data --input " +
+                data + " --output DATA.h5`)"
+      : on_host ? "lower train.micro_batch or train.seq_len, use an activation.strategy that "
+                  "recomputes (per_layer, sqrt_segment), put fewer ranks on each node, or train "
+                  "on a GPU"
+                : "keep the optimizer state on the GPU (optim.offload=none, or "
+                  "optim.offload_moments=device), use an activation.strategy that recomputes "
+                  "instead of offloading, or put fewer ranks on each node";
+  throw OutOfMemoryError("out of host memory before the first step: this run needs about " +
                              format_bytes(per_rank) + " of host memory per rank (" + parts + ")" +
                              ranks + ", more than the " + format_bytes(capacity.bytes) + " of " +
                              capacity.source + ": " + fix +

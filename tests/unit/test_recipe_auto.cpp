@@ -114,15 +114,38 @@ TEST(HostMemory, APredictionPastTheMachinesMemoryFailsBeforeTheFirstStep) {
     train::run_training(config);
     ADD_FAILURE() << "a " << format_bytes(p.peak) << " run started on " << format_bytes(host.bytes);
   } catch (const OutOfMemoryError& e) {
-    const std::string expected =
-        "out of host memory before the first step: the memory model "
-        "predicts " +
-        format_bytes(p.peak) + " of host memory per rank (a peak of " + format_bytes(p.peak) +
-        " on the cpu device at " + p.peak_moment + "), more than the " + format_bytes(host.bytes) +
-        " of " + host.source + ": lower train.micro_batch";
+    const std::string expected = "out of host memory before the first step: this run needs about " +
+                                 format_bytes(p.peak) + " of host memory per rank (a peak of " +
+                                 format_bytes(p.peak) + " on the cpu device at " + p.peak_moment +
+                                 "), more than the " + format_bytes(host.bytes) + " of " +
+                                 host.source + ": lower train.micro_batch";
     EXPECT_NE(std::string(e.what()).find(expected), std::string::npos)
         << e.what() << "\nexpected: " << expected;
     EXPECT_EQ(e.requested_bytes(), p.peak);
   }
   EXPECT_FALSE(std::filesystem::exists(out)) << "the check came after the run began";
+
+  // A .txt corpus is held in memory (4 bytes a token, plus the text): one as large as the
+  // machine's memory (a sparse file) is refused before it is read, pointing at prepare-data.
+  const std::string text = out_dir("big") + ".txt";
+  {
+    std::ofstream(text).close();
+    std::filesystem::resize_file(text, static_cast<uintmax_t>(host.bytes));
+  }
+  train::Config tiny_on_text = train::load_config(
+      std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/tiny.yaml",
+      {"data.path=" + text, "train.device=cpu", "train.progress=none", "train.out_dir=" + out});
+  try {
+    train::run_training(tiny_on_text);
+    ADD_FAILURE() << "a corpus the size of the memory was read";
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_NE(std::string(e.what()).find(format_bytes(5 * host.bytes) + " for " + text +
+                                         " read into memory and tokenized"),
+              std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("shardtrain prepare-data --input " + text),
+              std::string::npos)
+        << e.what();
+  }
+  std::filesystem::remove(text);
 }
