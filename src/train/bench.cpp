@@ -403,6 +403,22 @@ BenchReport run_bench(const Config& config, const BenchOptions& options) {
   if (dist::detect_launch().world_size > 1) env = std::make_unique<dist::DistEnv>();
   const int world = env ? env->world_size() : 1;
   const int rank = env ? env->rank() : 0;
+  if (env) {
+    // Every rank must run the same combinations and steps, or the collectives inside them pair
+    // up wrongly and the job hangs until dist.timeout_s. (The run configs are compared when the
+    // first combination's runtime starts.)
+    std::string flags =
+        std::to_string(options.warmup_steps) + "/" + std::to_string(options.measured_steps);
+    for (const std::string& s : options.strategies) flags += "/" + s;
+    flags += "|";
+    for (const std::string& p : options.precisions) flags += "/" + p;
+    const auto mine = static_cast<int64_t>(std::hash<std::string>{}(flags) >> 1);
+    std::vector<int64_t> extremes = {mine, -mine};  // max of x and of -x: max and -min
+    env->world().all_reduce_host(extremes, dist::ReduceOp::Max);
+    ST_CHECK_AS(ConfigError, extremes[0] == -extremes[1],
+                "bench: the ranks were started with different --strategies, --precisions, "
+                "--warmup or --steps; start every rank with the same command");
+  }
 
   BenchReport report;
   report.world_size = world;

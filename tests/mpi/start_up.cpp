@@ -5,6 +5,7 @@
 #include <string>
 
 #include "shardtrain/dist/env.h"
+#include "shardtrain/train/bench.h"
 #include "shardtrain/train/runtime.h"
 #include "tiny_run.h"
 
@@ -58,6 +59,28 @@ TEST(StartUp, LoraUnderSeveralRanksIsRefusedAtStart) {
                 std::string::npos)
           << sharding << ": " << e.what();
     }
+  }
+}
+
+// bench under mpirun: ranks started with different flags stop at once, each with the same
+// message, instead of pairing collectives wrongly until dist.timeout_s.
+TEST(StartUp, BenchRanksWithDifferentFlagsStop) {
+  if (dist::job_world_size() < 2) GTEST_SKIP() << "needs several ranks";
+  train::Config config =
+      train::Config::parse(shardtrain::testing::kTinyRunYaml, {}, "start-up test");
+  train::BenchOptions o;
+  o.strategies = {"none"};
+  o.precisions = {"fp32"};
+  o.warmup_steps = 0;
+  o.measured_steps = dist::job_rank() == dist::job_world_size() - 1 ? 2 : 1;
+  try {
+    train::run_bench(config, o);
+    ADD_FAILURE() << "rank " << dist::job_rank() << " ran a bench whose flags differ";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("bench: the ranks were started with different "
+                                         "--strategies, --precisions, --warmup or --steps"),
+              std::string::npos)
+        << e.what();
   }
 }
 
