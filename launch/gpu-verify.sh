@@ -461,7 +461,8 @@ phase_cli() {
   } >>"$log"
   local start rc
   start=$(date +%s)
-  "${run[@]}" --set train.out_dir="$work/parts" >>"$log" 2>&1 &
+  # timeout passes the SIGTERM below on to the run, and ends a run that hangs after it.
+  timeout --kill-after=10 120 "${run[@]}" --set train.out_dir="$work/parts" >>"$log" 2>&1 &
   pid=$!
   sleep "$(awk -v ms="$half" 'BEGIN { printf "%.3f", ms / 1000 }')"
   kill -TERM "$pid" 2>/dev/null

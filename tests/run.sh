@@ -31,6 +31,7 @@ run_phase() {  # name, then ctest arguments
   local name="$1"
   shift
   echo "== $name =="
+  rm -f Testing/Temporary/LastTestsFailed.log  # a list left by an earlier ctest is not this one's
   if ! ctest --output-on-failure --timeout 900 "$@"; then
     failed+=("$(cat Testing/Temporary/LastTestsFailed.log 2>/dev/null || echo "$name")")
   fi

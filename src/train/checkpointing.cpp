@@ -4,12 +4,14 @@
 
 #include <yaml-cpp/yaml.h>
 #include <cerrno>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -19,6 +21,7 @@
 #include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/nn/lora.h"
 #include "shardtrain/train/runtime.h"
+#include "shardtrain/train/schedule.h"
 
 namespace shardtrain::train {
 
@@ -318,6 +321,36 @@ std::vector<std::string> resume_notes(const io::TrainingState& state, const Conf
                              "never trained on, so evaluation losses may read low; keep ",
                              key, " to compare them with the run's earlier ones"));
   };
+  if (saved.train.seq_len != now.train.seq_len)
+    notes.push_back(concat("note: train.seq_len was ", saved.train.seq_len,
+                           " for the checkpoint's run and is ", now.train.seq_len,
+                           " now: the steps from here on take windows of another length, so the "
+                           "data's windows no longer line up with those already trained on"));
+  // The schedule is a function of the step and the optim/train keys: a changed train.steps (or
+  // warmup, lr, min_lr, schedule) moves the rate of the next step away from where the
+  // checkpoint's run was heading.
+  const float would = lr_schedule(saved).at(state.step), will = lr_schedule(now).at(state.step);
+  if (std::fabs(would - will) > 1e-6f * std::max(std::fabs(would), 1e-30f)) {
+    std::vector<std::string> changed;
+    auto compare = [&](const char* key, double a, double b) {
+      if (a != b) changed.push_back(concat(key, " ", a, " -> ", b));
+    };
+    compare("train.steps", static_cast<double>(saved.train.steps),
+            static_cast<double>(now.train.steps));
+    compare("optim.warmup_steps", static_cast<double>(saved.optim.warmup_steps),
+            static_cast<double>(now.optim.warmup_steps));
+    compare("optim.lr", saved.optim.lr, now.optim.lr);
+    compare("optim.min_lr", saved.optim.min_lr, now.optim.min_lr);
+    if (saved.optim.schedule != now.optim.schedule)
+      changed.push_back("optim.schedule " + saved.optim.schedule + " -> " + now.optim.schedule);
+    std::string list;
+    for (const std::string& c : changed) list += (list.empty() ? "" : ", ") + c;
+    char rates[96];
+    std::snprintf(rates, sizeof rates, "%.3g where the checkpoint's run would have used %.3g",
+                  static_cast<double>(will), static_cast<double>(would));
+    notes.push_back(concat("note: the learning-rate schedule differs from the checkpoint's run (",
+                           list, "): step ", state.step + 1, " runs at ", rates));
+  }
   data_note("data.path", saved.data.path, now.data.path);
   data_note("data.eval_fraction", (std::ostringstream() << saved.data.eval_fraction).str(),
             (std::ostringstream() << now.data.eval_fraction).str());
@@ -418,8 +451,18 @@ Checkpointing::Checkpointing(const Config& config, Runtime& runtime, Log log)
 
 std::optional<ResumePoint> Checkpointing::resume() {
   const std::string& mode = config_.train.resume;
-  if (mode.empty() || mode == "none") return std::nullopt;
   dist::ProcessGroup& world = runtime_.dist().world();
+  if (mode.empty() || mode == "none") {
+    // A fresh run must not write into an earlier run's checkpoints: it would replace some of
+    // them and leave the others, and a later resume=auto would continue whichever is newest.
+    const std::vector<io::CheckpointEntry> earlier = io::list_checkpoints(dir_);
+    ST_CHECK_AS(ConfigError, earlier.empty(), "the checkpoint directory '", dir_,
+                "' holds checkpoints of an earlier run (the newest at step ",
+                earlier.empty() ? 0 : earlier.front().step,
+                ") and train.resume is none: continue that run with train.resume=auto, or "
+                "start this one in another train.out_dir (or checkpoint.dir), or delete them");
+    return std::nullopt;
+  }
   auto load = [&](const std::string& path) {
     io::TrainingState state = load_checkpoint(runtime_, path);
     log_(concat("resumed from ", path, " (step ", state.step, ", saved by ", state.world_size,
@@ -430,6 +473,14 @@ std::optional<ResumePoint> Checkpointing::resume() {
   std::error_code ec;
   const bool explicit_file = mode != "auto" && !fs::is_directory(mode, ec);
   if (explicit_file) {
+    static const std::regex rank_file(R"(step-(\d+)\.rank-\d+\.h5)");
+    std::smatch m;
+    const std::string name = fs::path(mode).filename().string();
+    if (std::regex_match(name, m, rank_file))
+      throw ConfigError(
+          concat("train.resume='", mode, "' is one rank's file of checkpoint step ", m[1].str(),
+                 "; resume from its main file, ",
+                 (fs::path(mode).parent_path() / concat("step-", m[1].str(), ".h5")).string()));
     std::string problem = io::verify_checkpoint(world, mode);
     if (!problem.empty())
       throw FormatError(concat("train.resume: cannot resume from '", mode, "': ", problem));
@@ -455,6 +506,12 @@ std::optional<ResumePoint> Checkpointing::resume() {
     log_(concat("refusing checkpoint ", c.path, ": ", problem,
                 "; falling back to the previous one"));
   }
+  // auto starts from scratch when there is nothing to resume; a directory named explicitly was
+  // meant to hold a checkpoint (a mistyped path would otherwise train from scratch in silence).
+  ST_CHECK_AS(ConfigError, mode == "auto", "train.resume='", mode,
+              "': no complete checkpoint in that directory",
+              candidates.empty() ? "" : " (every one was refused, see above)",
+              "; name another, or use train.resume=auto to start from scratch when there is none");
   log_(concat("train.resume=", mode, ": no complete checkpoint in '", dir,
               "'; starting from scratch"));
   return std::nullopt;

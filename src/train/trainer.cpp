@@ -30,6 +30,7 @@
 #include "shardtrain/train/checkpointing.h"
 #include "shardtrain/train/plan.h"
 #include "shardtrain/train/progress.h"
+#include "shardtrain/train/run_lock.h"
 #include "shardtrain/train/runtime.h"
 #include "shardtrain/train/schedule.h"
 
@@ -181,6 +182,17 @@ TrainSummary train_with(const Config& config) {
                        config.checkpoint.dir.empty()
                            ? "checkpoint.dir (default: under train.out_dir)"
                            : "checkpoint.dir");
+  // One run at a time in a directory; rank 0 holds the locks for the job.
+  std::optional<RunLock> out_lock, checkpoint_lock;
+  if (leader) {
+    out_lock.emplace(t.out_dir, "train.out_dir");
+    if (!config.checkpoint.dir.empty() && std::filesystem::is_directory(config.checkpoint.dir))
+      checkpoint_lock.emplace(config.checkpoint.dir, "checkpoint.dir");
+    for (const RunLock* lock :
+         {out_lock ? &*out_lock : nullptr, checkpoint_lock ? &*checkpoint_lock : nullptr})
+      if (lock != nullptr && !lock->unlocked_reason().empty())
+        std::fprintf(stderr, "%s\n", lock->unlocked_reason().c_str());
+  }
   // The adapter and the export are written after the last step: a path that cannot take them
   // fails now, not after the whole run.
   const std::string adapter_dir =

@@ -558,6 +558,83 @@ TEST(CheckpointResume, AnotherBatchSizeOrHeldOutSplitThanTheCheckpointsIsNoted) 
   EXPECT_EQ(log.find("sequences per step"), std::string::npos) << log;
 }
 
+// A fresh run does not train over an earlier run's checkpoints (it would replace some, keep the
+// others, and a later resume=auto would continue the wrong run); a resume path that names a
+// rank file, or a directory without checkpoints, is an error that says what to give instead.
+TEST(CheckpointResume, FreshRunsOverCheckpointsAndWrongResumePathsAreRefused) {
+  TempDir tmp;
+  train::run_training(tiny_config(
+      tmp / "run", {"train.steps=4", "checkpoint.every_steps=2", "optim.warmup_steps=1"}));
+  const std::string dir = tmp / "run/checkpoints";
+  auto error_of = [&](const std::vector<std::string>& overrides) -> std::string {
+    try {
+      train::run_training(tiny_config(tmp / "run", overrides));
+    } catch (const ConfigError& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  std::string message = error_of({"train.steps=6", "checkpoint.every_steps=2"});
+  EXPECT_NE(message.find("the checkpoint directory '" + dir +
+                         "' holds checkpoints of an earlier run (the newest at step 4) and "
+                         "train.resume is none: continue that run with train.resume=auto"),
+            std::string::npos)
+      << message;
+  EXPECT_EQ(step_losses(tmp / "run/metrics.jsonl").size(), 4u) << "the old run's metrics were lost";
+
+  const std::string rank_file = dir + "/" + io::rank_file_name(4, 0);
+  message = error_of({"train.steps=6", "train.resume=" + rank_file});
+  EXPECT_NE(message.find("is one rank's file of checkpoint step 00000004; resume from its main "
+                         "file, " +
+                         dir + "/step-00000004.h5"),
+            std::string::npos)
+      << message;
+
+  fs::create_directories(tmp / "empty");
+  message = error_of({"train.steps=6", "train.resume=" + (tmp / "empty")});
+  EXPECT_NE(message.find("train.resume='" + (tmp / "empty") +
+                         "': no complete checkpoint in that directory; name another, or use "
+                         "train.resume=auto"),
+            std::string::npos)
+      << message;
+
+  // Resuming with more steps stretches the schedule: the log says how the rate moves.
+  ::testing::internal::CaptureStderr();
+  train::run_training(tiny_config(tmp / "run", {"train.steps=10", "train.resume=auto",
+                                                "train.progress=lines", "optim.warmup_steps=1"}));
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(log.find("note: the learning-rate schedule differs from the checkpoint's run "
+                     "(train.steps 4 -> 10): step 5 runs at "),
+            std::string::npos)
+      << log;
+}
+
+// Two runs in one directory: the second is refused while the first holds it.
+TEST(CheckpointDirectory, ASecondRunInTheSameDirectoryIsRefused) {
+  TempDir tmp;
+  train::Config config = tiny_config(tmp / "run", {"train.progress=lines", "train.steps=100000"});
+  const std::string log_path = tmp / "child.log";
+  pid_t child = spawn_training_child(config, tmp.path.string(), log_path);
+  ASSERT_GT(child, 0);
+  ASSERT_TRUE(wait_until([&] {
+    return file_bytes(log_path).find("parameters on") != std::string::npos;
+  })) << file_bytes(log_path);
+  std::string message = "no error";
+  try {
+    train::run_training(tiny_config(tmp / "run", {"train.steps=2"}));
+  } catch (const ConfigError& e) {
+    message = e.what();
+  }
+  kill(child, SIGKILL);
+  wait_child(child);
+  EXPECT_NE(message.find("train.out_dir = '" + (tmp / "run") + "' is in use by another run (pid " +
+                         std::to_string(child) + " holds"),
+            std::string::npos)
+      << message;
+  // The lock goes with the process that held it: a killed run leaves nothing to clean up.
+  EXPECT_NO_THROW(train::run_training(tiny_config(tmp / "run", {"train.steps=2"})));
+}
+
 TEST(CheckpointResume, ResumeAutoWithoutCheckpointsStartsFromScratch) {
   TempDir tmp;
   // Files that only look like checkpoints (a step past int64, of a main file, a rank file and a
@@ -720,13 +797,17 @@ TEST_P(EvaluationSignals, ASignalAbandonsTheEvaluationAndSavesTheStepBeforeIt) {
   const std::string log_path = tmp / "child.log";
   pid_t child = spawn_training_child(config, tmp.path.string(), log_path);
   ASSERT_GT(child, 0);
-  // Metrics are flushed every step: once a step's line is there, its evaluation is running.
+  // Metrics are flushed every step: once a step's line is there, its evaluation (in the loop)
+  // is next.
   const std::string metrics = tmp / "run/metrics.jsonl";
   const int64_t evaluated = final_evaluation ? steps : 1;
   ASSERT_TRUE(wait_until([&] {
     return file_bytes(metrics).find("\"step\":" + std::to_string(evaluated) + ",") !=
            std::string::npos;
   })) << file_bytes(log_path);
+  // The final evaluation starts after the step's end-of-step checks (which would take the
+  // signal themselves): give it a second to be under way. It takes several (40,000 sequences).
+  if (final_evaluation) std::this_thread::sleep_for(std::chrono::seconds(1));
   const auto sent = std::chrono::steady_clock::now();
   kill(child, SIGTERM);
   const int code = wait_child(child);
