@@ -141,6 +141,20 @@ bool wait_until(Pred ready) {
   return false;
 }
 
+// spawn_training_child, then waits (up to 120 s) for its first line: by then its stop-signal
+// handlers and its directory lock are in place (both come before the model is built). -1 when
+// the line never came (the child is killed).
+pid_t spawn_started_child(const train::Config& config, const std::string& dir,
+                          const std::string& log_path) {
+  const pid_t child = spawn_training_child(config, dir, log_path);
+  if (child <= 0) return -1;
+  if (wait_until([&] { return file_bytes(log_path).find("parameters on") != std::string::npos; }))
+    return child;
+  kill(child, SIGKILL);
+  wait_child(child);
+  return -1;
+}
+
 }  // namespace
 
 // Not a test of its own: the body of the child processes above.
@@ -613,12 +627,8 @@ TEST(CheckpointResume, FreshRunsOverCheckpointsAndWrongResumePathsAreRefused) {
 TEST(CheckpointDirectory, ASecondRunInTheSameDirectoryIsRefused) {
   TempDir tmp;
   train::Config config = tiny_config(tmp / "run", {"train.progress=lines", "train.steps=100000"});
-  const std::string log_path = tmp / "child.log";
-  pid_t child = spawn_training_child(config, tmp.path.string(), log_path);
-  ASSERT_GT(child, 0);
-  ASSERT_TRUE(wait_until([&] {
-    return file_bytes(log_path).find("parameters on") != std::string::npos;
-  })) << file_bytes(log_path);
+  const pid_t child = spawn_started_child(config, tmp.path.string(), tmp / "child.log");
+  ASSERT_GT(child, 0) << file_bytes(tmp / "child.log");
   std::string message = "no error";
   try {
     train::run_training(tiny_config(tmp / "run", {"train.steps=2"}));
@@ -713,12 +723,8 @@ TEST_P(CheckpointSignals, ASignalSavesAtTheEndOfTheStepExitsZeroAndResumesBitwis
 
   train::Config config = tiny_config(tmp / "run", {"train.progress=lines"});
   const std::string log_path = tmp / "child.log";
-  pid_t child = spawn_training_child(config, tmp.path.string(), log_path);
-  ASSERT_GT(child, 0);
-  // The handlers are installed before the model is built, so the first line is late enough.
-  ASSERT_TRUE(wait_until([&] {
-    return file_bytes(log_path).find("parameters on") != std::string::npos;
-  })) << file_bytes(log_path);
+  const pid_t child = spawn_started_child(config, tmp.path.string(), log_path);
+  ASSERT_GT(child, 0) << file_bytes(log_path);
   kill(child, signal);
   const int code = wait_child(child);
   const std::string log = file_bytes(log_path);
