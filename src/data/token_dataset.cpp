@@ -192,6 +192,10 @@ std::vector<uint32_t> TokenDataset::tokens() const {
   return all;
 }
 
+bool names_text_corpus(const std::string& path) {
+  return path.size() > 4 && path.compare(path.size() - 4, 4, ".txt") == 0;
+}
+
 TokenDataset load_token_source(const std::string& path) {
   if (path == "builtin") {
     ByteTokenizer tok;
@@ -207,7 +211,7 @@ TokenDataset load_token_source(const std::string& path) {
                              "by `shardtrain prepare-data`)"));
   if (!std::filesystem::is_regular_file(path, ec))
     throw ConfigError(concat("data.path '", path, "' is not a regular file"));
-  const bool named_text = path.size() > 4 && path.substr(path.size() - 4) == ".txt";
+  const bool named_text = names_text_corpus(path);
   if (h5::has_hdf5_signature(path)) {
     ST_CHECK_AS(ConfigError, !named_text, "data.path '", path,
                 "' is named .txt but is an HDF5 file (a token dataset?): name token datasets .h5, "

@@ -16,6 +16,7 @@
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <regex>
 
 #include "shardtrain/data/hdf5.h"
@@ -954,7 +955,7 @@ std::string verify_checkpoint(dist::ProcessGroup& group, const std::string& path
   try {
     CheckpointReader reader(path);
     step = reader.state().step;
-    Node f = open_main_file(path);
+    Node f = open_file(path);  // the reader has checked its checksum trailer
     for (int64_t r : read_attr<int64_t>(f, "writer_ranks")) {
       const std::string rank_path =
           (fs::path(dir) / rank_file_name(step, static_cast<int>(r))).string();
@@ -1093,6 +1094,18 @@ bool is_complete(const std::string& path) {
 }
 
 }  // namespace
+
+std::optional<int64_t> rank_file_step(const std::string& name) {
+  static const std::regex pattern(R"(step-(\d+)\.rank-\d+\.h5)");
+  std::smatch m;
+  const std::string file = fs::path(name).filename().string();
+  int64_t step = 0;
+  if (!std::regex_match(file, m, pattern)) return std::nullopt;
+  const std::string digits = m[1].str();
+  const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), step);
+  if (ec != std::errc() || end != digits.data() + digits.size()) return std::nullopt;
+  return step;
+}
 
 void reseal_checkpoint_file(const std::string& main_path) {
   std::error_code ec;

@@ -25,6 +25,7 @@
 #include "shardtrain/dist/env.h"
 #include "shardtrain/memory/allocator.h"
 #include "shardtrain/optim/optimizer.h"
+#include "shardtrain/train/output_dir.h"
 #include "shardtrain/train/runtime.h"
 #include "shardtrain/train/schedule.h"
 
@@ -825,22 +826,14 @@ std::vector<std::string> draw_plots(const BenchReport& report, const fs::path& d
 
 void prepare_bench_output(const std::string& dir) {
   ST_CHECK_AS(ConfigError, !dir.empty(), "bench --out: an empty path; name a directory");
+  prepare_output_dir(dir, "bench --out");
   std::error_code ec;
-  fs::create_directories(dir, ec);
-  ST_CHECK_AS(ConfigError, !ec && fs::is_directory(dir), "bench --out '", dir,
-              "': cannot create the directory (",
-              ec ? ec.message() : std::string("a file is in the way"), "); choose another path");
   for (const char* name : {"bench.csv", "bench.json"}) {
     const fs::path path = fs::path(dir) / name;
     ST_CHECK_AS(ConfigError, !fs::exists(path, ec) || fs::is_regular_file(path, ec),
-                "bench --out '", dir, "': '", path.string(),
+                "bench --out = '", dir, "': '", path.string(),
                 "' exists and is not a file; remove it or choose another directory");
   }
-  const fs::path probe = fs::path(dir) / (".write-test-" + std::to_string(::getpid()));
-  const bool writable = std::ofstream(probe).good();
-  fs::remove(probe, ec);
-  ST_CHECK_AS(ConfigError, writable, "bench --out '", dir,
-              "': cannot write files there; choose a writable directory");
 }
 
 std::vector<std::string> write_bench_outputs(const BenchReport& report, const std::string& dir) {

@@ -11,7 +11,6 @@
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -473,14 +472,11 @@ std::optional<ResumePoint> Checkpointing::resume() {
   std::error_code ec;
   const bool explicit_file = mode != "auto" && !fs::is_directory(mode, ec);
   if (explicit_file) {
-    static const std::regex rank_file(R"(step-(\d+)\.rank-\d+\.h5)");
-    std::smatch m;
-    const std::string name = fs::path(mode).filename().string();
-    if (std::regex_match(name, m, rank_file))
+    if (const std::optional<int64_t> step = io::rank_file_step(mode))
       throw ConfigError(
-          concat("train.resume='", mode, "' is one rank's file of checkpoint step ", m[1].str(),
+          concat("train.resume='", mode, "' is one rank's file of checkpoint step ", *step,
                  "; resume from its main file, ",
-                 (fs::path(mode).parent_path() / concat("step-", m[1].str(), ".h5")).string()));
+                 (fs::path(mode).parent_path() / io::checkpoint_file_name(*step)).string()));
     std::string problem = io::verify_checkpoint(world, mode);
     if (!problem.empty())
       throw FormatError(concat("train.resume: cannot resume from '", mode, "': ", problem));
@@ -536,9 +532,13 @@ bool Checkpointing::after_step(int64_t step, const SamplerState& sampler, float 
                    (periodic && step == config_.train.steps);
   if (due || signal != 0) save(step, sampler, lr);
   if (signal == 0) return false;
+  log_stopped(signal, step);
+  return true;
+}
+
+void Checkpointing::log_stopped(int signal, int64_t step) {
   log_(concat("received ", signal_name(signal), ": stopped after step ", step, " with checkpoint ",
               last_saved_, " (continue with train.resume=auto)"));
-  return true;
 }
 
 bool Checkpointing::stop_if_requested(int64_t step, const SamplerState& sampler, float lr) {
@@ -546,8 +546,7 @@ bool Checkpointing::stop_if_requested(int64_t step, const SamplerState& sampler,
       runtime_.dist().world().all_reduce_host(int64_t{stop_signal()}, dist::ReduceOp::Max));
   if (signal == 0) return false;
   if (last_saved_step_ != step) save(step, sampler, lr);
-  log_(concat("received ", signal_name(signal), ": stopped after step ", step, " with checkpoint ",
-              last_saved_, " (continue with train.resume=auto)"));
+  log_stopped(signal, step);
   return true;
 }
 

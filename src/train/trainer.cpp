@@ -21,6 +21,7 @@
 #include "shardtrain/core/units.h"
 #include "shardtrain/data/corpus.h"
 #include "shardtrain/data/sampler.h"
+#include "shardtrain/data/token_dataset.h"
 #include "shardtrain/data/tokenizer.h"
 #include "shardtrain/dist/env.h"
 #include "shardtrain/fsdp/fsdp.h"
@@ -28,6 +29,7 @@
 #include "shardtrain/io/peft.h"
 #include "shardtrain/memory/host_capacity.h"
 #include "shardtrain/train/checkpointing.h"
+#include "shardtrain/train/output_dir.h"
 #include "shardtrain/train/plan.h"
 #include "shardtrain/train/progress.h"
 #include "shardtrain/train/run_lock.h"
@@ -44,21 +46,6 @@ nlohmann::json memory_json(const MemoryStats& s) {
   for (int i = 0; i < kNumMemoryCategories; ++i)
     j[std::string(category_name(static_cast<MemoryCategory>(i)))] = s.peak[static_cast<size_t>(i)];
   return j;
-}
-
-// Creates a directory the run writes into and checks that a file can be made there, so that a
-// path that cannot serve fails before the first training step rather than at the first write.
-void prepare_output_dir(const std::string& dir, const std::string& key) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  ST_CHECK_AS(ConfigError, !ec, key, " = '", dir, "': cannot create the directory (", ec.message(),
-              "); choose a writable path");
-  const std::filesystem::path probe =
-      std::filesystem::path(dir) / (".write-test-" + std::to_string(::getpid()));
-  const bool writable = std::ofstream(probe).good();
-  std::filesystem::remove(probe, ec);
-  ST_CHECK_AS(ConfigError, writable, key, " = '", dir,
-              "': cannot write files there; choose a writable path");
 }
 
 // The per-rank device memory a plan is made against: train.device_memory, else a GPU's total
@@ -92,9 +79,8 @@ void check_host_memory(const Config& config, int world) {
   // it is tokenized. (Token datasets are memory-mapped: page cache, not this process's memory.)
   std::error_code ec;
   const std::string& data = config.data.path;
-  const int64_t text_bytes = data.size() > 4 && data.substr(data.size() - 4) == ".txt"
-                                 ? static_cast<int64_t>(std::filesystem::file_size(data, ec))
-                                 : 0;
+  const int64_t text_bytes =
+      names_text_corpus(data) ? static_cast<int64_t>(std::filesystem::file_size(data, ec)) : 0;
   const int64_t data_bytes = ec ? 0 : 5 * text_bytes;
   const int64_t per_rank = p.host_bytes() + (on_host ? p.peak : 0) + data_bytes;
   const int64_t ranks_here = std::max(1, dist::detect_launch().local_size);

@@ -413,7 +413,7 @@ TEST(Bench, BadListsAndOutputDirectoriesFailBeforeTheSweep) {
   std::tie(code, err) = bench({"--strategies", "none", "--out", (dir / "a-file").string()});
   EXPECT_EQ(code, 1);
   EXPECT_NE(
-      err.find("bench --out '" + (dir / "a-file").string() + "': cannot create the directory"),
+      err.find("bench --out = '" + (dir / "a-file").string() + "': cannot create the directory"),
       std::string::npos)
       << err;
   EXPECT_EQ(err.find("bench: none/fp32"), std::string::npos) << "a combination ran first:\n" << err;

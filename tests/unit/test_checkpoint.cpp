@@ -598,7 +598,7 @@ TEST(CheckpointResume, FreshRunsOverCheckpointsAndWrongResumePathsAreRefused) {
 
   const std::string rank_file = dir + "/" + io::rank_file_name(4, 0);
   message = error_of({"train.steps=6", "train.resume=" + rank_file});
-  EXPECT_NE(message.find("is one rank's file of checkpoint step 00000004; resume from its main "
+  EXPECT_NE(message.find("is one rank's file of checkpoint step 4; resume from its main "
                          "file, " +
                          dir + "/step-00000004.h5"),
             std::string::npos)

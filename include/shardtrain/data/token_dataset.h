@@ -85,5 +85,7 @@ class TokenDataset {
 // but .txt). The content decides, by HDF5's signature; ConfigError when the name disagrees (a
 // dataset named .txt, text under another name) or a .txt file holds NUL bytes (not text).
 TokenDataset load_token_source(const std::string& path);
+// Whether `data.path` names a text corpus (a .txt file: read whole, held in memory as tokens).
+bool names_text_corpus(const std::string& path);
 
 }  // namespace shardtrain

@@ -19,6 +19,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -82,6 +83,8 @@ struct SaveRequest {
 // "step-00000040.h5" and "step-00000040.rank-3.h5" (at least 8 digits).
 std::string checkpoint_file_name(int64_t step);
 std::string rank_file_name(int64_t step, int rank);
+// The step of a rank file's name or path (rank_file_name's form), nullopt for any other name.
+std::optional<int64_t> rank_file_step(const std::string& name);
 
 // Saves a checkpoint: collective over `group` (every rank calls it with the same step). Creates
 // `dir` when missing and returns the main file's path. A failure on any rank throws on every rank

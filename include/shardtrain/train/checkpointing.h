@@ -99,6 +99,8 @@ class Checkpointing {
   const std::string& last_saved() const { return last_saved_; }
 
  private:
+  void log_stopped(int signal, int64_t step);  // the stop's log line, after its save
+
   const Config& config_;
   Runtime& runtime_;
   Log log_;
