@@ -89,16 +89,19 @@ int64_t Sampler::window_start(int64_t position) const {
   return begin_ + index * config_.seq_len;
 }
 
-Batch Sampler::next_batch(int64_t batch_size) {
+Batch Sampler::next_batch_rows(int64_t batch_size, int64_t first, int64_t count) {
   ST_CHECK_AS(ConfigError, batch_size >= 1, "batch size must be at least 1, got ", batch_size);
+  ST_CHECK(first >= 0 && count >= 1 && first + count <= batch_size, "rows [", first, ", ",
+           first + count, ") are not within a batch of ", batch_size);
   const int64_t s = config_.seq_len;
   Batch batch;
-  batch.input_ids = empty({batch_size, s}, DType::I64, Device::cpu());
-  batch.targets = empty({batch_size, s}, DType::I64, Device::cpu());
+  batch.input_ids = empty({count, s}, DType::I64, Device::cpu());
+  batch.targets = empty({count, s}, DType::I64, Device::cpu());
   auto* inputs = batch.input_ids.data<int64_t>();
   auto* targets = batch.targets.data<int64_t>();
   std::vector<uint32_t> window(static_cast<size_t>(s + 1));
-  for (int64_t b = 0; b < batch_size; ++b) {
+  skip(first);
+  for (int64_t b = 0; b < count; ++b) {
     data_.read(window_start(position_), s + 1, window.data());
     for (int64_t t = 0; t < s; ++t) {
       inputs[b * s + t] = window[t];
@@ -106,7 +109,8 @@ Batch Sampler::next_batch(int64_t batch_size) {
     }
     skip(1);
   }
-  batch.num_target_tokens = batch_size * s;
+  skip(batch_size - first - count);
+  batch.num_target_tokens = count * s;
   return batch;
 }
 

@@ -39,8 +39,6 @@ namespace fs = std::filesystem;
 
 // ---- batches --------------------------------------------------------------------------------
 
-namespace {}  // namespace
-
 struct StepBatches::State {
   TokenDataset data;
   Sampler sampler;
@@ -68,10 +66,9 @@ StepBatches::StepBatches(const Config& config)
 StepBatches::~StepBatches() = default;
 
 std::vector<Batch> StepBatches::next() {
-  std::vector<Batch> all =
-      split_batch(state_->sampler.next_batch(global_batch_), accumulation_ * world_);
-  return std::vector<Batch>(all.begin() + rank_ * accumulation_,
-                            all.begin() + (rank_ + 1) * accumulation_);
+  const int64_t per_rank = global_batch_ / world_;
+  return split_batch(state_->sampler.next_batch_rows(global_batch_, rank_ * per_rank, per_rank),
+                     accumulation_);
 }
 
 // ---- model FLOPs and utilisation ------------------------------------------------------------

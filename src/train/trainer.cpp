@@ -345,15 +345,15 @@ TrainSummary train_with(const Config& config) {
   };
 
   for (int64_t step = first_step; step < t.steps; ++step) {
-    Batch batch = train_sampler.next_batch(global_batch);
-    std::vector<Batch> all = split_batch(batch, accumulation * world);
-    std::vector<Batch> micro(all.begin() + rank * accumulation,
-                             all.begin() + (rank + 1) * accumulation);
+    // This rank's share of the global batch: rows [rank * per_rank, (rank + 1) * per_rank).
+    const int64_t per_rank = accumulation * t.micro_batch;
+    std::vector<Batch> micro = split_batch(
+        train_sampler.next_batch_rows(global_batch, rank * per_rank, per_rank), accumulation);
     auto start = std::chrono::steady_clock::now();
     StepResult r = rt.train_step(micro, schedule.at(step));
     double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    double tokens = static_cast<double>(batch.input_ids.numel());
+    const double tokens = static_cast<double>(global_batch * t.seq_len);
     total_tokens += tokens;
     total_seconds += seconds;
     if (step == first_step) summary.first_loss = r.loss;

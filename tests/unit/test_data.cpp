@@ -432,6 +432,38 @@ TEST(Sampler, RestoreAndSkipContinueIdentically) {
   expect_error<ConfigError>([&] { b.restore({5, 0, 249}); }, {"position 249", "[0, 249)"});
 }
 
+// Each rank reads only its rows of the global batch; together the ranks read exactly the
+// global batch, and every rank's sampler ends where the whole batch would leave it, across
+// epoch boundaries too.
+TEST(Sampler, RanksReadTheirRowsOfTheGlobalBatch) {
+  TokenDataset ds = counting_dataset(600);
+  SamplerConfig cfg;
+  cfg.seq_len = 8;  // 74 windows per epoch
+  cfg.seed = 3;
+  for (int64_t world : {1, 2, 3, 4}) {
+    const int64_t global = 12;
+    const int64_t per_rank = global / world;
+    Sampler whole(ds, Split::Train, cfg);
+    std::vector<Sampler> ranks(static_cast<size_t>(world), Sampler(ds, Split::Train, cfg));
+    for (int step = 0; step < 15; ++step) {  // 180 windows: two epoch boundaries
+      std::vector<int64_t> expected = whole.next_batch(global).input_ids.to_int_vector();
+      std::vector<int64_t> gathered;
+      for (int64_t r = 0; r < world; ++r) {
+        Batch b = ranks[static_cast<size_t>(r)].next_batch_rows(global, r * per_rank, per_rank);
+        ASSERT_EQ(b.batch_size(), per_rank);
+        EXPECT_EQ(b.num_target_tokens, per_rank * 8);
+        std::vector<int64_t> ids = b.input_ids.to_int_vector();
+        gathered.insert(gathered.end(), ids.begin(), ids.end());
+        EXPECT_EQ(ranks[static_cast<size_t>(r)].state(), whole.state()) << "world " << world;
+      }
+      EXPECT_EQ(gathered, expected) << "world " << world << " step " << step;
+    }
+  }
+  Sampler s(ds, Split::Train, cfg);
+  EXPECT_THROW(s.next_batch_rows(4, 3, 2), Error);
+  EXPECT_THROW(s.next_batch_rows(4, -1, 2), Error);
+}
+
 TEST(Sampler, TrainAndEvalAreDisjoint) {
   TokenDataset ds = counting_dataset(1000);
   SamplerConfig cfg;

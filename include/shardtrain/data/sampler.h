@@ -45,7 +45,10 @@ class Sampler {
   int64_t split_end() const { return end_; }
 
   // The next `batch_size` windows (continuing into the next epoch when this one runs out).
-  Batch next_batch(int64_t batch_size);
+  Batch next_batch(int64_t batch_size) { return next_batch_rows(batch_size, 0, batch_size); }
+  // Rows [first, first + count) of the next `batch_size` windows; advances past all of them.
+  // Each rank reads only its share of a global batch, and every rank's sampler stays in step.
+  Batch next_batch_rows(int64_t batch_size, int64_t first, int64_t count);
   // Stream offset of the window taken at `position` of the current epoch.
   int64_t window_start(int64_t position) const;
 
