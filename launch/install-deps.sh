@@ -10,7 +10,7 @@ packages=(
   libopenblas-openmp-dev
   libhdf5-dev hdf5-tools
   libopenmpi-dev openmpi-bin
-  libyaml-cpp-dev nlohmann-json3-dev libspdlog-dev libfmt-dev
+  libyaml-cpp-dev nlohmann-json3-dev libfmt-dev
   libboost-dev libboost-iostreams-dev
   libgtest-dev
   gnuplot-nox

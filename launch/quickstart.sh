@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # From a fresh checkout to a trained model: installs the Debian packages, builds shardtrain
-# (Release) and trains configs/tiny.yaml, on the GPU when there is one, else on the CPU (about
-# 3-5 minutes on 2 cores). Extra arguments go to `shardtrain train`, e.g.
+# (Release) and trains configs/tiny.yaml, on the GPU when there is one, else on the CPU (the
+# build about 4 minutes and the training under a minute on 2 cores). Extra arguments go to `shardtrain train`, e.g.
 #   launch/quickstart.sh --set train.steps=50
 set -euo pipefail
 

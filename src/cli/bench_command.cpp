@@ -57,7 +57,7 @@ Command bench_command() {
   c.flags.push_back(
       Flag("out", "DIR", "where CSV, JSON and plots go (default <train.out_dir>/bench)"));
   c.run = [](const Args& args) {
-    train::Config config = config_from_args(args);
+    train::Config config = config_from_args(args, {"activation", "precision"});
     train::BenchOptions o;
     o.strategies = split_list(args.get("strategies"));
     o.precisions = split_list(args.get("precisions"));

@@ -13,7 +13,7 @@ Command config_command() {
   c.description =
       "Reads --config, applies each --set, validates every key and prints the result as YAML\n"
       "that can be saved and passed back to --config. --keys lists every key instead.";
-  c.flags = config_flags();
+  c.flags = config_flags(/*config_required=*/false);
   c.flags.push_back(Flag("keys", "", "list every key with its type, default and help"));
   c.run = [](const Args& args) {
     if (args.has("keys")) {

@@ -1,4 +1,5 @@
 // `shardtrain plan`: the scale-up recipe as a memory planner.
+#include <fmt/format.h>
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -14,14 +15,9 @@ namespace {
 
 // 8030261248 -> "8.03 B", 124439808 -> "124.44 M".
 std::string count_text(int64_t n) {
-  char buf[32];
-  if (n >= 1000000000)
-    std::snprintf(buf, sizeof buf, "%.2f B", static_cast<double>(n) / 1e9);
-  else if (n >= 1000000)
-    std::snprintf(buf, sizeof buf, "%.2f M", static_cast<double>(n) / 1e6);
-  else
-    std::snprintf(buf, sizeof buf, "%lld", static_cast<long long>(n));
-  return buf;
+  if (n >= 1000000000) return fmt::format("{:.2f} B", static_cast<double>(n) / 1e9);
+  if (n >= 1000000) return fmt::format("{:.2f} M", static_cast<double>(n) / 1e6);
+  return fmt::format("{}", n);
 }
 
 }  // namespace
@@ -47,7 +43,7 @@ Command plan_command() {
   c.flags.push_back(
       Flag("measure-steps", "N", "measured steps per row with --measure").defaults_to("2"));
   c.run = [](const Args& args) {
-    train::Config config = config_from_args(args);
+    train::Config config = config_from_args(args, {"activation", "precision", "optim"});
     // train.device_memory_bytes() is 0 when the key is unset.
     const int64_t configured = config.train.device_memory_bytes();
     const int64_t device_bytes = args.has("device-memory") ? parse_bytes(args.get("device-memory"))

@@ -1,5 +1,6 @@
 // `shardtrain prepare-data`: tokenizes a text file (or the built-in corpus) into an HDF5 token
 // dataset that data.path can point at.
+#include <fmt/format.h>
 #include <cstdio>
 #include <iostream>
 
@@ -24,8 +25,7 @@ Command prepare_data_command() {
   };
   c.run = [](const Args& args) {
     PrepareSummary s = prepare_data(args.get("input"), args.get("output"), args.get("tokenizer"));
-    char entropy[32];
-    std::snprintf(entropy, sizeof entropy, "%.3f", s.unigram_entropy_bits);
+    const std::string entropy = fmt::format("{:.3f}", s.unigram_entropy_bits);
     std::cout << "wrote " << s.output << ": " << s.num_tokens << " tokens from " << s.source
               << " (tokenizer " << s.tokenizer << ", vocabulary " << s.vocab_size
               << ", unigram entropy " << entropy << " bits/token)\n";

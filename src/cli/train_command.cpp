@@ -3,6 +3,7 @@
 
 #include "shardtrain/cli/command.h"
 #include "shardtrain/dist/env.h"
+#include "shardtrain/train/checkpointing.h"
 #include "shardtrain/train/trainer.h"
 
 namespace shardtrain::cli {
@@ -19,13 +20,18 @@ Command train_command() {
       "train.resume=auto continues it (docs/checkpoints.md).";
   c.flags = config_flags();
   c.run = [](const Args& args) {
+    // Up before anything slow (MPI start-up, loading weights): a stop requested meanwhile ends
+    // the run with a checkpoint after its first step instead of killing the process.
+    train::StopSignalHandlers stop_signals;
     train::Config config = config_from_args(args);
     train::TrainSummary s = train::run_training(config);
     if (dist::job_rank() != 0) return 0;  // under mpirun, rank 0 reports for the job
     const int64_t run = s.steps - s.first_step;
     if (run == 0) {
-      std::printf("nothing left to train: the run is at step %lld = train.steps\n",
+      std::printf("nothing left to train: the run is at step %lld = train.steps",
                   static_cast<long long>(s.steps));
+      if (s.final_eval_loss >= 0) std::printf(", eval loss %.4f", s.final_eval_loss);
+      std::printf("\n");
       if (!s.export_dir.empty()) std::printf("model: %s\n", s.export_dir.c_str());
       return 0;
     }

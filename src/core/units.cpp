@@ -1,5 +1,6 @@
 #include "shardtrain/core/units.h"
 
+#include <fmt/format.h>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -16,12 +17,8 @@ std::string format_bytes(int64_t bytes) {
     v /= 1024.0;
     ++u;
   }
-  char buf[64];
-  if (u == 0)
-    std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(bytes));
-  else
-    std::snprintf(buf, sizeof buf, "%.2f %s", v, units[u]);
-  return buf;
+  if (u == 0) return fmt::format("{} B", bytes);
+  return fmt::format("{:.2f} {}", v, units[u]);
 }
 
 int64_t parse_bytes(const std::string& text) {

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "shardtrain/core/error.h"
+#include "shardtrain/core/hdf5.h"
 #include "shardtrain/core/units.h"
 #include "shardtrain/data/corpus.h"
-#include "shardtrain/data/hdf5.h"
 #include "shardtrain/data/token_dataset.h"
 #include "shardtrain/data/tokenizer.h"
 

@@ -1,14 +1,12 @@
 #include "shardtrain/data/token_storage.h"
 
-#include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <bit>
-#include <cerrno>
+#include <boost/iostreams/device/mapped_file.hpp>
 #include <cstring>
+#include <filesystem>
 
 #include "shardtrain/core/error.h"
 
@@ -31,43 +29,30 @@ class InMemoryTokens : public TokenStorage {
   std::vector<uint32_t> tokens_;
 };
 
-// A read-only mapping of a whole file, unmapped on destruction.
+// A read-only mapping of a whole file (Boost.Iostreams), advised for random access.
 class MappedFile {
  public:
   explicit MappedFile(const std::string& path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) throw Error(concat("cannot open '", path, "' to map it: ", std::strerror(errno)));
-    struct stat st {};
-    if (::fstat(fd, &st) != 0) {
-      const int err = errno;
-      ::close(fd);
-      throw Error(concat("cannot read the size of '", path, "': ", std::strerror(err)));
+    std::error_code ec;
+    const std::uintmax_t bytes = std::filesystem::file_size(path, ec);
+    if (ec) throw Error(concat("cannot read the size of '", path, "': ", ec.message()));
+    if (bytes == 0) return;  // nothing to map (an empty mapping is refused)
+    try {
+      file_.open(path);
+    } catch (const std::exception& e) {
+      throw Error(concat("cannot map '", path, "': ", e.what()));
     }
-    size_ = static_cast<size_t>(st.st_size);
-    if (size_ > 0) {
-      void* p = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
-      const int err = errno;
-      ::close(fd);
-      if (p == MAP_FAILED) throw Error(concat("cannot map '", path, "': ", std::strerror(err)));
-      data_ = static_cast<const unsigned char*>(p);
-      // Windows are read at random: no read-ahead past the pages a window touches.
-      ::madvise(p, size_, MADV_RANDOM);
-    } else {
-      ::close(fd);
-    }
+    // Windows are read at random: no read-ahead past the pages a window touches.
+    ::madvise(const_cast<char*>(file_.data()), file_.size(), MADV_RANDOM);
   }
-  ~MappedFile() {
-    if (data_ != nullptr) ::munmap(const_cast<unsigned char*>(data_), size_);
-  }
-  MappedFile(const MappedFile&) = delete;
-  MappedFile& operator=(const MappedFile&) = delete;
 
-  const unsigned char* data() const { return data_; }
-  size_t size() const { return size_; }
+  const unsigned char* data() const {
+    return file_.is_open() ? reinterpret_cast<const unsigned char*>(file_.data()) : nullptr;
+  }
+  size_t size() const { return file_.is_open() ? file_.size() : 0; }
 
  private:
-  const unsigned char* data_ = nullptr;
-  size_t size_ = 0;
+  boost::iostreams::mapped_file_source file_;
 };
 
 // Little-endian uint16 or uint32 elements in blocks of a mapped file, copied as they are.

@@ -19,7 +19,8 @@
 #include <optional>
 #include <regex>
 
-#include "shardtrain/data/hdf5.h"
+#include "shardtrain/core/hdf5.h"
+#include "shardtrain/core/word_hash.h"
 #include "shardtrain/memory/category.h"
 
 namespace shardtrain::io {
@@ -222,36 +223,7 @@ std::string vds_escape(const std::string& name) {
 
 // ---- checksums --------------------------------------------------------------------------------
 
-// FNV-1a over 64-bit little-endian words (a trailing partial word is zero-padded), fed in any
-// pieces. Detects damage and mix-ups; it is not a cryptographic hash.
-class WordHash {
- public:
-  void update(const void* data, size_t bytes) {
-    const auto* p = static_cast<const unsigned char*>(data);
-    while (bytes > 0) {
-      size_t take = std::min(bytes, sizeof(uint64_t) - fill_);
-      std::memcpy(reinterpret_cast<unsigned char*>(&word_) + fill_, p, take);
-      fill_ += take;
-      p += take;
-      bytes -= take;
-      if (fill_ == sizeof(uint64_t)) flush();
-    }
-  }
-  uint64_t digest() {
-    if (fill_ > 0) flush();
-    return hash_;
-  }
-
- private:
-  void flush() {
-    hash_ = (hash_ ^ word_) * 0x100000001b3ull;
-    word_ = 0;
-    fill_ = 0;
-  }
-  uint64_t hash_ = 0xcbf29ce484222325ull;
-  uint64_t word_ = 0;
-  size_t fill_ = 0;
-};
+// WordHash (core/word_hash.h) checksums the data of every range and the main file.
 
 // ---- the main file's whole-file checksum ------------------------------------------------------
 
@@ -644,6 +616,7 @@ void write_main_file(const std::string& path, const TrainingState& state,
   file.write_int64_attribute("world_size", state.world_size);
   file.write_string_attribute("sharding", state.sharding);
   file.write_string_attribute("config", state.config_yaml);
+  if (!state.frozen_base.empty()) file.write_string_attribute("frozen_base", state.frozen_base);
   std::vector<int64_t> writer_ranks(writers.begin(), writers.end());
   write_attr<int64_t>(file, "writer_ranks", writer_ranks);
 
@@ -766,6 +739,14 @@ std::string save_checkpoint(dist::ProcessGroup& group, const SaveRequest& reques
     try {
       std::vector<RangeRecord> all;
       for (int r : writers) {
+        // Every rank wrote its file and said so: rank 0 not seeing one means another directory.
+        std::error_code ec;
+        if (r != 0 && !fs::exists(tmp(rank_path(r)), ec))
+          throw FormatError(concat("rank ", r, " wrote its part, but rank 0 cannot see '",
+                                   tmp(rank_path(r)),
+                                   "': the checkpoint directory must be on a file system every "
+                                   "rank shares (give checkpoint.dir or train.out_dir as such "
+                                   "a path, the same on every rank)"));
         std::vector<RangeRecord> records = read_rank_index(tmp(rank_path(r)), r);
         all.insert(all.end(), records.begin(), records.end());
       }
@@ -852,6 +833,7 @@ CheckpointReader::CheckpointReader(const std::string& path)
                              s.world_size, " (a step of at least 0 and 1 to 2^20 ranks expected)"));
   s.sharding = f.read_string_attribute("sharding");
   s.config_yaml = f.read_string_attribute("config");
+  if (f.has_attribute("frozen_base")) s.frozen_base = f.read_string_attribute("frozen_base");
   Node optim = open_group(f, "optim");
   s.optimizer = optim.read_string_attribute("name");
   s.optimizer_steps = optim.read_int64_attribute("steps_taken");

@@ -1,12 +1,19 @@
 #include "shardtrain/io/hf_model.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <vector>
 
 #include "shardtrain/autograd/grad_mode.h"
 #include "shardtrain/backend/backend.h"
+#include "shardtrain/core/word_hash.h"
 #include "shardtrain/io/safetensors.h"
 
 namespace shardtrain::io {
@@ -20,6 +27,12 @@ void check_hf_tensors(const SafetensorsCheckpoint& ckpt,
     if (!ckpt.contains(name))
       throw FormatError("model weights in '" + dir + "' have no tensor '" + name +
                         "' (is the checkpoint for a different model shape?)");
+    const DType stored_dtype = ckpt.info(name).dtype;
+    if (!is_floating(stored_dtype))
+      throw FormatError("model weights in '" + dir + "': tensor '" + name + "' is stored as " +
+                        std::string(safetensors_dtype_name(stored_dtype)) +
+                        ", an integer type; weights must be F32, BF16 or F16 (a wrongly "
+                        "converted or mislabelled file)");
     const Shape& stored = ckpt.info(name).shape;
     if (stored != shape)
       throw FormatError("model weights in '" + dir + "': tensor '" + name + "' has shape " +
@@ -51,6 +64,70 @@ void check_hf_tensors(const SafetensorsCheckpoint& ckpt,
   }
 }
 }  // namespace
+
+std::string hf_weights_fingerprint(const std::string& dir) {
+  const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(dir);
+  WordHash hash;
+  constexpr int64_t kPieces = 16, kPieceBytes = 64;
+  for (const std::string& name : ckpt.names()) {
+    const TensorInfo& info = ckpt.info(name);
+    hash.update(name.data(), name.size() + 1);  // with its terminator: names stay apart
+    hash.update_value(static_cast<int64_t>(info.dtype));
+    for (int64_t d : info.shape) hash.update_value(d);
+    const std::string_view stored = ckpt.file_of(name).bytes(name);
+    const char* data = stored.data();
+    const auto bytes = static_cast<int64_t>(stored.size());
+    for (int64_t k = 0; k < kPieces && bytes > 0; ++k) {
+      const int64_t begin = std::min(bytes - 1, bytes * k / kPieces);
+      hash.update(data + begin, static_cast<size_t>(std::min(kPieceBytes, bytes - begin)));
+    }
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(hash.digest()));
+  return hex;
+}
+
+std::vector<std::string> carry_hf_metadata(const std::string& source_dir,
+                                           const std::string& export_dir) {
+  namespace fs = std::filesystem;
+  using nlohmann::json;
+  std::vector<std::string> carried;
+  auto read_json = [](const fs::path& path) {
+    std::ifstream in(path);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (!in.good() && !in.eof()) throw Error("cannot read '" + path.string() + "'");
+    return json::parse(text);
+  };
+  const fs::path source_config = fs::path(source_dir) / "config.json";
+  const fs::path export_config = fs::path(export_dir) / "config.json";
+  json source = read_json(source_config), exported = read_json(export_config);
+  for (const auto& [key, value] : source.items()) {
+    if (exported.contains(key) || key == "quantization_config") continue;
+    exported[key] = value;
+    carried.push_back("config.json:" + key);
+  }
+  if (!carried.empty()) {
+    const fs::path tmp = export_config.string() + ".tmp";
+    {
+      std::ofstream out(tmp);
+      out << exported.dump(2) << "\n";
+      out.flush();
+      if (!out) throw Error("cannot write '" + tmp.string() + "'");
+    }
+    fs::rename(tmp, export_config);
+  }
+  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                           "tokenizer.model", "generation_config.json"}) {
+    const fs::path from = fs::path(source_dir) / name;
+    std::error_code ec;
+    if (!fs::is_regular_file(from, ec)) continue;
+    fs::copy_file(from, fs::path(export_dir) / name, fs::copy_options::overwrite_existing, ec);
+    if (ec)
+      throw Error("cannot copy '" + from.string() + "' into '" + export_dir + "': " + ec.message());
+    carried.push_back(name);
+  }
+  return carried;
+}
 
 void load_hf_weights(nn::LlamaModel& model, const std::string& dir) {
   SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(dir);

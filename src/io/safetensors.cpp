@@ -1,11 +1,10 @@
 #include "shardtrain/io/safetensors.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <boost/iostreams/device/mapped_file.hpp>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -27,49 +26,36 @@ using detail::concat;
 
 // ---- memory mapping ---------------------------------------------------------------------------
 
-// A whole file mapped copy-on-write: reads come from the page cache, and writes through a
-// zero-copy view stay private to the process and never reach the file.
+// A whole file mapped copy-on-write (Boost.Iostreams' private mapping): reads come from the page
+// cache, and writes through a zero-copy view stay private to the process and never reach the
+// file.
 class MappedFile {
  public:
   explicit MappedFile(const std::string& path) {
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-      throw ConfigError(
-          concat("cannot open safetensors file '", path, "': ", std::strerror(errno)));
-    struct stat st {};
-    if (::fstat(fd, &st) != 0) {
-      int err = errno;
-      ::close(fd);
-      throw ConfigError(concat("cannot stat '", path, "': ", std::strerror(err)));
-    }
-    if (!S_ISREG(st.st_mode)) {
-      ::close(fd);
+    std::error_code ec;
+    const fs::file_status status = fs::status(path, ec);
+    if (ec || !fs::exists(status))
+      throw ConfigError(concat("cannot open safetensors file '", path,
+                               "': ", ec ? ec.message() : std::string("no such file")));
+    if (!fs::is_regular_file(status))
       throw ConfigError(concat("'", path, "' is not a regular file"));
+    const std::uintmax_t bytes = fs::file_size(path, ec);
+    if (ec) throw ConfigError(concat("cannot read the size of '", path, "': ", ec.message()));
+    if (bytes == 0) return;  // nothing to map (an empty mapping is refused); the reader says why
+    boost::iostreams::mapped_file_params params(path);
+    params.flags = boost::iostreams::mapped_file::priv;
+    try {
+      file_.open(params);
+    } catch (const std::exception& e) {
+      throw ConfigError(concat("cannot memory-map '", path, "': ", e.what()));
     }
-    size_ = static_cast<size_t>(st.st_size);
-    if (size_ > 0) {
-      void* p = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
-      if (p == MAP_FAILED) {
-        int err = errno;
-        ::close(fd);
-        throw ConfigError(concat("cannot memory-map '", path, "': ", std::strerror(err)));
-      }
-      data_ = static_cast<char*>(p);
-    }
-    ::close(fd);  // the mapping keeps the file alive
   }
-  ~MappedFile() {
-    if (data_ != nullptr) ::munmap(data_, size_);
-  }
-  MappedFile(const MappedFile&) = delete;
-  MappedFile& operator=(const MappedFile&) = delete;
 
-  char* data() const { return data_; }
-  size_t size() const { return size_; }
+  char* data() const { return file_.is_open() ? file_.data() : nullptr; }
+  size_t size() const { return file_.is_open() ? file_.size() : 0; }
 
  private:
-  char* data_ = nullptr;
-  size_t size_ = 0;
+  boost::iostreams::mapped_file file_;
 };
 
 namespace {

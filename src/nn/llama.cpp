@@ -235,7 +235,9 @@ Tensor LlamaModel::final_hidden(const Tensor& ids) {
   ST_CHECK_SHAPE(ids.dim() == 2 && ids.dtype() == DType::I64,
                  "model input must be int64 token ids [batch, seq], got ", ids.describe());
   ST_CHECK_SHAPE(ids.size(1) <= config_.max_seq_len, "sequence length ", ids.size(1),
-                 " exceeds model.max_seq_len ", config_.max_seq_len);
+                 " exceeds the model's longest sequence, ", config_.max_seq_len,
+                 " (model.max_seq_len; with model.from_hf, config.json's max_position_embeddings "
+                 "unless model.max_seq_len is set)");
   Tensor x = embed_tokens.forward(ids);  // [B, S, H]
   for (int i = 0; i < num_layers(); ++i) x = run_layer(i, x);
   return ops::reshape(norm.forward(x), {ids.numel(), config_.hidden_size});

@@ -1,5 +1,9 @@
+#include <charconv>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -67,10 +71,18 @@ class HfConfigReader {
       throw error(field + " = " + v.dump() + " is not a whole number (an integer is needed)");
     throw error(field + " = " + v.dump() + " has the wrong type: expected a whole number");
   }
+  // A number the model keeps in fp32: one that becomes infinite or zero there is refused, as the
+  // run config's keys are (rope_theta 1e39 would be inf, rms_norm_eps 1e-50 zero).
   double number(const std::string& field, const json& v) const {
     if (!v.is_number())
       throw error(field + " = " + v.dump() + " has the wrong type: expected a number");
-    return v.get<double>();
+    const double d = v.get<double>();
+    const auto f = static_cast<float>(d);
+    if (!std::isfinite(f) || (d != 0 && f == 0))
+      throw error(field + " = " + v.dump() +
+                  " is outside fp32's range (about 1.2e-38 to 3.4e38 in magnitude), in which the "
+                  "model keeps it");
+    return d;
   }
   bool boolean(const std::string& field, const json& v) const {
     if (!v.is_boolean())
@@ -162,7 +174,9 @@ LlamaConfig LlamaConfig::from_hf_json(const std::string& path) {
   if (!in) throw ConfigError("cannot open model config '" + path + "'");
   json j;
   try {
-    in >> j;
+    // Parsed whole: text after the object is an error too (a file cut and pasted together).
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    j = json::parse(text);
   } catch (const std::exception& e) {
     throw FormatError("'" + path + "' is not valid JSON: " + e.what());
   }
@@ -200,6 +214,16 @@ LlamaConfig LlamaConfig::from_hf_json(const std::string& path) {
   return c;
 }
 
+namespace {
+// The shortest decimal that reads back as `value` in fp32: config.json then says 1e-05, not the
+// float's exact double 9.999999747378752e-06.
+double shortest_decimal(float value) {
+  char text[32];
+  const auto result = std::to_chars(text, text + sizeof text, value);
+  return std::strtod(std::string(text, result.ptr).c_str(), nullptr);
+}
+}  // namespace
+
 std::string LlamaConfig::to_hf_json() const {
   json scaling = nullptr;
   if (rope_scaling)
@@ -220,12 +244,12 @@ std::string LlamaConfig::to_hf_json() const {
             {"num_hidden_layers", num_layers},
             {"num_attention_heads", num_heads},
             {"num_key_value_heads", num_kv_heads},
-            {"rms_norm_eps", rms_norm_eps},
-            {"rope_theta", rope_theta},
+            {"rms_norm_eps", shortest_decimal(rms_norm_eps)},
+            {"rope_theta", shortest_decimal(rope_theta)},
             {"rope_scaling", scaling},
             {"tie_word_embeddings", tie_embeddings},
             {"max_position_embeddings", max_seq_len},
-            {"initializer_range", init_std},
+            {"initializer_range", shortest_decimal(init_std)},
             {"torch_dtype", "float32"}};
   return j.dump(2);
 }

@@ -211,6 +211,8 @@ BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t meas
       copy_s += r.copy_seconds;
       row.tokens_per_step = tokens;
       row.final_loss = r.loss;
+      row.skipped_steps += r.skipped ? 1 : 0;
+      ++row.measured_steps;
       const MemoryStats& d = r.device_memory;
       if (d.total_peak > row.peak_bytes) {
         row.peak_bytes = d.total_peak;
@@ -254,7 +256,7 @@ BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t meas
 namespace {
 
 // The figures of a row that travel between ranks, as doubles (exact for byte counts < 2^53).
-constexpr int kPacked = 16 + 2 * kNumMemoryCategories;
+constexpr int kPacked = 18 + 2 * kNumMemoryCategories;
 
 std::array<double, kPacked> pack(const BenchRow& r) {
   std::array<double, kPacked> v{};
@@ -275,6 +277,8 @@ std::array<double, kPacked> pack(const BenchRow& r) {
   v[i++] = r.recompute_ms;
   v[i++] = r.transfer_ms;
   v[i++] = r.copy_ms;
+  v[i++] = static_cast<double>(r.skipped_steps);
+  v[i++] = static_cast<double>(r.measured_steps);
   for (int64_t b : r.peak_by_category) v[i++] = static_cast<double>(b);
   for (int64_t b : r.at_peak) v[i++] = static_cast<double>(b);
   return v;
@@ -302,6 +306,8 @@ BenchRow unpack(const double* v, const BenchRow& shape, int rank) {
   r.recompute_ms = v[i++];
   r.transfer_ms = v[i++];
   r.copy_ms = v[i++];
+  r.skipped_steps = static_cast<int64_t>(v[i++]);
+  r.measured_steps = static_cast<int64_t>(v[i++]);
   for (int64_t& b : r.peak_by_category) b = static_cast<int64_t>(v[i++]);
   for (int64_t& b : r.at_peak) b = static_cast<int64_t>(v[i++]);
   r.tokens_per_s =
@@ -339,6 +345,7 @@ BenchRow combine(const std::vector<BenchRow>& ranks, const BenchRow& local) {
     m.recompute_ms = std::max(m.recompute_ms, r.recompute_ms);
     m.transfer_ms = std::max(m.transfer_ms, r.transfer_ms);
     m.copy_ms = std::max(m.copy_ms, r.copy_ms);
+    m.skipped_steps = std::max(m.skipped_steps, r.skipped_steps);
     tokens += r.tokens_per_step;
   }
   m.tokens_per_step = tokens;
@@ -574,6 +581,8 @@ nlohmann::json row_json(const BenchRow& r) {
   j["tokens_per_step"] = r.tokens_per_step;
   j["tokens_per_s"] = r.tokens_per_s;
   j["final_loss"] = r.final_loss;
+  j["skipped_steps"] = r.skipped_steps;
+  j["measured_steps"] = r.measured_steps;
   j["per_step"] = {{"forward_reruns", r.forward_reruns}, {"bytes_offloaded", r.bytes_offloaded},
                    {"bytes_restored", r.bytes_restored}, {"recompute_ms", r.recompute_ms},
                    {"transfer_ms", r.transfer_ms},       {"copy_ms", r.copy_ms}};
@@ -593,7 +602,12 @@ std::string markdown_rows(const std::vector<BenchRow>& rows, bool with_rank) {
   out += "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const BenchRow& r : rows) {
     std::string line = with_rank ? "| " + std::to_string(r.rank) + " " : "";
-    line += "| " + r.strategy + " | " + r.precision + " | ";
+    // A row whose steps loss scaling skipped did not train as its figures suggest: say so.
+    const std::string skipped = r.ok() && r.skipped_steps > 0
+                                    ? " (" + std::to_string(r.skipped_steps) + " of " +
+                                          std::to_string(r.measured_steps) + " steps skipped)"
+                                    : "";
+    line += "| " + r.strategy + " | " + r.precision + skipped + " | ";
     if (r.status == BenchStatus::OutOfMemory) {
       line += "OOM (" + fmt("%.2f", static_cast<double>(r.oom_requested_bytes) / kMiB) +
               " MiB requested) | - | - | - | - | - | - | - | - |";
@@ -639,7 +653,7 @@ std::string BenchReport::csv() const {
       "host_offloaded_peak,host_optimizer_state_peak,final_loss";
   for (int k = 0; k < kNumMemoryCategories; ++k) out += ",at_peak_" + category_key(k);
   for (int k = 0; k < kNumMemoryCategories; ++k) out += ",peak_" + category_key(k);
-  out += ",model_flops_per_token,achieved_tflops,peak_tflops,mfu,copy_ms\n";
+  out += ",model_flops_per_token,achieved_tflops,peak_tflops,mfu,copy_ms,skipped_steps\n";
   auto emit = [&](const BenchRow& r) {
     std::ostringstream s;
     s.precision(10);
@@ -670,6 +684,8 @@ std::string BenchReport::csv() const {
     if (r.mfu >= 0) s << r.mfu;
     s << ',';
     if (r.ok()) s << r.copy_ms;
+    s << ',';
+    if (r.ok()) s << r.skipped_steps;
     out += s.str() + "\n";
   };
   for (const BenchRow& r : rows) emit(r);

@@ -1,5 +1,6 @@
 #include "shardtrain/train/check.h"
 
+#include <fmt/format.h>
 #include <algorithm>
 #include <charconv>
 #include <cmath>
@@ -97,21 +98,17 @@ bool CheckReport::ok() const {
 
 std::string CheckReport::table() const {
   std::string out = setting.empty() ? std::string() : setting + "\n";
-  char line[512];
-  std::snprintf(line, sizeof line, "%-52s %10s %12s %12s %12s %10s  %s\n", "tensor", "elements",
-                "max abs err", "max rel err", "rel L2 err", "tolerance", "result");
-  out += line;
+  out += fmt::format("{:<52} {:>10} {:>12} {:>12} {:>12} {:>10}  {}\n", "tensor", "elements",
+                     "max abs err", "max rel err", "rel L2 err", "tolerance", "result");
   int failed = 0;
   for (const TensorError& t : tensors) {
-    std::snprintf(line, sizeof line, "%-52s %10lld %12.3e %12.3e %12.3e %10.1e  %s\n",
-                  t.name.c_str(), static_cast<long long>(t.numel), t.max_abs, t.max_rel, t.rel_l2,
-                  t.tolerance_rtol, t.ok ? "ok" : (t.normwise ? "FAIL (L2)" : "FAIL"));
-    out += line;
+    out += fmt::format("{:<52} {:>10} {:>12.3e} {:>12.3e} {:>12.3e} {:>10.1e}  {}\n", t.name,
+                       t.numel, t.max_abs, t.max_rel, t.rel_l2, t.tolerance_rtol,
+                       t.ok ? "ok" : (t.normwise ? "FAIL (L2)" : "FAIL"));
     failed += !t.ok;
   }
-  std::snprintf(line, sizeof line, "%zu tensors compared, %d beyond tolerance: %s\n",
-                tensors.size(), failed, ok() ? "PASS" : "FAIL");
-  return out + line;
+  return out + fmt::format("{} tensors compared, {} beyond tolerance: {}\n", tensors.size(), failed,
+                           ok() ? "PASS" : "FAIL");
 }
 
 CheckReport run_check(Config config, const CheckOptions& options) {

@@ -2,6 +2,7 @@
 // resume selection and stop signals (see include/shardtrain/train/checkpointing.h).
 #include "shardtrain/train/checkpointing.h"
 
+#include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 #include <cerrno>
 #include <cmath>
@@ -18,6 +19,7 @@
 #include "shardtrain/autograd/grad_mode.h"
 #include "shardtrain/dist/env.h"
 #include "shardtrain/fsdp/fsdp.h"
+#include "shardtrain/io/hf_model.h"
 #include "shardtrain/nn/lora.h"
 #include "shardtrain/train/runtime.h"
 #include "shardtrain/train/schedule.h"
@@ -59,8 +61,14 @@ const char* signal_name(int signal) {
 
 }  // namespace
 
+namespace {
+int g_live_handlers = 0;  // StopSignalHandlers alive (nested: the CLI's, then the trainer's)
+}  // namespace
+
 StopSignalHandlers::StopSignalHandlers() {
-  clear_stop_request();
+  // The outermost clears an earlier run's request; a nested one keeps a request that arrived
+  // while the run was starting (the CLI's handlers were up then).
+  if (g_live_handlers++ == 0) clear_stop_request();
   struct sigaction action {};
   action.sa_handler = record_stop_signal;
   sigemptyset(&action.sa_mask);
@@ -76,6 +84,7 @@ StopSignalHandlers::StopSignalHandlers() {
 }
 
 StopSignalHandlers::~StopSignalHandlers() {
+  --g_live_handlers;
   sigaction(SIGTERM, &previous_term_, nullptr);
   sigaction(SIGUSR1, &previous_usr1_, nullptr);
   sigaction(SIGINT, &previous_int_, nullptr);
@@ -180,6 +189,28 @@ bool ranks_agree(dist::ProcessGroup& group, int64_t value) {
 
 }  // namespace
 
+std::string frozen_base_identity(const Config& config) {
+  if (!config.lora.enabled) return "";
+  if (!config.model.from_hf.empty())
+    return "hf:" + io::hf_weights_fingerprint(config.model.from_hf);
+  std::ostringstream os;
+  os.precision(9);
+  os << "init:train.seed=" << config.train.seed << ",model.init_std=" << config.model.init_std;
+  return os.str();
+}
+
+namespace {
+// A frozen-base identity in words; `from_hf` is the directory of the run it belongs to.
+std::string describe_frozen_base(const std::string& identity, const std::string& from_hf) {
+  if (identity.rfind("hf:", 0) == 0)
+    return concat("the Hugging Face weights in '", from_hf, "' (fingerprint ", identity.substr(3),
+                  ")");
+  if (identity.rfind("init:", 0) == 0)
+    return concat("weights initialised from ", identity.substr(5), " (no model.from_hf)");
+  return concat("'", identity, "'");
+}
+}  // namespace
+
 io::SaveRequest make_save_request(Runtime& rt, const std::string& dir, int64_t step,
                                   const SamplerState& sampler, float lr) {
   const Config& config = rt.config();
@@ -192,9 +223,10 @@ io::SaveRequest make_save_request(Runtime& rt, const std::string& dir, int64_t s
   s.lr = lr;
   s.scaler_enabled = rt.scaler().enabled();
   s.scaler = rt.scaler().state();
-  s.sampler = sampler;
+  s.sampler = {sampler.seed, sampler.epoch, sampler.position};
   s.init_seed = static_cast<uint64_t>(config.train.seed);
   s.config_yaml = config.to_yaml();
+  s.frozen_base = frozen_base_identity(config);
   if (fsdp::ShardedModel* sharded = rt.sharded()) {
     s.sharding = config.dist.sharding;
     s.layout_json = layout_json(*sharded, config.dist.sharding);
@@ -344,9 +376,9 @@ std::vector<std::string> resume_notes(const io::TrainingState& state, const Conf
       changed.push_back("optim.schedule " + saved.optim.schedule + " -> " + now.optim.schedule);
     std::string list;
     for (const std::string& c : changed) list += (list.empty() ? "" : ", ") + c;
-    char rates[96];
-    std::snprintf(rates, sizeof rates, "%.3g where the checkpoint's run would have used %.3g",
-                  static_cast<double>(will), static_cast<double>(would));
+    const std::string rates =
+        fmt::format("{:.3g} where the checkpoint's run would have used {:.3g}",
+                    static_cast<double>(will), static_cast<double>(would));
     notes.push_back(concat("note: the learning-rate schedule differs from the checkpoint's run (",
                            list, "): step ", state.step + 1, " runs at ", rates));
   }
@@ -371,6 +403,24 @@ io::TrainingState load_checkpoint(Runtime& rt, const std::string& path) {
                              "' was saved with other model settings (", list,
                              "): resume with the settings it was saved with, or start a new run "
                              "(train.resume=none, or another train.out_dir)"));
+  }
+  // A LoRA checkpoint holds the adapters, not the base they adapt: on another base they would
+  // train on, from a wrong start, with no error anywhere else.
+  if (config.lora.enabled && !state.frozen_base.empty()) {
+    const std::string now = frozen_base_identity(config);
+    if (now != state.frozen_base) {
+      std::string saved_from_hf;
+      try {
+        saved_from_hf = Config::parse(state.config_yaml, {}, "saved config").model.from_hf;
+      } catch (const std::exception&) {
+      }
+      throw ConfigError(concat(
+          "train.resume: the LoRA adapters in checkpoint '", path, "' were trained on ",
+          describe_frozen_base(state.frozen_base, saved_from_hf), ", but this run's base is ",
+          describe_frozen_base(now, config.model.from_hf),
+          ": resume with the base they were trained on, or start a new run (train.resume=none, "
+          "or another train.out_dir)"));
+    }
   }
   if (!state.optimizer.empty() && state.optimizer != config.optim.name)
     throw FormatError(concat("checkpoint '", path, "' was saved with optimizer '", state.optimizer,
@@ -466,8 +516,11 @@ std::optional<ResumePoint> Checkpointing::resume() {
     io::TrainingState state = load_checkpoint(runtime_, path);
     log_(concat("resumed from ", path, " (step ", state.step, ", saved by ", state.world_size,
                 " rank(s), sharding ", state.sharding, ")"));
+    last_saved_ = path;  // that step needs no second save (a stop before the next step)
+    last_saved_step_ = state.step;
     for (const std::string& note : resume_notes(state, config_, world.size())) log_(note);
-    return ResumePoint{path, state.step, state.sampler};
+    return ResumePoint{
+        path, state.step, {state.sampler.seed, state.sampler.epoch, state.sampler.position}};
   };
   std::error_code ec;
   const bool explicit_file = mode != "auto" && !fs::is_directory(mode, ec);
@@ -557,9 +610,8 @@ std::string Checkpointing::save(int64_t step, const SamplerState& sampler, float
   last_saved_step_ = step;
   if (runtime_.dist().rank() == 0) io::prune_checkpoints(dir_, config_.checkpoint.keep_last);
   last_save_time_ = std::chrono::steady_clock::now();
-  char seconds[32];
-  std::snprintf(seconds, sizeof seconds, "%.2f",
-                std::chrono::duration<double>(last_save_time_ - start).count());
+  const std::string seconds =
+      fmt::format("{:.2f}", std::chrono::duration<double>(last_save_time_ - start).count());
   log_(concat("saved checkpoint ", last_saved_, " (step ", step, ", ", seconds, " s)"));
   return last_saved_;
 }
@@ -582,7 +634,12 @@ void open_metrics(std::ofstream& out, const std::string& path, int64_t resumed_s
     while (std::getline(in, line)) {
       if (line.empty()) continue;
       nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-      if (j.is_object() && j.value("step", int64_t{0}) <= resumed_step) kept.push_back(line);
+      if (!j.is_object()) continue;
+      const int64_t step = j.value("step", int64_t{0});
+      // The resumed run evaluates its first step again when one was due there (it may have been
+      // abandoned by the stop): the record it makes replaces the earlier one.
+      const bool eval_at_resumed_step = step == resumed_step && j.value("event", "") == "eval";
+      if (step <= resumed_step && !eval_at_resumed_step) kept.push_back(line);
     }
   }
   out.open(path, std::ios::trunc);

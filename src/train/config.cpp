@@ -430,7 +430,8 @@ const std::vector<Key>& schema() {
           .help("share the input embedding with the output projection"),
       Key("model.max_seq_len", &C::model, &ModelConfig::max_seq_len)
           .at_least(1)
-          .help("longest sequence the model supports"),
+          .help("longest sequence the model supports (with model.from_hf, when set, replaces "
+                "config.json's max_position_embeddings)"),
       Key("model.init_std", &C::model, &ModelConfig::init_std)
           .above(0)  // all-zero weights have all-zero gradients: such a model never learns
           .help("std of the normal weight initialisation"),
@@ -532,7 +533,7 @@ const std::vector<Key>& schema() {
           .help("dtype of forward/backward math inputs"),
       Key("precision.param_dtype", &C::precision, &PrecisionConfig::param_dtype)
           .one_of({"", "fp32", "bf16", "fp16"})
-          .help("dtype of the gathered parameters; \"\" = compute"),
+          .help("dtype of the gathered parameters: \"\" or precision.compute's"),
       Key("precision.reduce_dtype", &C::precision, &PrecisionConfig::reduce_dtype)
           .one_of({"fp32", "bf16", "fp16"})
           .help("dtype of gradient reduction"),
@@ -915,6 +916,15 @@ void validate_relations(const Config& c) {
     throw ConfigError("optim.min_lr (" + format_float(c.optim.min_lr) + ") is above optim.lr (" +
                       format_float(c.optim.lr) + "): the schedule decays from lr to min_lr");
 
+  // The gathered parameters are what every op computes on (FSDP's param_dtype is the compute
+  // dtype): a different value would quietly run another precision than precision.compute names,
+  // and loss scaling (keyed on precision.compute) would not match it.
+  if (!c.precision.param_dtype.empty() && c.precision.param_dtype != c.precision.compute)
+    throw ConfigError("precision.param_dtype (" + c.precision.param_dtype +
+                      ") differs from precision.compute (" + c.precision.compute +
+                      "): the gathered parameters are the compute dtype; set precision.compute=" +
+                      c.precision.param_dtype + " and leave precision.param_dtype unset");
+
   LayerSelection layers = LayerSelection::parse(c.activation.layers);
 
   // RoPE scaling: all four numbers with llama3, none of them without it.
@@ -1117,7 +1127,9 @@ Parsed parse_tree(const std::string& text, const std::vector<std::string>& overr
       throw ConfigError("lora.base_model ('" + c.lora.base_model +
                         "') is the base of LoRA adapters, but lora.enabled is false: set "
                         "lora.enabled=true, or load full weights with model.from_hf");
-    if (!c.model.from_hf.empty() && c.model.from_hf != c.lora.base_model)
+    std::error_code ec;  // one directory may be named two ways (a trailing slash)
+    const bool same_directory = std::filesystem::equivalent(c.model.from_hf, c.lora.base_model, ec);
+    if (!c.model.from_hf.empty() && c.model.from_hf != c.lora.base_model && !same_directory)
       throw ConfigError("model.from_hf ('" + c.model.from_hf + "') and lora.base_model ('" +
                         c.lora.base_model +
                         "') name different base models: set one of them (lora.base_model "
@@ -1169,24 +1181,27 @@ std::vector<std::string> Config::unused_settings() const {
   rule(optim.name == "sgd", {"optim.beta1", "optim.beta2", "optim.eps"},
        "it is an AdamW setting and optim.name is sgd");
   rule(optim.name == "adamw", {"optim.momentum"}, "it is an SGD setting and optim.name is adamw");
-  rule(optim.offload == "none", {"optim.offload_moments"},
+  // recipe: auto picks the precision, the activation strategy and the optimizer offload: a key
+  // that waits for one of them may count in the configuration it picks.
+  const bool recipe_picks = recipe == "auto";
+  rule(!recipe_picks && optim.offload == "none", {"optim.offload_moments"},
        "it places offloaded optimizer state and optim.offload is none");
   rule(optim.schedule == "constant", {"optim.min_lr"},
        "optim.schedule is constant (the rate stays at optim.lr after warmup)");
   const bool loss_scaling = precision.loss_scale == "dynamic" ||
                             (precision.loss_scale == "auto" && precision.compute == "fp16");
-  rule(!loss_scaling,
+  rule(!recipe_picks && !loss_scaling,
        {"precision.init_scale", "precision.growth_interval", "precision.growth_factor",
         "precision.backoff_factor"},
        "this run has no loss scaling (precision.loss_scale " + precision.loss_scale +
            " with precision.compute " + precision.compute + "; auto scales fp16 only)");
   rule(train.eval_every == 0, {"train.eval_batches"}, "train.eval_every is 0 (no evaluation)");
   const std::string& s = activation.strategy;
-  rule(s == "none", {"activation.layers"}, "activation.strategy is none");
-  rule(s == "none" || s == "offload", {"activation.checkpoint_impl"},
+  rule(!recipe_picks && s == "none", {"activation.layers"}, "activation.strategy is none");
+  rule(!recipe_picks && (s == "none" || s == "offload"), {"activation.checkpoint_impl"},
        "activation.strategy " + s + " recomputes nothing");
-  rule(s != "offload" && s != "offload_checkpoint", {"activation.offload_min_bytes"},
-       "activation.strategy " + s + " offloads nothing");
+  rule(!recipe_picks && s != "offload" && s != "offload_checkpoint",
+       {"activation.offload_min_bytes"}, "activation.strategy " + s + " offloads nothing");
   rule(activation.attention == "plain", {"activation.attention_backward"},
        "it chooses the fused attention's backward and activation.attention is plain");
   rule(!lora.enabled,

@@ -1,5 +1,6 @@
 #include "shardtrain/train/plan.h"
 
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,9 +19,7 @@ namespace shardtrain::train {
 namespace {
 
 std::string pct(double fraction) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f%%", 100.0 * fraction);
-  return buf;
+  return fmt::format("{:.1f}%", 100.0 * fraction);
 }
 
 // Rows per chunk of the fused head + loss that the recipe sets: the power of two at or above
@@ -54,6 +53,7 @@ const std::vector<RecipeStep>& recipe_steps() {
          c.precision.compute = "fp32";
          c.precision.param_dtype = "";
          c.activation.strategy = "none";
+         c.activation.layers = "all";  // each step's strategy applies to every layer
          c.activation.attention = "plain";
          c.dist.sharding = "no_shard";
          c.optim.offload = "none";
@@ -167,9 +167,7 @@ std::string Plan::table() const {
       if (r.measured) {
         double err = static_cast<double>(p.peak - r.measured_peak) /
                      static_cast<double>(std::max<int64_t>(r.measured_peak, 1));
-        char e[32];
-        std::snprintf(e, sizeof e, "%+.1f%%", 100.0 * err);
-        out += " " + format_bytes(r.measured_peak) + " | " + e +
+        out += " " + format_bytes(r.measured_peak) + " | " + fmt::format("{:+.1f}%", 100.0 * err) +
                (r.measure_note.empty() ? "" : " (" + r.measure_note + ")") + " |";
       } else {
         out += " " + (r.measure_note.empty() ? std::string("-") : r.measure_note) + " | - |";
@@ -254,7 +252,21 @@ void measure_plan(Plan& plan, int64_t warmup_steps, int64_t measured_steps) {
   }
 }
 
+namespace {
+// Whether activation.layers selects every layer (the memory model predicts no subset).
+bool strategy_on_every_layer(const Config& c) {
+  for (int64_t i = 0; i < c.model.num_layers; ++i)
+    if (!c.activation.applies_to_layer(i, c.model.num_layers)) return false;
+  return true;
+}
+}  // namespace
+
 Config apply_recipe(const Config& config, int64_t device_bytes, int world_size, std::string* why) {
+  ST_CHECK_AS(ConfigError, strategy_on_every_layer(config), "recipe: auto picks an activation ",
+              "strategy for every layer (the memory model predicts no subset), but "
+              "activation.layers is '",
+              config.activation.layers,
+              "': remove activation.layers, or choose the strategy yourself with recipe: manual");
   Plan plan = make_plan(config, device_bytes, world_size);
   if (plan.first_fit < 0)
     throw ConfigError("recipe: auto: " + plan.verdict() + "\n" + plan.table());
@@ -269,10 +281,19 @@ Config apply_recipe(const Config& config, int64_t device_bytes, int world_size, 
 
 std::string out_of_memory_advice(const Config& config, int64_t device_bytes, int world_size) {
   try {
-    const MemoryPrediction own = predict_memory(MemoryModelInput::from_config(config, world_size));
     const Plan plan = make_plan(config, device_bytes, world_size);
-    std::string out = "The memory model predicts a peak of " + format_bytes(own.peak) +
-                      " per rank for this configuration (at " + own.peak_moment + "). ";
+    std::string out;
+    if (config.activation.strategy != "none" && !strategy_on_every_layer(config)) {
+      out =
+          "(The memory model predicts a strategy on every layer, so it gives no figure for "
+          "activation.layers '" +
+          config.activation.layers + "'.) ";
+    } else {
+      const MemoryPrediction own =
+          predict_memory(MemoryModelInput::from_config(config, world_size));
+      out = "The memory model predicts a peak of " + format_bytes(own.peak) +
+            " per rank for this configuration (at " + own.peak_moment + "). ";
+    }
     if (plan.first_fit < 0) return out + "Along the scale-up recipe, " + plan.verdict() + ".";
     const RecipeRow& r = plan.rows[static_cast<size_t>(plan.first_fit)];
     return out + "The first step of the scale-up recipe that fits " + format_bytes(device_bytes) +

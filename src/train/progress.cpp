@@ -1,5 +1,6 @@
 #include "shardtrain/train/progress.h"
 
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -20,22 +21,18 @@ void Progress::update(int64_t step, const std::string& text) {
   double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   double eta =
       step > 0 ? elapsed / static_cast<double>(step) * static_cast<double>(total_ - step) : 0;
-  char eta_text[32];
-  std::snprintf(eta_text, sizeof eta_text, "%02d:%02d", static_cast<int>(eta) / 60,
-                static_cast<int>(eta) % 60);
+  const std::string eta_text =
+      fmt::format("{:02d}:{:02d}", static_cast<int>(eta) / 60, static_cast<int>(eta) % 60);
   if (bar_) {
     const int width = 24;
     int filled = total_ > 0 ? static_cast<int>(width * step / total_) : width;
     std::string bar(static_cast<size_t>(filled), '#');
     bar += std::string(static_cast<size_t>(width - filled), '.');
-    std::fprintf(stderr, "\r\033[K%s [%s] %lld/%lld %s eta %s", label_.c_str(), bar.c_str(),
-                 static_cast<long long>(step), static_cast<long long>(total_), text.c_str(),
-                 eta_text);
+    fmt::print(stderr, "\r\033[K{} [{}] {}/{} {} eta {}", label_, bar, step, total_, text,
+               eta_text);
     open_line_ = true;
   } else {
-    std::fprintf(stderr, "%s step %lld/%lld %s eta %s\n", label_.c_str(),
-                 static_cast<long long>(step), static_cast<long long>(total_), text.c_str(),
-                 eta_text);
+    fmt::print(stderr, "{} step {}/{} {} eta {}\n", label_, step, total_, text, eta_text);
   }
   std::fflush(stderr);
 }

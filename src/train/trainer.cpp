@@ -1,5 +1,6 @@
 #include "shardtrain/train/trainer.h"
 
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -19,6 +20,7 @@
 #include "shardtrain/backend/cuda.h"
 #endif
 #include "shardtrain/core/units.h"
+#include "shardtrain/core/word_hash.h"
 #include "shardtrain/data/corpus.h"
 #include "shardtrain/data/sampler.h"
 #include "shardtrain/data/token_dataset.h"
@@ -117,6 +119,33 @@ void check_host_memory(const Config& config, int world) {
                          needed);
 }
 
+// Ranks that read different files under one data.path (a node-local copy that differs, a
+// directory not shared) would train on different data without any error: each rank hashes the
+// token count, the vocabulary and 64 pieces of 16 tokens spread over the stream, and the ranks
+// compare.
+void check_same_data_on_every_rank(const TokenDataset& data, const std::string& path,
+                                   dist::ProcessGroup& world) {
+  if (world.size() == 1) return;
+  WordHash hash;
+  hash.update_value(data.size());
+  hash.update_value(data.vocab_size());
+  constexpr int64_t kPieces = 64, kPieceTokens = 16;
+  const int64_t n = data.size(), take = std::min(kPieceTokens, n);
+  std::vector<uint32_t> piece(static_cast<size_t>(kPieceTokens));
+  for (int64_t k = 0; k < kPieces && take > 0; ++k) {
+    data.read((n - take) * k / (kPieces - 1), take, piece.data());
+    hash.update(piece.data(), static_cast<size_t>(take) * sizeof(uint32_t));
+  }
+  const auto mine = static_cast<int64_t>(hash.digest() >> 2);  // non-negative
+  const int64_t high = world.all_reduce_host(mine, dist::ReduceOp::Max);
+  const int64_t low = -world.all_reduce_host(-mine, dist::ReduceOp::Max);
+  ST_CHECK_AS(ConfigError, low == high, "data.path '", path,
+              "' holds different tokens on different ranks (here, on rank ", world.rank(), ": ",
+              data.size(),
+              " tokens): every rank must read the same data; put it on a file "
+              "system every rank shares, or give every node the same copy");
+}
+
 Config resolve_recipe(const Config& requested) {
   if (requested.recipe != "auto") return requested;
   const int64_t device_bytes = planning_capacity(requested);
@@ -143,8 +172,18 @@ TrainSummary run_training(const Config& requested) {
   } catch (const OutOfMemoryError& e) {
     // The allocator says what did not fit; the planner adds which configuration would.
     const int64_t capacity = planning_capacity(config);
+    // recipe: auto already took the first step predicted to fit: this is the model's error
+    // (docs/recipe.md), and pointing at that same step again would help no one.
     const std::string advice =
-        capacity > 0 ? out_of_memory_advice(config, capacity, dist::job_world_size()) : "";
+        requested.recipe == "auto"
+            ? "recipe: auto chose this configuration because the memory model predicted it fits " +
+                  format_bytes(capacity) +
+                  ", but the run needed more (the prediction's error is listed in "
+                  "docs/recipe.md): leave headroom by setting train.device_memory below the "
+                  "device's size (10-15 % less), or pick a later recipe step yourself with "
+                  "recipe: manual (`shardtrain plan` lists them with their settings)"
+        : capacity > 0 ? out_of_memory_advice(config, capacity, dist::job_world_size())
+                       : "";
     if (advice.empty()) throw;
     throw OutOfMemoryError(std::string(e.what()) + "\n" + advice, e.requested_bytes());
   }
@@ -219,6 +258,7 @@ TrainSummary train_with(const Config& config) {
 
   Runtime rt(config);
   const int rank = rt.dist().rank();
+  check_same_data_on_every_rank(data, config.data.path, rt.dist().world());
   ST_CHECK(rt.dist().world_size() == world, "the launcher reported ", world,
            " ranks but MPI started ", rt.dist().world_size());
   optim::LrSchedule schedule = lr_schedule(config);
@@ -329,10 +369,8 @@ TrainSummary train_with(const Config& config) {
     const double loss = *evaluated;
     summary.final_eval_loss = loss;
     record(nlohmann::json{{"event", "eval"}, {"step", step}, {"eval_loss", loss}});
-    char line[128];
-    std::snprintf(line, sizeof line, "eval step %lld: loss %.4f (unigram entropy %.4f nats)",
-                  static_cast<long long>(step), loss, summary.unigram_entropy_nats);
-    progress.message(line);
+    progress.message(fmt::format("eval step {}: loss {:.4f} (unigram entropy {:.4f} nats)", step,
+                                 loss, summary.unigram_entropy_nats));
     return true;
   };
   auto stopped_after = [&](int64_t step) {
@@ -344,6 +382,18 @@ TrainSummary train_with(const Config& config) {
     return summary;
   };
 
+  // An evaluation is due after the last step and every eval_every steps. A resumed run repeats
+  // the one due at its first step: a stop may have abandoned it, and the weights are the same, so
+  // the figure is too. Then the final evaluation and the export happen even when no step is left.
+  auto eval_due = [&](int64_t step) {
+    return !eval_set.empty() && (step == t.steps || (t.eval_every > 0 && step % t.eval_every == 0));
+  };
+  if (first_step > 0 && eval_due(first_step) && !run_eval(first_step) &&
+      checkpoints.stop_if_requested(first_step, train_sampler.state(), schedule.at(first_step - 1)))
+    return stopped_after(first_step);
+
+  constexpr int kMaxNonFiniteLosses = 3;
+  int non_finite_losses = 0;
   for (int64_t step = first_step; step < t.steps; ++step) {
     // This rank's share of the global batch: rows [rank * per_rank, (rank + 1) * per_rank).
     const int64_t per_rank = accumulation * t.micro_batch;
@@ -361,6 +411,15 @@ TrainSummary train_with(const Config& config) {
     summary.skipped_steps += r.skipped ? 1 : 0;
     ST_CHECK(std::isfinite(r.loss) || r.skipped, "the loss became ", r.loss, " at step ", step,
              ": lower optim.lr, enable optim.grad_clip, or use fp32/bf16 instead of fp16");
+    // Loss scaling skips a step whose gradients overflowed, and a lower scale fixes those; a loss
+    // that is itself inf or nan comes from the forward (fp16's range, or damaged weights), which
+    // no scale fixes: a step or two may be an outlier batch, a run of them is a run going nowhere.
+    non_finite_losses = std::isfinite(r.loss) ? 0 : non_finite_losses + 1;
+    ST_CHECK(non_finite_losses < kMaxNonFiniteLosses, "the loss was ", r.loss, " for ",
+             non_finite_losses, " steps in a row (the last at step ", step + 1,
+             "): the forward pass itself overflows or the weights hold inf or nan, which loss "
+             "scaling cannot fix (every such step was skipped); use precision.compute=bf16, "
+             "lower optim.lr, or check the initial weights (model.init_std, model.from_hf)");
     nlohmann::json j = {{"event", "step"},
                         {"step", step + 1},
                         {"loss", r.loss},
@@ -381,22 +440,17 @@ TrainSummary train_with(const Config& config) {
                         {"host_memory", memory_json(r.host_memory)}};
     record(j);
     if ((step + 1) % std::max<int64_t>(t.log_every, 1) == 0 || step + 1 == t.steps) {
-      char text[256];
-      std::snprintf(text, sizeof text, "loss %.4f lr %.2e | %.0f tok/s | peak %s", r.loss, r.lr,
-                    tokens / seconds, format_bytes(r.device_memory.total_peak).c_str());
-      progress.update(step + 1, text);
+      progress.update(step + 1,
+                      fmt::format("loss {:.4f} lr {:.2e} | {:.0f} tok/s | peak {}", r.loss, r.lr,
+                                  tokens / seconds, format_bytes(r.device_memory.total_peak)));
     }
-    if (t.eval_every > 0 && (step + 1) % t.eval_every == 0) run_eval(step + 1);
+    if (eval_due(step + 1)) run_eval(step + 1);
     // A stop request: the checkpoint is written; skip the final evaluation and export.
     if (checkpoints.after_step(step + 1, train_sampler.state(), r.lr))
       return stopped_after(step + 1);
   }
-  // A stop during the final evaluation saves the last step (unless saved already); the resumed
-  // run has no step left and goes straight to this evaluation and the export.
-  if (!eval_set.empty() && (t.eval_every == 0 || t.steps % t.eval_every != 0) &&
-      !run_eval(t.steps) &&
-      checkpoints.stop_if_requested(t.steps, train_sampler.state(), schedule.at(t.steps - 1)))
-    return stopped_after(t.steps);
+  // A stop during the final evaluation saved the last step and stopped above; the resumed run
+  // has no step left and goes straight to that evaluation and the export.
   progress.finish();
   summary.last_checkpoint = checkpoints.last_saved();
   summary.steps = t.steps;
@@ -426,6 +480,14 @@ TrainSummary train_with(const Config& config) {
       // Every rank gathers the weights one unit at a time and rank 0 streams them into the
       // files: no rank ever holds the full model.
       io::save_hf_model(*rt.sharded(), summary.export_dir);
+    }
+    // A model fine-tuned from released weights keeps their token ids and tokenizer.
+    if (!config.model.from_hf.empty() && rt.dist().rank() == 0) {
+      const std::vector<std::string> carried =
+          io::carry_hf_metadata(config.model.from_hf, summary.export_dir);
+      if (!carried.empty())
+        progress.message("carried " + std::to_string(carried.size()) + " field(s) and file(s) of " +
+                         config.model.from_hf + " (token ids, tokenizer) into the export");
     }
     progress.message("exported the model to " + summary.export_dir);
   }

@@ -102,7 +102,7 @@ TEST(CheckpointAcrossRanks, EveryRanksRangesFormWholeTensors) {
 
   io::CheckpointReader reader(path);
   EXPECT_EQ(reader.state().world_size, W);
-  EXPECT_EQ(reader.state().sampler, (SamplerState{3, 1, 2}));
+  EXPECT_EQ(reader.state().sampler, (io::SamplerPosition{3, 1, 2}));
   ASSERT_EQ(reader.state().rng.size(), static_cast<size_t>(W));
   for (int r = 0; r < W; ++r)
     EXPECT_EQ(reader.state().rng[static_cast<size_t>(r)],

@@ -2,11 +2,16 @@
 // each naming the keys that differ, instead of exchanging messages of different sizes later.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 #include <string>
 
 #include "shardtrain/dist/env.h"
 #include "shardtrain/train/bench.h"
 #include "shardtrain/train/runtime.h"
+#include "shardtrain/train/trainer.h"
 #include "tiny_run.h"
 
 using namespace shardtrain;
@@ -60,6 +65,40 @@ TEST(StartUp, LoraUnderSeveralRanksIsRefusedAtStart) {
           << sharding << ": " << e.what();
     }
   }
+}
+
+// One data.path that names different files on different ranks (node-local copies that differ):
+// every rank stops at start, instead of training on different data.
+TEST(StartUp, RanksReadingDifferentDataStop) {
+  if (dist::job_world_size() < 2) GTEST_SKIP() << "needs several ranks";
+  const int rank = dist::job_rank();
+  const std::filesystem::path original = std::filesystem::current_path();
+  const std::filesystem::path here =
+      std::filesystem::temp_directory_path() /
+      ("shardtrain-data-" + std::to_string(::getppid()) + "-" + std::to_string(rank));
+  std::filesystem::create_directories(here);
+  {
+    std::string text;
+    for (int i = 0; i < 400; ++i)
+      text += "the same words on every rank, line " + std::to_string(i) + "\n";
+    if (rank == dist::job_world_size() - 1) text[1000] = '#';  // one byte differs
+    std::ofstream(here / "corpus.txt") << text;
+  }
+  std::filesystem::current_path(here);
+  train::Config config = train::Config::parse(
+      shardtrain::testing::kTinyRunYaml,
+      {"data.path=corpus.txt", "train.steps=1", "train.out_dir=run"},  // the same text everywhere
+      "start-up test");
+  try {
+    train::run_training(config);
+    ADD_FAILURE() << "rank " << rank << " trained although the ranks' data differ";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("holds different tokens on different ranks"),
+              std::string::npos)
+        << e.what();
+  }
+  std::filesystem::current_path(original);
+  std::filesystem::remove_all(here);
 }
 
 // bench under mpirun: ranks started with different flags stop at once, each with the same

@@ -108,6 +108,36 @@ bool on_path(const std::string& program) {
 
 }  // namespace
 
+// fp16 rows whose every step overflowed (an absurd first loss scale) say so in every output:
+// their step times are not real steps and their loss never moved.
+TEST(Bench, SkippedFp16StepsAreReported) {
+  train::Config config = train::Config::parse(kTinyYaml, {"precision.init_scale=1e30"}, "tiny");
+  train::BenchOptions o;
+  o.strategies = {"none"};
+  o.precisions = {"fp16", "fp32"};
+  o.warmup_steps = 0;
+  o.measured_steps = 2;
+  train::BenchReport report = train::run_bench(config, o);
+  ASSERT_EQ(report.rows.size(), 2u);
+  const train::BenchRow& fp16 = report.rows[0];
+  ASSERT_TRUE(fp16.ok()) << fp16.message;
+  ASSERT_EQ(fp16.precision, "fp16");
+  EXPECT_EQ(fp16.measured_steps, 2);
+  EXPECT_EQ(fp16.skipped_steps, 2);  // 1e30 and 5e29 both overflow fp16
+  EXPECT_EQ(report.rows[1].skipped_steps, 0);
+  EXPECT_NE(report.markdown().find("| none | fp16 (2 of 2 steps skipped) |"), std::string::npos)
+      << report.markdown();
+  fs::path dir = temp_dir("skipped");
+  train::write_bench_outputs(report, dir.string());
+  auto csv = read_csv(dir / "bench.csv");
+  ASSERT_EQ(csv.size(), 2u);
+  EXPECT_EQ(csv[0]["skipped_steps"], "2");
+  EXPECT_EQ(csv[1]["skipped_steps"], "0");
+  nlohmann::json j = nlohmann::json::parse(read(dir / "bench.json"));
+  EXPECT_EQ(j["rows"][0]["skipped_steps"].get<int64_t>(), 2);
+  fs::remove_all(dir);
+}
+
 TEST(Bench, ShortRunGivesSaneFiguresCsvAndJson) {
   train::Config config = train::Config::parse(kTinyYaml, {}, "tiny-bench");
   train::BenchOptions o;
@@ -259,7 +289,8 @@ TEST(Bench, RowsCarryModelFlopsAndMfu) {
     std::ifstream in(dir / "bench.csv");
     std::string header;
     std::getline(in, header);
-    const std::string tail = ",model_flops_per_token,achieved_tflops,peak_tflops,mfu,copy_ms";
+    const std::string tail =
+        ",model_flops_per_token,achieved_tflops,peak_tflops,mfu,copy_ms,skipped_steps";
     ASSERT_GE(header.size(), tail.size());
     EXPECT_EQ(header.substr(header.size() - tail.size()), tail);
     EXPECT_EQ(header.rfind("strategy,precision,status,rank,message,oom_requested_bytes,", 0), 0u);

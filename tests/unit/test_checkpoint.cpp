@@ -514,6 +514,34 @@ TEST(CheckpointResume, ACheckpointOfAnotherModelIsAClearError) {
   EXPECT_EQ(s.first_step, 1);
 }
 
+// A LoRA checkpoint holds the adapters, not the frozen base: resuming them on another base (here
+// one initialised from another seed) would train from a wrong start without any other error.
+TEST(CheckpointResume, LoraAdaptersResumeOnlyOnTheirBase) {
+  TempDir tmp;
+  const std::vector<std::string> lora = {"lora.enabled=true", "lora.r=4", "train.steps=1",
+                                         "checkpoint.every_steps=1"};
+  train::run_training(tiny_config(tmp / "run", lora));
+  auto resume = [&](std::vector<std::string> settings) {
+    settings.insert(settings.end(), lora.begin(), lora.end());
+    settings.push_back("train.steps=2");
+    settings.push_back("train.resume=auto");
+    return train::run_training(tiny_config(tmp / "run", settings));
+  };
+  try {
+    resume({"train.seed=8"});
+    ADD_FAILURE() << "LoRA adapters resumed on a base from another seed";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("were trained on weights initialised from train.seed=7"),
+              std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("this run's base is weights initialised from "
+                                         "train.seed=8"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(resume({}).first_step, 1);
+}
+
 TEST(CheckpointResume, ACheckpointAtOrPastTheLastStep) {
   TempDir tmp;
   train::run_training(tiny_config(tmp / "run", {"train.steps=2", "checkpoint.every_steps=2"}));
@@ -761,6 +789,34 @@ INSTANTIATE_TEST_SUITE_P(TermIntAndHup, CheckpointSignals,
                          });
 
 // SIGHUP asks for a stop, unless it was ignored before (nohup): then it stays ignored.
+// The CLI installs handlers before a run starts; the trainer's own, nested, keep a stop that
+// arrived meanwhile. The outermost clears an earlier run's request.
+TEST(CheckpointSignalHandlers, NestedHandlersKeepAPendingStop) {
+  {
+    train::StopSignalHandlers outer;
+    train::request_stop(SIGUSR1);
+    train::StopSignalHandlers inner;
+    EXPECT_EQ(train::stop_signal(), SIGUSR1);
+  }
+  train::StopSignalHandlers fresh;
+  EXPECT_EQ(train::stop_signal(), 0);
+}
+
+// fp16 with loss scaling skips a step whose gradients overflow; a loss that is itself nan (the
+// forward overflows: weights of scale 1e4) is not fixed by any scale, and the run stops on the
+// third such step instead of skipping every step to the end.
+TEST(CheckpointResume, AForwardThatOverflowsStopsTheRun) {
+  TempDir tmp;
+  try {
+    train::run_training(tiny_config(
+        tmp / "run", {"train.steps=6", "precision.compute=fp16", "model.init_std=10000"}));
+    ADD_FAILURE() << "trained on with a nan loss";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("for 3 steps in a row"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("loss scaling cannot fix"), std::string::npos) << e.what();
+  }
+}
+
 TEST(CheckpointSignalHandlers, HangupStopsUnlessIgnoredAsUnderNohup) {
   struct sigaction before {};
   sigaction(SIGHUP, nullptr, &before);
@@ -796,10 +852,11 @@ TEST_P(EvaluationSignals, ASignalAbandonsTheEvaluationAndSavesTheStepBeforeIt) {
   const bool final_evaluation = GetParam();
   TempDir tmp;
   const int64_t steps = final_evaluation ? 2 : 3;
-  train::Config config =
-      tiny_config(tmp / "run", {"train.progress=lines", "train.steps=" + std::to_string(steps),
-                                "data.eval_fraction=0.5", "train.eval_batches=10000",
-                                final_evaluation ? "train.eval_every=1000" : "train.eval_every=1"});
+  train::Config config = tiny_config(
+      tmp / "run",
+      {"train.progress=lines", "train.steps=" + std::to_string(steps), "data.eval_fraction=0.5",
+       "train.eval_batches=10000",
+       final_evaluation ? "train.eval_every=" + std::to_string(steps) : "train.eval_every=1"});
   const std::string log_path = tmp / "child.log";
   pid_t child = spawn_training_child(config, tmp.path.string(), log_path);
   ASSERT_GT(child, 0);
@@ -850,6 +907,17 @@ TEST_P(EvaluationSignals, ASignalAbandonsTheEvaluationAndSavesTheStepBeforeIt) {
   EXPECT_FALSE(resumed.stopped_early);
   EXPECT_GT(resumed.final_eval_loss, 0);
   EXPECT_TRUE(fs::exists(resumed.export_dir + "/model.safetensors"));
+  // The abandoned evaluation is in the record once, made by the resumed run; the final one too.
+  const std::string record = file_bytes(metrics);
+  auto evaluations_at = [&](int64_t s) {
+    const std::string event = "\"event\":\"eval\",\"step\":" + std::to_string(s) + "}";
+    int n = 0;
+    for (size_t at = record.find(event); at != std::string::npos; at = record.find(event, at + 1))
+      ++n;
+    return n;
+  };
+  EXPECT_EQ(evaluations_at(evaluated), 1) << record;
+  EXPECT_EQ(evaluations_at(steps), 1) << record;
 }
 
 INSTANTIATE_TEST_SUITE_P(LoopAndFinal, EvaluationSignals, ::testing::Values(false, true),

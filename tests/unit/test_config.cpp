@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <sstream>
 #include <string>
 
@@ -248,6 +249,11 @@ TEST(Config, SettingsThatTheRunNeverReadsAreListed) {
   EXPECT_TRUE(unused("lora:\n  enabled: true\n  r: 8\n").empty());
   EXPECT_EQ(unused("train:\n  eval_every: 0\n  eval_batches: 2\n").size(), 1u);
   EXPECT_EQ(unused("optim:\n  offload_moments: device\n").size(), 1u);
+  // recipe: auto picks the strategy, the precision and the offload: keys waiting for them count.
+  EXPECT_TRUE(unused("recipe: auto\nactivation:\n  checkpoint_impl: reentrant\n  "
+                     "offload_min_bytes: 4096\nprecision:\n  init_scale: 1024\noptim:\n  "
+                     "offload_moments: device\n")
+                  .empty());
   EXPECT_EQ(unused("optim:\n  schedule: constant\n  min_lr: 1e-4\n").size(), 1u);
 }
 
@@ -638,4 +644,37 @@ TEST(Config, EveryShippedConfigLoads) {
   EXPECT_EQ(eight_b.model.intermediate_size, 14336);
   // Llama-3.1-8B has 8,030,261,248 parameters.
   EXPECT_EQ(llama_parameters(eight_b.model), 8030261248);
+}
+
+// The gathered parameters are the compute dtype: a param_dtype that differs would quietly run
+// another precision than precision.compute names (and loss scaling keys on the latter).
+TEST(Config, ParamDtypeMustBeTheComputeDtype) {
+  EXPECT_EQ(Config::parse("precision:\n  compute: bf16\n  param_dtype: bf16\n")
+                .precision.effective_param_dtype(),
+            "bf16");
+  for (const char* yaml : {"precision:\n  compute: bf16\n  param_dtype: fp32\n",
+                           "precision:\n  compute: fp32\n  param_dtype: bf16\n",
+                           "precision:\n  compute: bf16\n  param_dtype: fp16\n"}) {
+    try {
+      Config::parse(yaml);
+      ADD_FAILURE() << "accepted:\n" << yaml;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("differs from precision.compute"), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+// docs/config.md lists every key of the schema.
+TEST(ConfigDocs, EveryKeyIsDocumented) {
+  std::ifstream in(std::string(SHARDTRAIN_SOURCE_DIR) + "/docs/config.md");
+  ASSERT_TRUE(in) << "docs/config.md is missing";
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  int keys = 0;
+  for (const auto& [key, value] : Config::defaults().key_values()) {
+    ++keys;
+    EXPECT_NE(text.find("| `" + key + "` |"), std::string::npos)
+        << key << " is missing from docs/config.md (`shardtrain config --keys` lists it)";
+  }
+  EXPECT_GT(keys, 60);
 }

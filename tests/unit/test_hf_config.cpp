@@ -8,6 +8,7 @@
 #include <string>
 
 #include "expect_error.h"
+#include "files.h"
 #include "shardtrain/io/hf_model.h"
 #include "shardtrain/io/safetensors.h"
 #include "shardtrain/nn/llama.h"
@@ -256,6 +257,73 @@ TEST(HfConfig, ATiedHeadStoredAsACopyLoadsAndADifferentOneIsRefused) {
       {"an lm_head.weight that differs from model.embed_tokens.weight", "tie_word_embeddings"});
 }
 
+// Numbers the model keeps in fp32 must stay finite and non-zero there; text after the object is
+// not a config.json.
+TEST(HfConfig, RefusesNumbersOutsideFp32AndTrailingText) {
+  json j = small_llama3();
+  j["rope_theta"] = 1e39;
+  expect_refused(j, {"rope_theta = 1e+39", "outside fp32's range"});
+  j = small_llama3();
+  j["rms_norm_eps"] = 1e-50;
+  expect_refused(j, {"rms_norm_eps = 1e-50", "outside fp32's range"});
+  TempDir dir("hf-trailing");
+  const std::string path = dir.write("config.json", small_llama3().dump() + "\n{}\n");
+  expect_error<FormatError>([&] { nn::LlamaConfig::from_hf_json(path); },
+                            {"'" + path + "'", "not valid JSON"});
+}
+
+// A weight stored as an integer type (a mislabelled or wrongly converted file) would load as
+// numbers of another scale: refused by name. The fingerprint of two models of one shape differs,
+// and the export carries the source's token ids and tokenizer files.
+TEST(HfConfig, IntegerWeightsAreRefusedFingerprintsAndMetadataCarry) {
+  TempDir dir("hf-dtype");
+  nn::LlamaConfig c = read(dir, small_llama3());
+  nn::LlamaModel model(c, Device::cpu());
+  model.init_weights(7);
+  io::save_hf_model(model, dir.str("a"));
+  model.init_weights(8);
+  io::save_hf_model(model, dir.str("b"));
+  const std::string fa = io::hf_weights_fingerprint(dir.str("a"));
+  EXPECT_EQ(fa.size(), 16u);
+  EXPECT_EQ(io::hf_weights_fingerprint(dir.str("a")), fa);
+  EXPECT_NE(io::hf_weights_fingerprint(dir.str("b")), fa);
+
+  const std::string weights = dir.str("b/model.safetensors");
+  SafetensorsFile saved = SafetensorsFile::open(weights);
+  NamedTensors tensors;
+  for (const std::string& name : saved.names())
+    tensors.emplace_back(name, name == "model.norm.weight"
+                                   ? from_ints(std::vector<int64_t>(32, 1), {32}, DType::I32)
+                                   : saved.load(name));
+  save_safetensors(weights, tensors);
+  nn::LlamaModel loaded(c, Device::cpu());
+  expect_error<FormatError>([&] { io::load_hf_weights(loaded, dir.str("b")); },
+                            {"'model.norm.weight' is stored as I32", "F32, BF16 or F16"});
+
+  // The source's extra config fields (not quantization_config) and tokenizer files carry over.
+  json source = json::parse(testing::read_file_bytes(dir.str("a/config.json")));
+  source["bos_token_id"] = 128000;
+  source["eos_token_id"] = {128001, 128009};
+  source["quantization_config"] = {{"load_in_4bit", true}};
+  dir.write("a/config.json", source.dump());
+  dir.write("a/tokenizer.json", "{\"version\": \"1.0\"}");
+  io::save_hf_model(model, dir.str("export"));
+  const std::vector<std::string> carried = io::carry_hf_metadata(dir.str("a"), dir.str("export"));
+  EXPECT_EQ(carried, (std::vector<std::string>{"config.json:bos_token_id",
+                                               "config.json:eos_token_id", "tokenizer.json"}));
+  const json exported = json::parse(testing::read_file_bytes(dir.str("export/config.json")));
+  EXPECT_EQ(exported["bos_token_id"], 128000);
+  EXPECT_EQ(exported["eos_token_id"], json({128001, 128009}));
+  EXPECT_FALSE(exported.contains("quantization_config"));
+  EXPECT_EQ(testing::read_file_bytes(dir.str("export/tokenizer.json")), "{\"version\": \"1.0\"}");
+  // Floats are written as the shortest decimal that reads back as the same fp32 value.
+  EXPECT_NE(testing::read_file_bytes(dir.str("export/config.json")).find("\"rms_norm_eps\": 1e-05"),
+            std::string::npos);
+  // The exported model still loads.
+  nn::LlamaModel again(nn::LlamaConfig::from_hf_json(dir.str("export/config.json")), Device::cpu());
+  io::load_hf_weights(again, dir.str("export"));
+}
+
 // A config.json the model cannot be built from names the file.
 TEST(HfConfig, AShapeTheModelCannotTakeNamesTheFile) {
   TempDir dir("hf-shape");
@@ -272,6 +340,18 @@ TEST(HfConfig, AShapeTheModelCannotTakeNamesTheFile) {
 
 train::ModelConfig model_section(const std::string& yaml) {
   return train::Config::parse(yaml, {}, "run.yaml").model;
+}
+
+// The longest sequence is not part of the weights: model.max_seq_len, when set, replaces
+// config.json's max_position_embeddings.
+TEST(HfConfig, RunConfigMaxSeqLenReplacesMaxPositionEmbeddings) {
+  TempDir dir("hf-maxpos");
+  json j = small_llama3();
+  j["max_position_embeddings"] = 32;
+  write_config(dir, j);
+  const std::string from = "model:\n  from_hf: " + dir.str() + "\n";
+  EXPECT_EQ(train::llama_config_from(model_section(from)).max_seq_len, 32);
+  EXPECT_EQ(train::llama_config_from(model_section(from + "  max_seq_len: 64\n")).max_seq_len, 64);
 }
 
 TEST(HfConfig, RunConfigThatContradictsConfigJsonIsAnError) {

@@ -80,9 +80,13 @@ Args parse_args(const Command& command, const std::vector<std::string>& args);
 std::string command_help(const Command& command);
 
 // The flags of every command that reads a run config: --config FILE and repeatable --set K=V.
-std::vector<Flag> config_flags();
-// Loads --config with the --set overrides applied.
-train::Config config_from_args(const Args& args);
+// `config_required`: the command cannot run without --config (usage shows it so).
+std::vector<Flag> config_flags(bool config_required = true);
+// Loads --config with the --set overrides applied, and warns (rank 0) of keys set but never read,
+// except those of `varied_sections` ("activation", ...): sections whose keys the command sets
+// itself, row by row (bench, plan), so that the base config's settings may count there.
+train::Config config_from_args(const Args& args,
+                               const std::vector<std::string>& varied_sections = {});
 
 // Every subcommand, in the order `shardtrain --help` lists them.
 const std::vector<Command>& commands();

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/data/hdf5.h"
+#include "shardtrain/core/hdf5.h"
 #include "shardtrain/data/token_storage.h"
 
 namespace shardtrain {

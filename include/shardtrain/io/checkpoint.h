@@ -24,7 +24,6 @@
 #include <vector>
 
 #include "shardtrain/amp/grad_scaler.h"
-#include "shardtrain/data/sampler.h"
 #include "shardtrain/dist/process_group.h"
 #include "shardtrain/tensor/tensor.h"
 
@@ -48,6 +47,15 @@ struct GeneratorState {
   bool operator==(const GeneratorState&) const = default;
 };
 
+// Where the training sampler stands: its seed, epoch and windows already taken in the epoch (the
+// data layer's SamplerState, kept here as plain numbers: io does not depend on data).
+struct SamplerPosition {
+  uint64_t seed = 0;
+  int64_t epoch = 0;
+  int64_t position = 0;
+  bool operator==(const SamplerPosition&) const = default;
+};
+
 // Everything a checkpoint holds besides the tensors.
 struct TrainingState {
   int64_t step = 0;       // optimizer steps completed; training continues with step + 1 (1-based)
@@ -56,9 +64,13 @@ struct TrainingState {
   double lr = 0;                // learning rate of the last step taken
   bool scaler_enabled = false;
   amp::GradScalerState scaler;
-  SamplerState sampler;           // the training sampler, positioned at the next batch
-  uint64_t init_seed = 0;         // the model initialisation generator's seed (train.seed)
-  std::string config_yaml;        // the resolved configuration of the run that saved
+  SamplerPosition sampler;  // the training sampler, positioned at the next batch
+  uint64_t init_seed = 0;   // the model initialisation generator's seed (train.seed)
+  std::string config_yaml;  // the resolved configuration of the run that saved
+  // What the frozen weights are, for a run that trains adapters over a base the checkpoint does
+  // not hold (LoRA): the fingerprint of its Hugging Face weights, or the seed it was initialised
+  // from. Empty otherwise, and in checkpoints written before it was recorded.
+  std::string frozen_base;
   std::string sharding = "none";  // dist.sharding of the saving job, "none" for one rank
   // The flat-parameter layout of every sharded unit (JSON: names, shapes, offsets, padding,
   // shards); empty when not sharded. Informational: loading goes by tensor name.

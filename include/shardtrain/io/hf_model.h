@@ -2,6 +2,7 @@
 // model.safetensors.index.json), under the parameter names the model already uses.
 #pragma once
 #include <string>
+#include <vector>
 
 #include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/nn/llama.h"
@@ -17,6 +18,21 @@ void load_hf_weights(nn::LlamaModel& model, const std::string& dir);
 // each rank copies only the elements of its own shards, one tensor at a time, straight from the
 // memory-mapped files, so no rank ever holds the full model.
 void load_hf_weights(fsdp::ShardedModel& model, const std::string& dir);
+
+// A fingerprint of the weights in `dir` (hex): every tensor's name, dtype and shape and 1 KiB of
+// its bytes sampled evenly across it. It tells two models of the same shape apart without
+// reading them whole (a LoRA checkpoint records its frozen base this way); it is not a hash of
+// every byte.
+std::string hf_weights_fingerprint(const std::string& dir);
+
+// After an export of a model loaded from `source_dir` (model.from_hf) into `export_dir`: copies
+// what the export does not compute but tools downstream need. config.json's fields the export
+// does not write (bos/eos/pad token ids, ...; not quantization_config, which described the
+// source's storage) join the exported config.json, and the tokenizer and generation files
+// (tokenizer.json, tokenizer_config.json, special_tokens_map.json, tokenizer.model,
+// generation_config.json) are copied as they are. Returns the names carried over.
+std::vector<std::string> carry_hf_metadata(const std::string& source_dir,
+                                           const std::string& export_dir);
 
 // Writes config.json and the weights (in the parameters' dtype, fp32 for training; split into
 // shard files past `max_shard_bytes`, see ShardedSafetensorsWriter) into `dir`.

@@ -59,6 +59,11 @@ class SafetensorsFile {
   // keeps the mapping alive). Writes to it stay private to this process. Throws FormatError when
   // the tensor's bytes are not aligned to its element size (load() works for any alignment).
   Tensor view(const std::string& name) const;
+  // The tensor's bytes as stored in the file (no copy, no conversion).
+  std::string_view bytes(const std::string& name) const {
+    const TensorInfo& i = info(name);
+    return {data_of(i), static_cast<size_t>(i.nbytes())};
+  }
 
  private:
   SafetensorsFile() = default;

@@ -67,6 +67,10 @@ struct BenchRow {
   int64_t tokens_per_step = 0;  // input tokens of one step on this rank
   double tokens_per_s = 0;      // tokens_per_step / median step time
   double final_loss = 0;
+  // Measured steps that loss scaling skipped (fp16 overflow): their step time is not a real
+  // step's, and a row whose every step was skipped trained nothing.
+  int64_t skipped_steps = 0;
+  int64_t measured_steps = 0;
 
   // Activation-layer counters per measured step (mean over the measured steps).
   double forward_reruns = 0;

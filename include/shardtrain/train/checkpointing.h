@@ -24,7 +24,9 @@ class Runtime;
 // sets one flag: async-signal-safe). The training loop looks at the flag at the end of every step;
 // when it is set on any rank, every rank saves a checkpoint and the loop returns. A second SIGINT
 // ends the process at once, as Ctrl-C does elsewhere (no checkpoint). Destruction restores the
-// previous handlers. Constructing one clears an earlier request.
+// previous handlers. Constructing one clears an earlier request, unless another is alive: the
+// CLI installs them before a run starts (a stop during a long start-up then ends the run at its
+// first step), and the trainer's own keep that request.
 class StopSignalHandlers {
  public:
   StopSignalHandlers();
@@ -52,6 +54,11 @@ void clear_stop_request();
 // generators, sampler, configuration and the flat-parameter layout. `lr` is the last step's.
 io::SaveRequest make_save_request(Runtime& runtime, const std::string& dir, int64_t step,
                                   const SamplerState& sampler, float lr);
+
+// What a LoRA run's frozen base is (io::TrainingState::frozen_base): "hf:<fingerprint>" of the
+// model.from_hf weights, or "init:..." with the seed and scale that initialised it; "" for a run
+// that trains every weight. Resuming compares it: adapters only fit the base they were trained on.
+std::string frozen_base_identity(const Config& config);
 
 // Loads the checkpoint at `path` into `runtime`: weights, optimizer state and step count, loss
 // scaler, and the generators when the job has as many ranks as the one that saved. Any number of
@@ -112,7 +119,8 @@ class Checkpointing {
 
 // Opens <out_dir>/metrics.jsonl for a run that starts after `resumed_step` steps: a fresh file
 // when 0; otherwise the events of steps after `resumed_step` (written by the interrupted run
-// after its last checkpoint) are dropped and new ones are appended.
+// after its last checkpoint) are dropped, and so is an evaluation at `resumed_step` (the resumed
+// run evaluates that step again), and new ones are appended.
 void open_metrics(std::ofstream& out, const std::string& path, int64_t resumed_step);
 
 }  // namespace shardtrain::train

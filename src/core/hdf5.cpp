@@ -1,4 +1,4 @@
-#include "shardtrain/data/hdf5.h"
+#include "shardtrain/core/hdf5.h"
 
 #include <algorithm>
 #include <cstring>
@@ -489,74 +489,6 @@ void File::flush() {
 void File::close() {
   silence_library_errors();
   if (!handle_.close()) fail(path_ + ": closing the file failed");
-}
-
-// ---- tensors ----------------------------------------------------------------------------------
-
-namespace {
-
-struct TensorTypes {
-  hid_t file;
-  hid_t mem;
-};
-
-TensorTypes types_for(DType dtype) {
-  switch (dtype) {
-    case DType::F32:
-      return {H5T_IEEE_F32LE, H5T_NATIVE_FLOAT};
-    case DType::BF16:
-    case DType::F16:
-      return {H5T_STD_U16LE, H5T_NATIVE_UINT16};
-    case DType::I32:
-      return {H5T_STD_I32LE, H5T_NATIVE_INT32};
-    case DType::I64:
-      return {H5T_STD_I64LE, H5T_NATIVE_INT64};
-    case DType::U8:
-      return {H5T_STD_U8LE, H5T_NATIVE_UINT8};
-  }
-  throw ConfigError("unknown dtype");
-}
-
-}  // namespace
-
-void File::write_tensor(const std::string& name, const Tensor& tensor) {
-  ST_CHECK_AS(ConfigError, tensor.defined(), path_, ": cannot write undefined tensor '", name, "'");
-  Tensor host = tensor.device().cpu_addressable() ? tensor : tensor.to(Device::host());
-  std::vector<hsize_t> dims(host.shape().begin(), host.shape().end());
-  TensorTypes types = types_for(host.dtype());
-  Dataset ds = create_dataset(name, types.file, dims);
-  ds.write(host.data_ptr(), types.mem);
-  ds.write_string_attribute("dtype", std::string(dtype_name(host.dtype())));
-}
-
-Tensor File::read_tensor(const std::string& name, Device device) const {
-  Dataset ds = open_dataset(name);
-  DType dtype;
-  if (ds.has_attribute("dtype")) {
-    const std::string text = ds.read_string_attribute("dtype");
-    try {
-      dtype = dtype_from_name(text);
-    } catch (const ConfigError&) {
-      throw FormatError(concat(ds.where(), ": unknown dtype attribute '", text, "'"));
-    }
-  } else {
-    TypeInfo t = ds.type();
-    if (t.type_class == H5T_FLOAT)
-      dtype = DType::F32;  // float64 data is narrowed on read
-    else if (t.type_class == H5T_INTEGER && t.size == 1 && !t.is_signed)
-      dtype = DType::U8;
-    else if (t.type_class == H5T_INTEGER && t.size <= 4 && t.is_signed)
-      dtype = DType::I32;
-    else if (t.type_class == H5T_INTEGER)
-      dtype = DType::I64;
-    else
-      throw FormatError(
-          concat(ds.where(), ": a ", t.describe(), " dataset cannot be read as a tensor"));
-  }
-  Shape shape(ds.dims().begin(), ds.dims().end());
-  std::vector<char> buf(static_cast<size_t>(numel(shape)) * dtype_size(dtype));
-  ds.read(buf.data(), types_for(dtype).mem);
-  return from_buffer(buf.data(), shape, dtype, device);
 }
 
 }  // namespace shardtrain::h5

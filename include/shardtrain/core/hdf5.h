@@ -11,9 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/core/dtype.h"
-#include "shardtrain/core/shape.h"
-#include "shardtrain/tensor/tensor.h"
 
 namespace shardtrain::h5 {
 
@@ -151,11 +148,6 @@ class File : public Object {
   void flush();
   // Closes the file, throwing when HDF5 reports a failure (e.g. a full disk on the final write).
   void close();
-
-  // Tensors as datasets: the element type is stored natively for f32/i32/i64/u8 and as raw
-  // uint16 bits for bf16/f16, with a "dtype" attribute ("bf16", ...) recording which.
-  void write_tensor(const std::string& name, const Tensor& tensor);
-  Tensor read_tensor(const std::string& name, Device device = Device::cpu()) const;
 
  private:
   File(Handle handle, std::string path);
