@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "shardtrain/core/error.h"
+#include "shardtrain/core/word_hash.h"
 #include "shardtrain/data/corpus.h"
 #include "shardtrain/data/tokenizer.h"
 
@@ -155,6 +156,7 @@ TokenDataset TokenDataset::open(const std::string& path) {
   // One pass over every token, a block at a time: each must be in the vocabulary (a token past
   // it would index outside the embedding), and the counts give the unigram entropy.
   TokenCounts counts;
+  WordHash hash;
   std::vector<uint32_t> block(size_t{1} << 20);
   for (int64_t begin = 0; begin < out.size(); begin += static_cast<int64_t>(block.size())) {
     const int64_t count = std::min<int64_t>(static_cast<int64_t>(block.size()), out.size() - begin);
@@ -165,8 +167,10 @@ TokenDataset TokenDataset::open(const std::string& path) {
                                  begin + i, " is >= vocab_size ", out.vocab_size_,
                                  " (the data does not match its vocab_size attribute)"));
     counts.add(block.data(), static_cast<size_t>(count));
+    hash.update(block.data(), static_cast<size_t>(count) * sizeof(uint32_t));
   }
   out.unigram_entropy_bits_ = counts.entropy_bits();
+  out.checksum_ = hash.digest();
   return out;
 }
 
@@ -182,6 +186,9 @@ TokenDataset TokenDataset::from_tokens(std::vector<uint32_t> tokens, int64_t voc
   out.vocab_size_ = vocab_size;
   out.tokenizer_ = std::move(tokenizer);
   out.unigram_entropy_bits_ = shardtrain::unigram_entropy_bits(tokens);
+  WordHash hash;
+  hash.update(tokens.data(), tokens.size() * sizeof(uint32_t));
+  out.checksum_ = hash.digest();
   out.storage_ = tokens_in_memory(std::move(tokens));
   return out;
 }

@@ -167,7 +167,11 @@ std::string Plan::table() const {
       if (r.measured) {
         double err = static_cast<double>(p.peak - r.measured_peak) /
                      static_cast<double>(std::max<int64_t>(r.measured_peak, 1));
-        out += " " + format_bytes(r.measured_peak) + " | " + fmt::format("{:+.1f}%", 100.0 * err) +
+        // A row predicted to fit that measures past the capacity is the prediction's error:
+        // say so where the reader compares the two.
+        const bool over = r.fits && r.measured_peak > device_bytes;
+        out += " " + format_bytes(r.measured_peak) + (over ? " (over the capacity)" : "") + " | " +
+               fmt::format("{:+.1f}%", 100.0 * err) +
                (r.measure_note.empty() ? "" : " (" + r.measure_note + ")") + " |";
       } else {
         out += " " + (r.measure_note.empty() ? std::string("-") : r.measure_note) + " | - |";
@@ -222,7 +226,8 @@ void measure_plan(Plan& plan, int64_t warmup_steps, int64_t measured_steps) {
       continue;
     }
     if (r.predicted.peak > budget) {
-      r.measure_note = "too big for this machine";
+      r.measure_note = r.predicted.peak > plan.device_bytes ? "predicted past the device memory"
+                                                            : "too big for this machine's memory";
       continue;
     }
     BenchRow m = measure_config(c, warmup_steps, measured_steps);

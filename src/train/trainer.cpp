@@ -20,7 +20,6 @@
 #include "shardtrain/backend/cuda.h"
 #endif
 #include "shardtrain/core/units.h"
-#include "shardtrain/core/word_hash.h"
 #include "shardtrain/data/corpus.h"
 #include "shardtrain/data/sampler.h"
 #include "shardtrain/data/token_dataset.h"
@@ -120,23 +119,12 @@ void check_host_memory(const Config& config, int world) {
 }
 
 // Ranks that read different files under one data.path (a node-local copy that differs, a
-// directory not shared) would train on different data without any error: each rank hashes the
-// token count, the vocabulary and 64 pieces of 16 tokens spread over the stream, and the ranks
-// compare.
+// directory not shared) would train on different data without any error: the ranks compare the
+// checksum of every token (TokenDataset::checksum, taken while the tokens were validated).
 void check_same_data_on_every_rank(const TokenDataset& data, const std::string& path,
                                    dist::ProcessGroup& world) {
   if (world.size() == 1) return;
-  WordHash hash;
-  hash.update_value(data.size());
-  hash.update_value(data.vocab_size());
-  constexpr int64_t kPieces = 64, kPieceTokens = 16;
-  const int64_t n = data.size(), take = std::min(kPieceTokens, n);
-  std::vector<uint32_t> piece(static_cast<size_t>(kPieceTokens));
-  for (int64_t k = 0; k < kPieces && take > 0; ++k) {
-    data.read((n - take) * k / (kPieces - 1), take, piece.data());
-    hash.update(piece.data(), static_cast<size_t>(take) * sizeof(uint32_t));
-  }
-  const auto mine = static_cast<int64_t>(hash.digest() >> 2);  // non-negative
+  const auto mine = static_cast<int64_t>(data.checksum() >> 2);  // non-negative
   const int64_t high = world.all_reduce_host(mine, dist::ReduceOp::Max);
   const int64_t low = -world.all_reduce_host(-mine, dist::ReduceOp::Max);
   ST_CHECK_AS(ConfigError, low == high, "data.path '", path,

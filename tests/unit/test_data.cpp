@@ -431,6 +431,18 @@ TEST(Sampler, RestoreAndSkipContinueIdentically) {
   expect_error<ConfigError>([&] { b.restore({5, 0, 249}); }, {"position 249", "[0, 249)"});
 }
 
+// The checksum covers every token: one token changed anywhere changes it; the same tokens read
+// from a file (memory-mapped) give the same checksum as in memory.
+TEST_F(DataTest, ChecksumCoversEveryToken) {
+  std::vector<uint32_t> tokens(5000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint32_t>((i * 31) % 256);
+  const uint64_t sum = TokenDataset::from_tokens(tokens, 256, "bytes").checksum();
+  write_token_dataset(path("t.h5"), tokens, 256, "bytes");
+  EXPECT_EQ(TokenDataset::open(path("t.h5")).checksum(), sum);
+  tokens[3333] ^= 1;
+  EXPECT_NE(TokenDataset::from_tokens(tokens, 256, "bytes").checksum(), sum);
+}
+
 // Each rank reads only its rows of the global batch; together the ranks read exactly the
 // global batch, and every rank's sampler ends where the whole batch would leave it, across
 // epoch boundaries too.

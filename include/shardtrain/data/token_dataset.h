@@ -51,7 +51,8 @@ class TokenDataset {
   // Opens and validates a token dataset, mapping its tokens when they are stored uncompressed;
   // throws ConfigError when the file is missing and FormatError (naming the file and the
   // problem) when it is not a valid token dataset, including any token >= vocab_size (one pass
-  // over the tokens, which also counts them for unigram_entropy_bits).
+  // over the tokens, which also counts them for unigram_entropy_bits and hashes them for
+  // checksum).
   static TokenDataset open(const std::string& path);
   // A dataset over tokens already in memory; `source` names it in messages.
   static TokenDataset from_tokens(std::vector<uint32_t> tokens, int64_t vocab_size,
@@ -71,6 +72,9 @@ class TokenDataset {
   // Entropy of the tokens' unigram distribution, bits per token: the loss of a model that
   // learned only token frequencies (a baseline for the training loss).
   double unigram_entropy_bits() const { return unigram_entropy_bits_; }
+  // WordHash of every token as uint32, taken in the same pass: tells two streams apart (the
+  // ranks of a job compare it, so that none trains on a different copy of the data).
+  uint64_t checksum() const { return checksum_; }
 
  private:
   std::string source_;
@@ -78,6 +82,7 @@ class TokenDataset {
   std::string tokenizer_;
   std::shared_ptr<const TokenStorage> storage_;
   double unigram_entropy_bits_ = 0;
+  uint64_t checksum_ = 0;
 };
 
 // The token stream a run's `data.path` names: "builtin" (the embedded corpus), a .txt file
