@@ -42,7 +42,11 @@ Command train_command() {
     else
       std::printf("trained %lld steps: loss %.4f -> %.4f", static_cast<long long>(s.steps),
                   s.first_loss, s.final_loss);
-    if (s.final_eval_loss >= 0)
+    // A stop may have abandoned the last evaluation: say which step the figure is from.
+    if (s.final_eval_loss >= 0 && s.final_eval_step != s.steps)
+      std::printf(", eval loss %.4f after step %lld", s.final_eval_loss,
+                  static_cast<long long>(s.final_eval_step));
+    else if (s.final_eval_loss >= 0)
       std::printf(", eval loss %.4f (unigram entropy of the data %.4f nats)", s.final_eval_loss,
                   s.unigram_entropy_nats);
     std::printf(", %.0f tokens/s\nmetrics: %s\n", s.tokens_per_second, s.metrics_path.c_str());

@@ -57,7 +57,8 @@ int64_t parse_bytes(const std::string& text) {
     mult = 1e12;
   else
     throw ConfigError("unknown byte unit '" + unit + "' in '" + text +
-                      "': use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB");
+                      "': use B, KiB, MiB, GiB, TiB (or K, M, G, T: the same powers of 1024), "
+                      "or KB, MB, GB, TB (powers of 1000)");
   // 2^63 bytes and more do not fit the signed 64-bit sizes used everywhere.
   if (!(v * mult < 9223372036854775808.0))
     throw ConfigError("byte size '" + text + "' is too large (at most 8 EiB)");

@@ -459,8 +459,13 @@ BenchReport run_bench(const Config& config, const BenchOptions& options) {
     std::ostringstream s;
     s << "hidden " << m.hidden_size << ", " << m.num_layers << " layers, " << m.num_heads
       << " heads (" << m.effective_num_kv_heads() << " kv), vocab " << m.vocab_size << "; seq "
-      << config.train.seq_len << ", micro-batch " << config.train.micro_batch << ", attention "
-      << config.activation.attention
+      << config.train.seq_len << ", micro-batch " << config.train.micro_batch;
+    // Each measured step runs every micro-batch of the global batch on this rank.
+    const int64_t world = dist::job_world_size();
+    const int64_t accumulation =
+        config.train.sequences_per_step(world) / (config.train.micro_batch * world);
+    if (accumulation > 1) s << " x " << accumulation << " micro-batches per step";
+    s << ", attention " << config.activation.attention
       << (config.activation.attention == "fused" &&
                   config.activation.attention_backward != "deterministic"
               ? " (backward " + config.activation.attention_backward + ")"
@@ -800,13 +805,20 @@ std::vector<std::string> draw_plots(const BenchReport& report, const fs::path& d
                                       "set terminal svg size 1000,640 noenhanced\n"
                                       "set output 'frontier.svg'\nreplot\n");
 
-  // memory.dat: one row per combination, the peak by category (MiB).
+  // memory.dat: one row per combination, the device's peak by category (MiB). A category no
+  // row has on the device (offloaded bytes live in the host pool) would be an empty column.
+  std::vector<int> shown;
+  for (int k = 0; k < kNumMemoryCategories; ++k)
+    if (std::any_of(ok.begin(), ok.end(),
+                    [&](const BenchRow* r) { return r->at_peak[static_cast<size_t>(k)] > 0; }))
+      shown.push_back(k);
   std::string mem = "combination";
-  for (int k = 0; k < kNumMemoryCategories; ++k) mem += " " + category_key(k);
+  for (int k : shown) mem += " " + category_key(k);
   mem += "\n";
   for (const BenchRow* r : ok) {
     mem += r->strategy + "/" + r->precision;
-    for (int64_t b : r->at_peak) mem += " " + fmt("%.4f", static_cast<double>(b) / kMiB);
+    for (int k : shown)
+      mem += " " + fmt("%.4f", static_cast<double>(r->at_peak[static_cast<size_t>(k)]) / kMiB);
     mem += "\n";
   }
   write_file(dir / "memory.dat", mem);
@@ -817,8 +829,7 @@ std::vector<std::string> draw_plots(const BenchReport& report, const fs::path& d
       "set style fill solid 0.85 border -1\nset boxwidth 0.75\nset key outside right top\n"
       "set xtics rotate by -40 noenhanced\nset grid ytics\n"
       "plot for [c=2:" +
-      std::to_string(1 + kNumMemoryCategories) +
-      "] 'memory.dat' using c:xtic(1) title columnheader(c)\n";
+      std::to_string(1 + shown.size()) + "] 'memory.dat' using c:xtic(1) title columnheader(c)\n";
   write_file(dir / "memory.gp", std::string(kPngTerminal) + "set output 'memory.png'\n" + mscript +
                                     "set terminal svg size 1000,640 noenhanced\n"
                                     "set output 'memory.svg'\nreplot\n");

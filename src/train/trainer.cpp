@@ -356,6 +356,7 @@ TrainSummary train_with(const Config& config) {
     }
     const double loss = *evaluated;
     summary.final_eval_loss = loss;
+    summary.final_eval_step = step;
     record(nlohmann::json{{"event", "eval"}, {"step", step}, {"eval_loss", loss}});
     progress.message(fmt::format("eval step {}: loss {:.4f} (unigram entropy {:.4f} nats)", step,
                                  loss, summary.unigram_entropy_nats));

@@ -12,6 +12,7 @@ struct TrainSummary {
   int64_t skipped_steps = 0;  // steps whose update fp16 loss scaling skipped (inf/nan gradients)
   double first_loss = 0, final_loss = 0;
   double final_eval_loss = -1;  // < 0: never evaluated
+  int64_t final_eval_step = 0;  // the step final_eval_loss was measured after
   double unigram_entropy_nats = 0;
   double tokens_per_second = 0;
   std::string metrics_path, export_dir;
