@@ -27,6 +27,13 @@ Command train_command() {
     train::TrainSummary s = train::run_training(config);
     if (dist::job_rank() != 0) return 0;  // under mpirun, rank 0 reports for the job
     const int64_t run = s.steps - s.first_step;
+    if (run == 0 && s.stopped_early) {  // a stop during the resumed run's first evaluation
+      std::printf(
+          "stopped early on a signal at step %lld before training further; continue "
+          "with --set train.resume=auto\n",
+          static_cast<long long>(s.steps));
+      return 0;
+    }
     if (run == 0) {
       std::printf("nothing left to train: the run is at step %lld = train.steps",
                   static_cast<long long>(s.steps));

@@ -80,8 +80,8 @@ class HfConfigReader {
     const auto f = static_cast<float>(d);
     if (!std::isfinite(f) || (d != 0 && f == 0))
       throw error(field + " = " + v.dump() +
-                  " is outside fp32's range (about 1.2e-38 to 3.4e38 in magnitude), in which the "
-                  "model keeps it");
+                  " is outside fp32's range (magnitudes from about 1.4e-45 to 3.4e38), in which "
+                  "the model keeps it");
     return d;
   }
   bool boolean(const std::string& field, const json& v) const {
@@ -176,6 +176,10 @@ LlamaConfig LlamaConfig::from_hf_json(const std::string& path) {
   try {
     // Parsed whole: text after the object is an error too (a file cut and pasted together).
     const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    // The parser takes a NUL for the end of its input: what follows one would go unread.
+    if (text.find('\0') != std::string::npos)
+      throw FormatError("'" + path + "' holds a NUL byte at offset " +
+                        std::to_string(text.find('\0')) + ": not a JSON text file");
     j = json::parse(text);
   } catch (const std::exception& e) {
     throw FormatError("'" + path + "' is not valid JSON: " + e.what());

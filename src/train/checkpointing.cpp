@@ -616,7 +616,8 @@ std::string Checkpointing::save(int64_t step, const SamplerState& sampler, float
   return last_saved_;
 }
 
-void open_metrics(std::ofstream& out, const std::string& path, int64_t resumed_step) {
+void open_metrics(std::ofstream& out, const std::string& path, int64_t resumed_step,
+                  bool reevaluates_resumed_step) {
   std::error_code ec;
   auto check = [&] {
     ST_CHECK(out.good(), "cannot write ", path, " (", std::strerror(errno),
@@ -638,7 +639,8 @@ void open_metrics(std::ofstream& out, const std::string& path, int64_t resumed_s
       const int64_t step = j.value("step", int64_t{0});
       // The resumed run evaluates its first step again when one was due there (it may have been
       // abandoned by the stop): the record it makes replaces the earlier one.
-      const bool eval_at_resumed_step = step == resumed_step && j.value("event", "") == "eval";
+      const bool eval_at_resumed_step =
+          reevaluates_resumed_step && step == resumed_step && j.value("event", "") == "eval";
       if (step <= resumed_step && !eval_at_resumed_step) kept.push_back(line);
     }
   }

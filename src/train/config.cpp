@@ -430,8 +430,8 @@ const std::vector<Key>& schema() {
           .help("share the input embedding with the output projection"),
       Key("model.max_seq_len", &C::model, &ModelConfig::max_seq_len)
           .at_least(1)
-          .help("longest sequence the model supports (with model.from_hf, when set, replaces "
-                "config.json's max_position_embeddings)"),
+          .help("longest sequence the model supports (with model.from_hf: the longer of this "
+                "and config.json's max_position_embeddings)"),
       Key("model.init_std", &C::model, &ModelConfig::init_std)
           .above(0)  // all-zero weights have all-zero gradients: such a model never learns
           .help("std of the normal weight initialisation"),

@@ -301,6 +301,18 @@ std::string out_of_memory_advice(const Config& config, int64_t device_bytes, int
     }
     if (plan.first_fit < 0) return out + "Along the scale-up recipe, " + plan.verdict() + ".";
     const RecipeRow& r = plan.rows[static_cast<size_t>(plan.first_fit)];
+    // Already that step: pointing at it again would send the user round in a circle.
+    const Config& c = r.config;
+    if (c.precision.compute == config.precision.compute &&
+        c.activation.strategy == config.activation.strategy &&
+        c.activation.attention == config.activation.attention &&
+        c.dist.sharding == config.dist.sharding && c.optim.offload == config.optim.offload)
+      return out + "This configuration is step #" + std::to_string(plan.first_fit + 1) + " " +
+             r.name + " of the scale-up recipe, the first predicted to fit " +
+             format_bytes(device_bytes) +
+             ", but the run needed more (the prediction's error is listed in docs/recipe.md): "
+             "leave headroom by setting train.device_memory below the device's size, take a "
+             "later step, or lower train.micro_batch or train.seq_len.";
     return out + "The first step of the scale-up recipe that fits " + format_bytes(device_bytes) +
            " is #" + std::to_string(plan.first_fit + 1) + " " + r.name + " (" + r.change +
            " on top of the steps before it; predicted " + format_bytes(r.predicted.peak) +

@@ -120,10 +120,10 @@ nn::LlamaConfig llama_config_from(const ModelConfig& m) {
     const std::string file = m.from_hf + "/config.json";
     c = nn::LlamaConfig::from_hf_json(file);
     check_agrees_with_hf(m, c, file);
-    // The longest sequence is not part of the weights (RoPE is computed, not learned):
-    // model.max_seq_len, when set, replaces config.json's max_position_embeddings, as the run
-    // config's seq_len was checked against it.
-    if (m.max_seq_len != ModelConfig{}.max_seq_len) c.max_seq_len = m.max_seq_len;
+    // The longest sequence is not part of the weights (RoPE is computed, not learned): the
+    // longer of config.json's max_position_embeddings and model.max_seq_len, against which the
+    // run config's seq_len was checked.
+    c.max_seq_len = std::max(c.max_seq_len, m.max_seq_len);
     return c;
   }
   c.vocab_size = m.vocab_size;

@@ -168,8 +168,12 @@ TrainSummary run_training(const Config& requested) {
                   format_bytes(capacity) +
                   ", but the run needed more (the prediction's error is listed in "
                   "docs/recipe.md): leave headroom by setting train.device_memory below the "
-                  "device's size (10-15 % less), or pick a later recipe step yourself with "
-                  "recipe: manual (`shardtrain plan` lists them with their settings)"
+                  "device's size (10-15 % less)" +
+                  (config.optim.offload == "cpu"  // the recipe's last step
+                       ? std::string(", or lower train.micro_batch or train.seq_len (this is the "
+                                     "recipe's last step)")
+                       : std::string(", or pick a later recipe step yourself with recipe: manual "
+                                     "(`shardtrain plan` lists them with their settings)"))
         : capacity > 0 ? out_of_memory_advice(config, capacity, dist::job_world_size())
                        : "";
     if (advice.empty()) throw;
@@ -332,7 +336,14 @@ TrainSummary train_with(const Config& config) {
   if (first_step == t.steps && first_step > 0)
     progress.message("the checkpoint is at step " + std::to_string(first_step) +
                      " = train.steps: nothing left to train");
-  if (leader) open_metrics(metrics, summary.metrics_path, first_step);
+  // An evaluation is due after the last step and every eval_every steps. A resumed run repeats
+  // the one due at its first step: a stop may have abandoned it, and the weights are the same, so
+  // the figure is too. Then the final evaluation and the export happen even when no step is left.
+  auto eval_due = [&](int64_t step) {
+    return !eval_set.empty() && (step == t.steps || (t.eval_every > 0 && step % t.eval_every == 0));
+  };
+  const bool reevaluates_first_step = first_step > 0 && eval_due(first_step);
+  if (leader) open_metrics(metrics, summary.metrics_path, first_step, reevaluates_first_step);
   // One event a line, flushed at once: a run killed later keeps every step up to its last
   // checkpoint. A line that cannot be written (a full disk) ends the run: training on without
   // its record would lose what it is for.
@@ -371,13 +382,7 @@ TrainSummary train_with(const Config& config) {
     return summary;
   };
 
-  // An evaluation is due after the last step and every eval_every steps. A resumed run repeats
-  // the one due at its first step: a stop may have abandoned it, and the weights are the same, so
-  // the figure is too. Then the final evaluation and the export happen even when no step is left.
-  auto eval_due = [&](int64_t step) {
-    return !eval_set.empty() && (step == t.steps || (t.eval_every > 0 && step % t.eval_every == 0));
-  };
-  if (first_step > 0 && eval_due(first_step) && !run_eval(first_step) &&
+  if (reevaluates_first_step && !run_eval(first_step) &&
       checkpoints.stop_if_requested(first_step, train_sampler.state(), schedule.at(first_step - 1)))
     return stopped_after(first_step);
 
@@ -400,15 +405,6 @@ TrainSummary train_with(const Config& config) {
     summary.skipped_steps += r.skipped ? 1 : 0;
     ST_CHECK(std::isfinite(r.loss) || r.skipped, "the loss became ", r.loss, " at step ", step,
              ": lower optim.lr, enable optim.grad_clip, or use fp32/bf16 instead of fp16");
-    // Loss scaling skips a step whose gradients overflowed, and a lower scale fixes those; a loss
-    // that is itself inf or nan comes from the forward (fp16's range, or damaged weights), which
-    // no scale fixes: a step or two may be an outlier batch, a run of them is a run going nowhere.
-    non_finite_losses = std::isfinite(r.loss) ? 0 : non_finite_losses + 1;
-    ST_CHECK(non_finite_losses < kMaxNonFiniteLosses, "the loss was ", r.loss, " for ",
-             non_finite_losses, " steps in a row (the last at step ", step + 1,
-             "): the forward pass itself overflows or the weights hold inf or nan, which loss "
-             "scaling cannot fix (every such step was skipped); use precision.compute=bf16, "
-             "lower optim.lr, or check the initial weights (model.init_std, model.from_hf)");
     nlohmann::json j = {{"event", "step"},
                         {"step", step + 1},
                         {"loss", r.loss},
@@ -428,6 +424,15 @@ TrainSummary train_with(const Config& config) {
                         {"device_memory", memory_json(r.device_memory)},
                         {"host_memory", memory_json(r.host_memory)}};
     record(j);
+    // Loss scaling skips a step whose gradients overflowed, and a lower scale fixes those; a loss
+    // that is itself inf or nan comes from the forward (fp16's range, or damaged weights), which
+    // no scale fixes: a step or two may be an outlier batch, a run of them is a run going nowhere.
+    non_finite_losses = std::isfinite(r.loss) ? 0 : non_finite_losses + 1;
+    ST_CHECK(non_finite_losses < kMaxNonFiniteLosses, "the loss was ", r.loss, " for ",
+             non_finite_losses, " steps in a row (the last at step ", step + 1,
+             "): the forward pass itself overflows or the weights hold inf or nan, which loss "
+             "scaling cannot fix (every such step was skipped); use precision.compute=bf16, "
+             "lower optim.lr, or check the initial weights (model.init_std, model.from_hf)");
     if ((step + 1) % std::max<int64_t>(t.log_every, 1) == 0 || step + 1 == t.steps) {
       progress.update(step + 1,
                       fmt::format("loss {:.4f} lr {:.2e} | {:.0f} tok/s | peak {}", r.loss, r.lr,

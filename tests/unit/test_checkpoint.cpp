@@ -542,6 +542,23 @@ TEST(CheckpointResume, LoraAdaptersResumeOnlyOnTheirBase) {
   EXPECT_EQ(resume({}).first_step, 1);
 }
 
+// A resumed run replaces only the evaluations it repeats: extending a finished run under another
+// eval_every keeps the old run's last evaluation.
+TEST(CheckpointResume, AnEvaluationTheResumedRunDoesNotRepeatIsKept) {
+  TempDir tmp;
+  train::run_training(tiny_config(
+      tmp / "run", {"train.steps=4", "train.eval_every=4", "checkpoint.every_steps=4"}));
+  train::run_training(
+      tiny_config(tmp / "run", {"train.steps=6", "train.eval_every=5", "train.resume=auto"}));
+  const std::string record = file_bytes(tmp / "run/metrics.jsonl");
+  for (int step : {4, 5, 6}) {
+    const std::string event = "\"event\":\"eval\",\"step\":" + std::to_string(step) + "}";
+    const size_t first = record.find(event);
+    EXPECT_NE(first, std::string::npos) << "no evaluation at step " << step << "\n" << record;
+    EXPECT_EQ(record.find(event, first + 1), std::string::npos) << "twice at " << step;
+  }
+}
+
 TEST(CheckpointResume, ACheckpointAtOrPastTheLastStep) {
   TempDir tmp;
   train::run_training(tiny_config(tmp / "run", {"train.steps=2", "checkpoint.every_steps=2"}));

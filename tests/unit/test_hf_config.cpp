@@ -270,6 +270,9 @@ TEST(HfConfig, RefusesNumbersOutsideFp32AndTrailingText) {
   const std::string path = dir.write("config.json", small_llama3().dump() + "\n{}\n");
   expect_error<FormatError>([&] { nn::LlamaConfig::from_hf_json(path); },
                             {"'" + path + "'", "not valid JSON"});
+  dir.write("config.json", small_llama3().dump() + std::string(1, '\0') + "garbage");
+  expect_error<FormatError>([&] { nn::LlamaConfig::from_hf_json(path); },
+                            {"'" + path + "'", "NUL byte"});
 }
 
 // A weight stored as an integer type (a mislabelled or wrongly converted file) would load as
@@ -342,16 +345,21 @@ train::ModelConfig model_section(const std::string& yaml) {
   return train::Config::parse(yaml, {}, "run.yaml").model;
 }
 
-// The longest sequence is not part of the weights: model.max_seq_len, when set, replaces
-// config.json's max_position_embeddings.
-TEST(HfConfig, RunConfigMaxSeqLenReplacesMaxPositionEmbeddings) {
+// The longest sequence is not part of the weights: the model takes the longer of config.json's
+// max_position_embeddings and model.max_seq_len (against which train.seq_len was checked), the
+// default 2048 included.
+TEST(HfConfig, RunConfigMaxSeqLenExtendsMaxPositionEmbeddings) {
   TempDir dir("hf-maxpos");
   json j = small_llama3();
   j["max_position_embeddings"] = 32;
   write_config(dir, j);
   const std::string from = "model:\n  from_hf: " + dir.str() + "\n";
-  EXPECT_EQ(train::llama_config_from(model_section(from)).max_seq_len, 32);
+  EXPECT_EQ(train::llama_config_from(model_section(from)).max_seq_len, 2048);
   EXPECT_EQ(train::llama_config_from(model_section(from + "  max_seq_len: 64\n")).max_seq_len, 64);
+  j["max_position_embeddings"] = 131072;
+  write_config(dir, j);
+  EXPECT_EQ(train::llama_config_from(model_section(from + "  max_seq_len: 64\n")).max_seq_len,
+            131072);
 }
 
 TEST(HfConfig, RunConfigThatContradictsConfigJsonIsAnError) {

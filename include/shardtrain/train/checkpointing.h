@@ -119,8 +119,10 @@ class Checkpointing {
 
 // Opens <out_dir>/metrics.jsonl for a run that starts after `resumed_step` steps: a fresh file
 // when 0; otherwise the events of steps after `resumed_step` (written by the interrupted run
-// after its last checkpoint) are dropped, and so is an evaluation at `resumed_step` (the resumed
-// run evaluates that step again), and new ones are appended.
-void open_metrics(std::ofstream& out, const std::string& path, int64_t resumed_step);
+// after its last checkpoint) are dropped, and so is an evaluation at `resumed_step` when
+// `reevaluates_resumed_step` (the resumed run evaluates that step again and records it anew);
+// new ones are appended.
+void open_metrics(std::ofstream& out, const std::string& path, int64_t resumed_step,
+                  bool reevaluates_resumed_step);
 
 }  // namespace shardtrain::train
