@@ -45,12 +45,12 @@ std::vector<double> run(const std::vector<std::string>& overrides, int64_t steps
 }  // namespace
 
 TEST(LossCurves, EveryActivationStrategyGivesTheSameCurveBitwise) {
-  // 100 steps, five times the learning-rate warm-up: every step takes the strategy's recompute
+  // 60 steps, three times the learning-rate warm-up: every step takes the strategy's recompute
   // and offload paths, so a difference would show in the first steps already. Each step is two
   // micro-batches of 4 sequences, so the strategies' hooks also meet gradient accumulation, at
   // half the tokens of tiny.yaml's steps: six runs of its 16 sequences a step took over
   // 3 minutes on a 2-core machine without AVX-512.
-  const int64_t steps = 100;
+  const int64_t steps = 60;
   auto strategy = [](const std::string& name) {
     return std::vector<std::string>{"train.micro_batch=4", "train.global_batch=8",
                                     "activation.strategy=" + name};
