@@ -11,7 +11,16 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 config="${1:?usage: $0 CONFIG.yaml [shardtrain train flags...]}"
 shift
+if [[ "$config" == --config ]]; then  # the train command's own spelling
+  config="${1:?usage: $0 CONFIG.yaml [shardtrain train flags...]}"
+  shift
+fi
 binary="${SHARDTRAIN_BIN:-$root/build/bin/shardtrain}"
+if [[ ! -x "$binary" ]]; then
+  echo "error: no shardtrain binary at $binary: build it first (launch/quickstart.sh or" \
+    "cmake --build build), or set SHARDTRAIN_BIN" >&2
+  exit 1
+fi
 
 gpus=0
 if command -v nvidia-smi >/dev/null 2>&1; then
@@ -19,6 +28,10 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 fi
 nproc_default=$(( gpus > 0 ? gpus : 2 ))
 ranks="${NPROC:-$nproc_default}"
+if [[ ! "$ranks" =~ ^[1-9][0-9]*$ ]]; then
+  echo "error: NPROC must be a positive number of ranks, got '$ranks'" >&2
+  exit 1
+fi
 threads="${OMP_NUM_THREADS:-$(( $(nproc) / ranks > 0 ? $(nproc) / ranks : 1 ))}"
 
 # Containers often run as root, which mpirun refuses unless told otherwise.

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # From a fresh checkout to a trained model: installs the Debian packages, builds shardtrain
 # (Release) and trains configs/tiny.yaml, on the GPU when there is one, else on the CPU (the
-# build about 4 minutes and the training under a minute on 2 cores). Extra arguments go to `shardtrain train`, e.g.
-#   launch/quickstart.sh --set train.steps=50
+# build about 4 minutes and the training under a minute on 2 cores). Run again, it continues
+# the run in runs/tiny. Extra arguments go to `shardtrain train`; a run with other settings
+# belongs in its own directory, e.g.
+#   launch/quickstart.sh --set train.steps=50 --set train.out_dir=runs/tiny-50
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -11,8 +11,9 @@ Command config_command() {
   c.name = "config";
   c.summary = "print the resolved run config (every key, defaults included)";
   c.description =
-      "Reads --config, applies each --set, validates every key and prints the result as YAML\n"
-      "that can be saved and passed back to --config. --keys lists every key instead.";
+      "Reads --config (required unless --keys), applies each --set, validates every key and\n"
+      "prints the result as YAML that can be saved and passed back to --config. --keys lists\n"
+      "every key instead.";
   c.flags = config_flags(/*config_required=*/false);
   c.flags.push_back(Flag("keys", "", "list every key with its type, default and help"));
   c.run = [](const Args& args) {

@@ -7,6 +7,7 @@
 #include "shardtrain/cli/command.h"
 #include "shardtrain/core/units.h"
 #include "shardtrain/data/prepare.h"
+#include "shardtrain/train/checkpointing.h"
 
 namespace shardtrain::cli {
 
@@ -24,7 +25,11 @@ Command prepare_data_command() {
       Flag("tokenizer", "NAME", "tokenizer").defaults_to("byte"),
   };
   c.run = [](const Args& args) {
-    PrepareSummary s = prepare_data(args.get("input"), args.get("output"), args.get("tokenizer"));
+    // SIGINT/SIGTERM end the tokenizing between chunks, and the writer removes its temporary
+    // file: an interrupted run leaves nothing behind (a second SIGINT ends it at once).
+    train::StopSignalHandlers stop_on_signal;
+    PrepareSummary s = prepare_data(args.get("input"), args.get("output"), args.get("tokenizer"),
+                                    [] { return train::stop_signal() != 0; });
     const std::string entropy = fmt::format("{:.3f}", s.unigram_entropy_bits);
     std::cout << "wrote " << s.output << ": " << s.num_tokens << " tokens from " << s.source
               << " (tokenizer " << s.tokenizer << ", vocabulary " << s.vocab_size

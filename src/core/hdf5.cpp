@@ -412,7 +412,11 @@ File::File(Handle handle, std::string path)
 
 File File::create(const std::string& path) {
   silence_library_errors();
-  hid_t id = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+  Handle fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
+  if (fapl.get() < 0 || H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V110, H5F_LIBVER_V110) < 0)
+    throw Error(concat("cannot select the HDF5 1.10 file format for '", path, "' (",
+                       take_error_message(), ")"));
+  hid_t id = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get());
   if (id < 0)
     throw ConfigError(concat("cannot create HDF5 file '", path, "' (", take_error_message(), ")"));
   return File(Handle(id, H5Fclose), path);

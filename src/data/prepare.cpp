@@ -29,7 +29,23 @@ constexpr int64_t kProgressAboveBytes = int64_t{64} << 20;
 }  // namespace
 
 PrepareSummary prepare_data(const std::string& input, const std::string& output_h5,
-                            const std::string& tokenizer_name) {
+                            const std::string& tokenizer_name,
+                            const std::function<bool()>& stop_requested) {
+  // The output is checked before any input is read: a bad name would otherwise surface only at
+  // the end, after minutes of tokenizing, or as the temporary file's name.
+  ST_CHECK_AS(ConfigError, !output_h5.empty(),
+              "prepare-data: --output is empty; name the .h5 "
+              "file to write");
+  ST_CHECK_AS(ConfigError, !names_text_corpus(output_h5), "prepare-data: --output '", output_h5,
+              "' is named like text, but a token dataset is HDF5 (data.path would read a .txt "
+              "file as text): name it .h5");
+  {
+    const std::filesystem::path parent = std::filesystem::path(output_h5).parent_path();
+    std::error_code ec;
+    ST_CHECK_AS(ConfigError, parent.empty() || std::filesystem::is_directory(parent, ec),
+                "prepare-data: the directory of --output '", output_h5, "' ('", parent.string(),
+                "') does not exist: create it first");
+  }
   if (input != "builtin") {
     std::error_code ec;
     ST_CHECK_AS(ConfigError, !std::filesystem::equivalent(input, output_h5, ec),
@@ -69,9 +85,21 @@ PrepareSummary prepare_data(const std::string& input, const std::string& output_
     std::string chunk(kChunkBytes, '\0');
     int64_t done = 0;
     while (in) {
+      if (stop_requested && stop_requested()) {
+        if (progress) std::fprintf(stderr, "\n");
+        throw Error(concat("prepare-data: stopped by a signal after ", format_bytes(done), " of '",
+                           input, "'; nothing was written"));
+      }
       in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
       const auto got = static_cast<size_t>(in.gcount());
       if (got == 0) break;
+      // Text holds no NUL bytes; a binary file (compressed text, a token array) does, and its
+      // bytes would make a dataset of noise (load_token_source refuses such a .txt the same way).
+      if (const void* nul = std::memchr(chunk.data(), '\0', got))
+        throw ConfigError(
+            concat("prepare-data: --input '", input, "' holds a NUL byte at offset ",
+                   done + (static_cast<const char*>(nul) - chunk.data()),
+                   ", so it is not text (compressed? decompress it first); --input takes text"));
       consume(std::string_view(chunk.data(), got));
       done += static_cast<int64_t>(got);
       if (progress)

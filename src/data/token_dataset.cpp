@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <unistd.h>
+#include <cctype>
 
 #include <cerrno>
 #include <cstdio>
@@ -200,7 +201,10 @@ std::vector<uint32_t> TokenDataset::tokens() const {
 }
 
 bool names_text_corpus(const std::string& path) {
-  return path.size() > 4 && path.compare(path.size() - 4, 4, ".txt") == 0;
+  if (path.size() <= 4) return false;
+  std::string extension = path.substr(path.size() - 4);
+  for (char& ch : extension) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  return extension == ".txt";
 }
 
 TokenDataset load_token_source(const std::string& path) {

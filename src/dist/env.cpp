@@ -67,13 +67,13 @@ LaunchInfo detect_launch() {
   } else if (env_int("PMI_RANK") && env_int("PMI_SIZE")) {
     fill("pmi", env_int("PMI_RANK"), env_int("PMI_SIZE"), env_int("MPI_LOCALRANKID"),
          env_int("MPI_LOCALNRANKS"));
-  } else if (env_int("SLURM_PROCID") &&
-             (env_int("SLURM_STEP_NUM_TASKS") || env_int("SLURM_NTASKS"))) {
-    std::optional<int> size = env_int("SLURM_STEP_NUM_TASKS");
-    if (!size) size = env_int("SLURM_NTASKS");
+  } else if (env_int("SLURM_PROCID") && env_int("SLURM_STEP_NUM_TASKS")) {
+    // The step's variables, which srun sets for its tasks: the batch script's own shell has
+    // SLURM_NTASKS of the whole allocation too, and a process it starts directly is one rank.
     std::optional<int> local_size = env_int("SLURM_STEP_TASKS_PER_NODE");
     if (!local_size) local_size = env_int("SLURM_NTASKS_PER_NODE");
-    fill("slurm", env_int("SLURM_PROCID"), size, env_int("SLURM_LOCALID"), local_size);
+    fill("slurm", env_int("SLURM_PROCID"), env_int("SLURM_STEP_NUM_TASKS"),
+         env_int("SLURM_LOCALID"), local_size);
   }
   return info;
 }

@@ -30,6 +30,22 @@ int64_t ProcessGroup::all_reduce_host(int64_t value, ReduceOp op) {
   return v[0];
 }
 
+std::vector<bool> ProcessGroup::differs_between_ranks(const std::vector<uint64_t>& values) {
+  // One all-reduce (max) of every value and of its bitwise complement gives the largest and the
+  // smallest value over the ranks (~v = -v - 1 reverses the order of int64 and, unlike -v, never
+  // overflows); they differ where some rank disagrees.
+  const size_t n = values.size();
+  std::vector<int64_t> extremes(2 * n);
+  for (size_t i = 0; i < n; ++i) {
+    extremes[i] = static_cast<int64_t>(values[i]);
+    extremes[n + i] = ~extremes[i];
+  }
+  if (size() > 1) all_reduce_host(extremes, ReduceOp::Max);
+  std::vector<bool> differs(n);
+  for (size_t i = 0; i < n; ++i) differs[i] = extremes[i] != ~extremes[n + i];
+  return differs;
+}
+
 void ProcessGroup::check_all_gather(const Tensor& input, const Tensor& output) const {
   ST_CHECK_SHAPE(input.defined() && output.defined(), "all_gather: undefined tensor");
   ST_CHECK_SHAPE(input.dtype() == output.dtype(), "all_gather: input ", input.describe(),

@@ -636,6 +636,7 @@ void write_main_file(const std::string& path, const TrainingState& state,
   write_u64_attr(sampler, "seed", state.sampler.seed);
   sampler.write_int64_attribute("epoch", state.sampler.epoch);
   sampler.write_int64_attribute("position", state.sampler.position);
+  write_u64_attr(sampler, "data_checksum", state.sampler.data_checksum);
   write_generators(file, state);
   if (!state.layout_json.empty()) {
     Node layout = create_group(file, "fsdp");
@@ -847,6 +848,8 @@ CheckpointReader::CheckpointReader(const std::string& path)
   s.sampler.seed = read_u64_attr(sampler, "seed");
   s.sampler.epoch = sampler.read_int64_attribute("epoch");
   s.sampler.position = sampler.read_int64_attribute("position");
+  if (sampler.has_attribute("data_checksum"))
+    s.sampler.data_checksum = read_u64_attr(sampler, "data_checksum");
   Node rng = open_group(f, "rng");
   s.init_seed = read_u64_attr(rng, "init_seed");
   std::vector<std::string> generators;

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <boost/iostreams/device/mapped_file.hpp>
 #include <cerrno>
 #include <cstdio>
@@ -29,6 +30,10 @@ using detail::concat;
 // A whole file mapped copy-on-write (Boost.Iostreams' private mapping): reads come from the page
 // cache, and writes through a zero-copy view stay private to the process and never reach the
 // file.
+// safetensors stores little-endian numbers (the header length, every element), which tensors
+// take from the mapping as they are.
+static_assert(std::endian::native == std::endian::little,
+              "safetensors files are read as little-endian host numbers");
 class MappedFile {
  public:
   explicit MappedFile(const std::string& path) {

@@ -54,12 +54,14 @@ std::vector<std::pair<std::string, Tensor*>> AdamW::state() {
   return out;
 }
 
-SGD::SGD(std::vector<NamedParam> params, float momentum, float weight_decay)
+SGD::SGD(std::vector<NamedParam> params, float momentum, float weight_decay, bool decay_all)
     : Optimizer(std::move(params)), momentum_(momentum), weight_decay_(weight_decay) {
   CategoryScope scope(MemoryCategory::OptimizerState);
-  for (auto& p : params_)
+  for (auto& p : params_) {
     buffers_.push_back(momentum_ > 0 ? zeros(p.param->shape(), DType::F32, p.param->device())
                                      : Tensor());
+    decay_.push_back(decay_all || default_decay_filter(p.name));
+  }
 }
 
 void SGD::update(float lr, float grad_scale) {
@@ -72,7 +74,7 @@ void SGD::update(float lr, float grad_scale) {
     if (!g.defined()) continue;
     Backend& be = backend_for(p.device());
     Tensor d = g;
-    if (weight_decay_ != 0.0f) {  // d = g + wd * p
+    if (weight_decay_ != 0.0f && decay_[i]) {  // d = g + wd * p
       d = empty(p.shape(), DType::F32, p.device());
       be.add(g, p, d, 1.0f, weight_decay_);
     }

@@ -50,10 +50,7 @@ StepBatches::StepBatches(const Config& config)
     : world_(dist::job_world_size()), rank_(dist::job_rank()) {
   const TrainConfig& t = config.train;
   TokenDataset data = load_token_source(config.data.path);
-  ST_CHECK_AS(ConfigError,
-              data.vocab_size() <= config.model.vocab_size || !config.model.from_hf.empty(),
-              "data.path '", config.data.path, "' has vocabulary size ", data.vocab_size(),
-              " but model.vocab_size is ", config.model.vocab_size);
+  check_data_fits_model(data, config);
   SamplerConfig sc;
   sc.seq_len = t.seq_len;
   sc.eval_fraction = config.data.eval_fraction;
@@ -316,6 +313,28 @@ BenchRow unpack(const double* v, const BenchRow& shape, int rank) {
   return r;
 }
 
+// The numbers reach every rank, the failing rank's message does not: the first failing rank sends
+// the start of its message (every rank knows which one that is from the numbers), so the row of
+// the whole job says why it failed. Collective.
+void share_first_failure_message(dist::ProcessGroup& world, std::vector<BenchRow>& ranks,
+                                 const BenchRow& local) {
+  constexpr size_t kMessageBytes = 512;
+  auto failed = std::find_if(ranks.begin(), ranks.end(),
+                             [](const BenchRow& r) { return r.status != BenchStatus::Ok; });
+  if (failed == ranks.end()) return;
+  std::vector<int64_t> text(kMessageBytes, 0);
+  if (failed->rank == local.rank)
+    for (size_t i = 0; i < std::min(kMessageBytes, local.message.size()); ++i)
+      text[i] = static_cast<unsigned char>(local.message[i]);
+  world.all_reduce_host(text, dist::ReduceOp::Max);
+  std::string message;
+  for (int64_t c : text) {
+    if (c == 0) break;
+    message.push_back(static_cast<char>(c));
+  }
+  failed->message = message;
+}
+
 // The row over all ranks: the worst status, the largest memory and step time; tokens/s of the
 // whole job (every rank's tokens over the slowest rank's median step).
 BenchRow combine(const std::vector<BenchRow>& ranks, const BenchRow& local) {
@@ -326,7 +345,9 @@ BenchRow combine(const std::vector<BenchRow>& ranks, const BenchRow& local) {
     if (r.status != BenchStatus::Ok && m.status == BenchStatus::Ok) {
       m.status = r.status;
       m.oom_requested_bytes = r.oom_requested_bytes;
-      if (m.message.empty()) m.message = "rank " + std::to_string(r.rank) + " failed";
+      if (m.message.empty())
+        m.message =
+            "rank " + std::to_string(r.rank) + (r.message.empty() ? " failed" : ": ") + r.message;
     }
     if (r.peak_bytes > m.peak_bytes) {
       m.peak_bytes = r.peak_bytes;
@@ -499,6 +520,7 @@ BenchReport run_bench(const Config& config, const BenchOptions& options) {
           ranks.push_back(unpack(all.data() + static_cast<size_t>(r) * kPacked, local, r));
           fill_rate(ranks.back(), report.model_flops_per_token, peak, 1);
         }
+        share_first_failure_message(env->world(), ranks, local);
         report.rows.push_back(combine(ranks, local));
         fill_rate(report.rows.back(), report.model_flops_per_token, peak, world);
         report.rank_rows.insert(report.rank_rows.end(), ranks.begin(), ranks.end());

@@ -183,21 +183,10 @@ bool writes_ranges(Runtime& rt) {
 
 // True on every rank when `value` is the same on every rank.
 bool ranks_agree(dist::ProcessGroup& group, int64_t value) {
-  return group.all_reduce_host(value, dist::ReduceOp::Max) == value &&
-         group.all_reduce_host(-value, dist::ReduceOp::Max) == -value;
+  return !group.differs_between_ranks({static_cast<uint64_t>(value)})[0];
 }
 
 }  // namespace
-
-std::string frozen_base_identity(const Config& config) {
-  if (!config.lora.enabled) return "";
-  if (!config.model.from_hf.empty())
-    return "hf:" + io::hf_weights_fingerprint(config.model.from_hf);
-  std::ostringstream os;
-  os.precision(9);
-  os << "init:train.seed=" << config.train.seed << ",model.init_std=" << config.model.init_std;
-  return os.str();
-}
 
 namespace {
 // A frozen-base identity in words; `from_hf` is the directory of the run it belongs to.
@@ -223,10 +212,10 @@ io::SaveRequest make_save_request(Runtime& rt, const std::string& dir, int64_t s
   s.lr = lr;
   s.scaler_enabled = rt.scaler().enabled();
   s.scaler = rt.scaler().state();
-  s.sampler = {sampler.seed, sampler.epoch, sampler.position};
+  s.sampler = {sampler.seed, sampler.epoch, sampler.position, sampler.data_checksum};
   s.init_seed = static_cast<uint64_t>(config.train.seed);
   s.config_yaml = config.to_yaml();
-  s.frozen_base = frozen_base_identity(config);
+  s.frozen_base = rt.frozen_base();
   if (fsdp::ShardedModel* sharded = rt.sharded()) {
     s.sharding = config.dist.sharding;
     s.layout_json = layout_json(*sharded, config.dist.sharding);
@@ -382,7 +371,9 @@ std::vector<std::string> resume_notes(const io::TrainingState& state, const Conf
     notes.push_back(concat("note: the learning-rate schedule differs from the checkpoint's run (",
                            list, "): step ", state.step + 1, " runs at ", rates));
   }
-  data_note("data.path", saved.data.path, now.data.path);
+  std::error_code ec;  // one file may be named two ways (relative, through a link)
+  if (!fs::equivalent(saved.data.path, now.data.path, ec))
+    data_note("data.path", saved.data.path, now.data.path);
   data_note("data.eval_fraction", (std::ostringstream() << saved.data.eval_fraction).str(),
             (std::ostringstream() << now.data.eval_fraction).str());
   return notes;
@@ -407,7 +398,7 @@ io::TrainingState load_checkpoint(Runtime& rt, const std::string& path) {
   // A LoRA checkpoint holds the adapters, not the base they adapt: on another base they would
   // train on, from a wrong start, with no error anywhere else.
   if (config.lora.enabled && !state.frozen_base.empty()) {
-    const std::string now = frozen_base_identity(config);
+    const std::string& now = rt.frozen_base();
     if (now != state.frozen_base) {
       std::string saved_from_hf;
       try {
@@ -519,8 +510,10 @@ std::optional<ResumePoint> Checkpointing::resume() {
     last_saved_ = path;  // that step needs no second save (a stop before the next step)
     last_saved_step_ = state.step;
     for (const std::string& note : resume_notes(state, config_, world.size())) log_(note);
-    return ResumePoint{
-        path, state.step, {state.sampler.seed, state.sampler.epoch, state.sampler.position}};
+    return ResumePoint{path,
+                       state.step,
+                       {state.sampler.seed, state.sampler.epoch, state.sampler.position,
+                        state.sampler.data_checksum}};
   };
   std::error_code ec;
   const bool explicit_file = mode != "auto" && !fs::is_directory(mode, ec);

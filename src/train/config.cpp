@@ -445,7 +445,7 @@ const std::vector<Key>& schema() {
           .help("share of the data held out for evaluation"),
       Key("data.seed", &C::data, &DataConfig::seed)
           .at_least(0)
-          .help("seed of the train/eval split and shuffling"),
+          .help("seed of the training windows' shuffle order"),
 
       Key("train.steps", &C::train, &TrainConfig::steps).at_least(1).help("optimizer steps"),
       Key("train.seq_len", &C::train, &TrainConfig::seq_len)
@@ -480,7 +480,8 @@ const std::vector<Key>& schema() {
           .help("device capacity for the memory planner and allocator, e.g. 24GiB; \"\" = all"),
       Key("train.out_dir", &C::train, &TrainConfig::out_dir)
           .checked_by(check_not_empty)
-          .help("run directory (logs, checkpoints, export); default runs/<config stem>"),
+          .help("run directory (logs, checkpoints, export); default runs/<config stem>, "
+                "relative to the working directory"),
       Key("train.resume", &C::train, &TrainConfig::resume)
           .checked_by(check_not_empty)
           .help("none, auto (latest checkpoint in the checkpoint dir) or a checkpoint path"),
@@ -493,10 +494,10 @@ const std::vector<Key>& schema() {
       Key("optim.name", &C::optim, &OptimConfig::name).one_of({"adamw", "sgd"}).help("optimizer"),
       Key("optim.lr", &C::optim, &OptimConfig::lr).above(0).help("peak learning rate"),
       Key("optim.min_lr", &C::optim, &OptimConfig::min_lr)
-          .help("learning rate at the end of the schedule; < 0 = lr / 10"),
+          .help("floor of the decay, reached just after the last step; < 0 = lr / 10"),
       Key("optim.warmup_steps", &C::optim, &OptimConfig::warmup_steps)
           .at_least(0)
-          .help("linear warmup steps"),
+          .help("linear warmup steps (step s of them runs at lr (s + 1) / warmup_steps)"),
       Key("optim.schedule", &C::optim, &OptimConfig::schedule)
           .one_of({"cosine", "constant", "linear"})
           .help("decay after warmup"),
@@ -511,7 +512,7 @@ const std::vector<Key>& schema() {
       Key("optim.eps", &C::optim, &OptimConfig::eps).above(0).help("AdamW epsilon"),
       Key("optim.weight_decay", &C::optim, &OptimConfig::weight_decay)
           .at_least(0)
-          .help("decoupled weight decay"),
+          .help("weight decay (adamw: decoupled; sgd: L2, added to the gradient)"),
       Key("optim.decay_norms_and_embeddings", &C::optim, &OptimConfig::decay_norms_and_embeddings)
           .help("apply weight decay to norm gains and embeddings too"),
       Key("optim.momentum", &C::optim, &OptimConfig::momentum)
@@ -628,6 +629,8 @@ const std::vector<Key>& schema() {
           .help("Hugging Face dir of the base model; \"\" = model.from_hf"),
       Key("lora.adapter_out", &C::lora, &LoraConfig::adapter_out)
           .help("adapter output dir; \"\" = <train.out_dir>/adapter"),
+      Key("lora.init_from", &C::lora, &LoraConfig::init_from)
+          .help("PEFT adapter dir the adapters start from; \"\" = A random, B zero"),
       Key("lora.merge_on_export", &C::lora, &LoraConfig::merge_on_export)
           .help("merge the adapter into the exported weights"),
   };
@@ -1136,6 +1139,10 @@ Parsed parse_tree(const std::string& text, const std::vector<std::string>& overr
                         "alone loads the base and records it in the adapter's config)");
     c.model.from_hf = c.lora.base_model;
   }
+  if (!c.lora.init_from.empty() && !c.lora.enabled)
+    throw ConfigError("lora.init_from ('" + c.lora.init_from +
+                      "') starts LoRA adapters from a saved adapter, but lora.enabled is false: "
+                      "set lora.enabled=true");
   validate_relations(parsed.config);
   return parsed;
 }

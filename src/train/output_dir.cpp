@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <vector>
 
 #include "shardtrain/core/error.h"
 
@@ -21,6 +22,20 @@ void prepare_output_dir(const std::string& dir, const std::string& key) {
   fs::remove(probe, ec);
   ST_CHECK_AS(ConfigError, writable, key, " = '", dir,
               "': cannot write files there; choose a writable path");
+}
+
+void check_output_dir(const std::string& dir, const std::string& key) {
+  namespace fs = std::filesystem;
+  // The missing directories, innermost first: what prepare_output_dir will create.
+  std::vector<fs::path> missing;
+  std::error_code ec;
+  for (fs::path p = fs::path(dir).lexically_normal(); !p.empty() && !fs::exists(p, ec);
+       p = p.parent_path()) {
+    missing.push_back(p);
+    if (p == p.parent_path()) break;
+  }
+  prepare_output_dir(dir, key);
+  for (const fs::path& p : missing) fs::remove(p, ec);  // only empty ones go
 }
 
 }  // namespace shardtrain::train

@@ -1,6 +1,9 @@
 #include "shardtrain/train/runtime.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <filesystem>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -11,12 +14,14 @@
 #include "shardtrain/autograd/engine.h"
 #include "shardtrain/autograd/grad_mode.h"
 #include "shardtrain/backend/backend.h"
+#include "shardtrain/core/word_hash.h"
 #ifdef SHARDTRAIN_HAVE_CUDA
 #include "shardtrain/backend/cuda.h"
 #endif
 #include "shardtrain/dist/env.h"
 #include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/io/hf_model.h"
+#include "shardtrain/io/peft.h"
 #include "shardtrain/nn/lora.h"
 #include "shardtrain/ops/ops.h"
 #include "shardtrain/optim/offload.h"
@@ -145,13 +150,20 @@ nn::LlamaConfig llama_config_from(const ModelConfig& m) {
   return c;
 }
 
-namespace {
-
-uint64_t fnv1a(const std::string& text) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char ch : text) h = (h ^ ch) * 1099511628211ull;
-  return h;
+void check_data_fits_model(const TokenDataset& data, const Config& config) {
+  const std::string& hf = config.model.from_hf;
+  const int64_t model_vocab =
+      hf.empty() ? config.model.vocab_size : llama_config_from(config.model).vocab_size;
+  ST_CHECK_AS(ConfigError, data.vocab_size() <= model_vocab, "data.path '", config.data.path,
+              "' has vocabulary size ", data.vocab_size(), " but ",
+              hf.empty() ? std::string("model.vocab_size is ")
+                         : "the model in model.from_hf '" + hf + "' has vocab_size ",
+              model_vocab,
+              ": tokenize the data with the model's tokenizer, or train a model with the "
+              "data's vocabulary");
 }
+
+namespace {
 
 // Ranks that disagree on a shape, a batch size or the step count would exchange messages of
 // different sizes or wait at different places: a crash or a hang, long after start-up. Every
@@ -159,11 +171,13 @@ uint64_t fnv1a(const std::string& text) {
 // all of them stop, naming the keys that differ.
 void check_same_config_on_every_rank(const Config& config, dist::ProcessGroup& world) {
   std::vector<std::string> keys;
-  std::vector<int64_t> hashes;
+  std::vector<uint64_t> hashes;
   for (const auto& [key, value] : config.key_values()) {
     keys.push_back(key);
-    // 62 bits, so that the hash and its negation are both representable.
-    hashes.push_back(static_cast<int64_t>(fnv1a(key + "=" + value) >> 2));
+    const std::string line = key + "=" + value;
+    WordHash hash;
+    hash.update(line.data(), line.size());
+    hashes.push_back(hash.digest());
   }
   // The same build gives every rank the same keys; check the count before the vectors meet.
   std::vector<int64_t> count = {static_cast<int64_t>(keys.size()),
@@ -172,19 +186,72 @@ void check_same_config_on_every_rank(const Config& config, dist::ProcessGroup& w
   ST_CHECK_AS(ConfigError, count[0] == -count[1],
               "the ranks run different shardtrain builds (their configs have ", count[0], " and ",
               -count[1], " keys): start every rank with the same binary");
-  // Max of h and of -h: the largest and the smallest value of each line over the ranks.
-  std::vector<int64_t> extremes = hashes;
-  for (int64_t h : hashes) extremes.push_back(-h);
-  world.all_reduce_host(extremes, dist::ReduceOp::Max);
+  const std::vector<bool> differs = world.differs_between_ranks(hashes);
   std::vector<std::string> differing;
   for (size_t i = 0; i < keys.size(); ++i)
-    if (extremes[i] != -extremes[keys.size() + i]) differing.push_back(keys[i]);
+    if (differs[i]) differing.push_back(keys[i]);
   if (differing.empty()) return;
   std::string list;
   for (const std::string& k : differing) list += (list.empty() ? "" : ", ") + k;
   throw ConfigError("the ranks were started with different configurations: " + list +
                     (differing.size() == 1 ? " differs" : " differ") +
                     " between ranks; give every rank the same --config file and --set flags");
+}
+
+using detail::concat;
+
+// lora.init_from must hold adapters of this run's shape (rank, scale, projections), and when it
+// records a base directory, this run's base: adapters only fit the base they were trained on.
+// Checked before the base weights load, which can take minutes.
+void check_initial_adapter(const Config& config) {
+  const std::string& dir = config.lora.init_from;
+  std::string base;
+  const nn::LoraOptions saved = io::read_peft_config(dir, &base);
+  std::vector<std::string> differ;
+  if (saved.r != config.lora.r)
+    differ.push_back(concat("r ", saved.r, " (lora.r is ", config.lora.r, ")"));
+  if (std::abs(saved.alpha - config.lora.alpha) > 1e-6 * config.lora.alpha)
+    differ.push_back(
+        concat("lora_alpha ", saved.alpha, " (lora.alpha is ", config.lora.alpha, ")"));
+  std::vector<std::string> saved_targets = saved.target_modules;
+  std::vector<std::string> run_targets = config.lora.target_modules;
+  std::sort(saved_targets.begin(), saved_targets.end());
+  std::sort(run_targets.begin(), run_targets.end());
+  run_targets.erase(std::unique(run_targets.begin(), run_targets.end()), run_targets.end());
+  if (saved_targets != run_targets) {
+    auto list = [](const std::vector<std::string>& names) {
+      std::string out;
+      for (const std::string& n : names) out += (out.empty() ? "" : ", ") + n;
+      return "[" + out + "]";
+    };
+    differ.push_back(concat("target_modules ", list(saved_targets), " (lora.target_modules is ",
+                            list(run_targets), ")"));
+  }
+  if (!differ.empty()) {
+    std::string all;
+    for (const std::string& d : differ) all += (all.empty() ? "" : "; ") + d;
+    throw ConfigError(concat("lora.init_from: the adapter in '", dir, "' has ", all,
+                             ": set lora.r, lora.alpha and lora.target_modules to the adapter's "
+                             "values to start from it"));
+  }
+  if (base.empty()) return;
+  std::error_code ec;
+  if (!std::filesystem::is_directory(base, ec)) {
+    if (dist::job_rank() == 0)
+      std::fprintf(stderr,
+                   "note: lora.init_from's adapter names its base '%s', which is not a directory "
+                   "here, so it cannot be compared with this run's base; make sure they are the "
+                   "same model\n",
+                   base.c_str());
+    return;
+  }
+  const std::string& ours = config.model.from_hf;
+  const bool same = !ours.empty() && std::filesystem::equivalent(base, ours, ec);
+  ST_CHECK_AS(ConfigError, same, "lora.init_from: the adapter in '", dir,
+              "' was trained on the base model in '", base, "', but this run's base is ",
+              ours.empty() ? std::string("initialised from train.seed (no model.from_hf)")
+                           : "'" + ours + "'",
+              ": set lora.base_model to '", base, "' (adapters only fit their own base)");
 }
 
 }  // namespace
@@ -222,6 +289,7 @@ Runtime::Runtime(const Config& config) : config_(config), device_(training_devic
   const bool deferred =
       dist_->world_size() > 1 && !config_.lora.enabled &&
       fsdp::parse_sharding_strategy(config_.dist.sharding) != fsdp::ShardingStrategy::NoShard;
+  if (!config_.lora.init_from.empty()) check_initial_adapter(config_);
   nn::LlamaConfig mc = llama_config_from(config_.model);
   model_ = std::make_unique<nn::LlamaModel>(
       mc, device_, deferred ? nn::ParameterStorage::Deferred : nn::ParameterStorage::Allocated);
@@ -248,6 +316,9 @@ Runtime::Runtime(const Config& config) : config_(config), device_(training_devic
         config_.precision.effective_param_dtype() == "bf16" ? DType::BF16 : DType::F32;
     lo.seed = static_cast<uint64_t>(config_.train.seed);
     nn::apply_lora(*model_, lo);
+    // A saved adapter replaces the fresh start (A random, B zero); a resumed checkpoint's
+    // adapters replace both later.
+    if (!config_.lora.init_from.empty()) io::load_peft_adapter(*model_, config_.lora.init_from);
   }
 
   // Wrappers added first run outermost: the activation strategy wraps everything below it, so a
@@ -315,13 +386,31 @@ Runtime::Runtime(const Config& config) : config_(config), device_(training_devic
                 "but optim.name is '",
                 o.name, "'; set optim.name=adamw or optim.offload=none");
     optimizer_ = std::make_unique<optim::SGD>(params, static_cast<float>(o.momentum),
-                                              static_cast<float>(o.weight_decay));
+                                              static_cast<float>(o.weight_decay),
+                                              o.decay_norms_and_embeddings);
   }
 }
 
 // The capacity is a property of this run, not of the process (tests build many runtimes).
 Runtime::~Runtime() {
   allocator_for(device_).set_capacity(previous_capacity_);
+}
+
+const std::string& Runtime::frozen_base() {
+  if (!frozen_base_) {
+    if (!config_.lora.enabled) {
+      frozen_base_ = "";
+    } else if (!config_.model.from_hf.empty()) {
+      frozen_base_ = "hf:" + io::hf_weights_fingerprint(config_.model.from_hf);
+    } else {
+      std::ostringstream os;
+      os.precision(9);
+      os << "init:train.seed=" << config_.train.seed
+         << ",model.init_std=" << config_.model.init_std;
+      frozen_base_ = os.str();
+    }
+  }
+  return *frozen_base_;
 }
 
 std::vector<optim::NamedParam> Runtime::trainable() const {

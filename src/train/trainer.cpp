@@ -29,6 +29,7 @@
 #include "shardtrain/io/hf_model.h"
 #include "shardtrain/io/peft.h"
 #include "shardtrain/memory/host_capacity.h"
+#include "shardtrain/nn/lora.h"
 #include "shardtrain/train/checkpointing.h"
 #include "shardtrain/train/output_dir.h"
 #include "shardtrain/train/plan.h"
@@ -38,6 +39,8 @@
 #include "shardtrain/train/schedule.h"
 
 namespace shardtrain::train {
+
+using detail::concat;
 
 namespace {
 
@@ -124,10 +127,7 @@ void check_host_memory(const Config& config, int world) {
 void check_same_data_on_every_rank(const TokenDataset& data, const std::string& path,
                                    dist::ProcessGroup& world) {
   if (world.size() == 1) return;
-  const auto mine = static_cast<int64_t>(data.checksum() >> 2);  // non-negative
-  const int64_t high = world.all_reduce_host(mine, dist::ReduceOp::Max);
-  const int64_t low = -world.all_reduce_host(-mine, dist::ReduceOp::Max);
-  ST_CHECK_AS(ConfigError, low == high, "data.path '", path,
+  ST_CHECK_AS(ConfigError, !world.differs_between_ranks({data.checksum()})[0], "data.path '", path,
               "' holds different tokens on different ranks (here, on rank ", world.rank(), ": ",
               data.size(),
               " tokens): every rank must read the same data; put it on a file "
@@ -216,11 +216,10 @@ TrainSummary train_with(const Config& config) {
       config.lora.adapter_out.empty() ? t.out_dir + "/adapter" : config.lora.adapter_out;
   const bool exports = t.export_model && (!config.lora.enabled || config.lora.merge_on_export);
   if (config.lora.enabled)
-    prepare_output_dir(adapter_dir, config.lora.adapter_out.empty()
-                                        ? "lora.adapter_out (default: <train.out_dir>/adapter)"
-                                        : "lora.adapter_out");
-  if (exports)
-    prepare_output_dir(t.out_dir + "/export", "train.export (to <train.out_dir>/export)");
+    check_output_dir(adapter_dir, config.lora.adapter_out.empty()
+                                      ? "lora.adapter_out (default: <train.out_dir>/adapter)"
+                                      : "lora.adapter_out");
+  if (exports) check_output_dir(t.out_dir + "/export", "train.export (to <train.out_dir>/export)");
   if (leader) {
     const std::string path = t.out_dir + "/config.yaml";
     std::ofstream out(path);
@@ -232,11 +231,18 @@ TrainSummary train_with(const Config& config) {
   }
 
   TokenDataset data = load_token_source(config.data.path);
-  ST_CHECK_AS(ConfigError,
-              data.vocab_size() <= config.model.vocab_size || !config.model.from_hf.empty(),
-              "data.path '", config.data.path, "' has vocabulary size ", data.vocab_size(),
-              " but model.vocab_size is ", config.model.vocab_size);
+  check_data_fits_model(data, config);
   summary.unigram_entropy_nats = data.unigram_entropy_bits() * std::log(2.0);
+  // HDF5 storage allocated but never written (a writer that crashed after an early allocation)
+  // reads as zeros that no check can tell from tokens: data that is nearly one token is worth a
+  // word before hours of training on it.
+  if (leader && summary.unigram_entropy_nats < 0.05)
+    std::fprintf(stderr,
+                 "warning: data.path '%s' is nearly one token repeated (unigram entropy %.4f "
+                 "nats over %lld tokens): a dataset written only in part reads as zeros; check "
+                 "how it was written\n",
+                 config.data.path.c_str(), summary.unigram_entropy_nats,
+                 static_cast<long long>(data.size()));
 
   SamplerConfig sc;
   sc.seq_len = t.seq_len;
@@ -286,13 +292,23 @@ TrainSummary train_with(const Config& config) {
   std::ofstream metrics;
   metrics.precision(17);
   Progress progress(leader ? t.progress : "none", t.steps, "train");
-  // Sharded parameter slots are empty outside a forward: count from the configuration.
-  const int64_t num_parameters =
+  // Sharded parameter slots are empty outside a forward: count from the configuration. A LoRA
+  // model's frozen base is partly stored as NF4 codes, not parameters: count it from the
+  // configuration too, plus the adapters, which are all that trains.
+  int64_t num_parameters =
       rt.sharded() ? rt.model().config().num_parameters() : rt.model().num_parameters();
+  std::string trainable;
+  if (config.lora.enabled) {
+    int64_t adapters = 0;
+    for (auto& [name, lora] : nn::lora_modules(rt.model()))
+      adapters += lora->lora_A.numel() + lora->lora_B.numel();
+    num_parameters = rt.model().config().num_parameters() + adapters;
+    trainable = concat(" (", adapters, " of them trainable: the LoRA adapters)");
+  }
   const std::string ranks =
       world > 1 ? std::to_string(world) + " ranks (" + config.dist.sharding + "), " : "";
   progress.message("shardtrain: " + std::to_string(num_parameters) + " parameters on " + ranks +
-                   rt.device().str() + ", " + std::to_string(global_batch) + " x " +
+                   rt.device().str() + trainable + ", " + std::to_string(global_batch) + " x " +
                    std::to_string(t.seq_len) + " tokens per step (" + std::to_string(accumulation) +
                    " micro-batches), data " + data.source() + " (" + std::to_string(data.size()) +
                    (data.memory_mapped() ? " tokens, memory-mapped)" : " tokens, in memory)"));
@@ -331,6 +347,21 @@ TrainSummary train_with(const Config& config) {
                 first_step, ", past train.steps (", t.steps,
                 "): raise train.steps to train further, or start a new run (train.resume=none)");
     train_sampler.restore(resumed->sampler);
+    // The sampler continues the checkpoint's order (its seed, epoch and position): say so when
+    // this run asks for another order, or its data are not the tokens the checkpoint's run read.
+    if (resumed->sampler.seed != static_cast<uint64_t>(config.data.seed))
+      progress.message(concat("note: data.seed is ", config.data.seed,
+                              " but the checkpoint's run "
+                              "shuffled with ",
+                              resumed->sampler.seed,
+                              "; the resumed run keeps "
+                              "that order (start a new run, train.resume=none, to shuffle with ",
+                              config.data.seed, ")"));
+    if (resumed->sampler.data_checksum != 0 && resumed->sampler.data_checksum != data.checksum())
+      progress.message(concat("note: the tokens in data.path '", config.data.path,
+                              "' differ from those the checkpoint's run trained on; the steps "
+                              "from here on read the new tokens, continuing at epoch ",
+                              resumed->sampler.epoch, ", window ", resumed->sampler.position));
   }
   summary.first_step = first_step;
   if (first_step == t.steps && first_step > 0)

@@ -185,6 +185,23 @@ TEST(CollectivesTest, HostNumbersAreReducedExactly) {
   pg.barrier();
 }
 
+TEST(CollectivesTest, DiffersBetweenRanksFindsTheOddValuesOnly) {
+  DistEnv env;
+  ProcessGroup& pg = env.world();
+  const uint64_t odd = pg.rank() == pg.size() - 1 ? 8 : 4;  // differs on the last rank only
+  // Values near the top and the bottom of the range, and a difference the last rank alone sees.
+  const std::vector<uint64_t> values = {~uint64_t{0}, 0, uint64_t{1} << 63, odd,
+                                        uint64_t{1} << 63 | static_cast<uint64_t>(pg.rank())};
+  const std::vector<bool> differs = pg.differs_between_ranks(values);
+  ASSERT_EQ(differs.size(), values.size());
+  EXPECT_FALSE(differs[0]);
+  EXPECT_FALSE(differs[1]);
+  EXPECT_FALSE(differs[2]);
+  EXPECT_EQ(differs[3], pg.size() > 1);
+  EXPECT_EQ(differs[4], pg.size() > 1);  // the lowest bit counts
+  pg.barrier();
+}
+
 TEST(CollectivesTest, ShapeMismatchesAreRejectedBeforeCommunicating) {
   DistEnv env;
   ProcessGroup& pg = env.world();

@@ -10,6 +10,7 @@
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include "expect_error.h"
 #include "temp_dir.h"
 #include "tiny_run.h"
 
@@ -42,6 +43,7 @@ namespace {
 
 constexpr const char* kChildEnv = "SHARDTRAIN_TEST_CHILD_CONFIG";
 
+using shardtrain::testing::expect_error;
 using shardtrain::testing::TempDir;
 
 // The shared tiny run with 4 sequences per step (one micro-batch) and a cosine schedule. Built
@@ -575,6 +577,23 @@ TEST(CheckpointResume, ACheckpointAtOrPastTheLastStep) {
   }
 }
 
+namespace {
+
+// The log of a run that resumes the 2-step run in `out_dir` for its third step under `overrides`;
+// that step's checkpoint is removed again, so the next call resumes from step 2 as well.
+std::string resumed_step_3_log(const std::string& out_dir,
+                               const std::vector<std::string>& overrides) {
+  std::vector<std::string> all = {"train.steps=3", "train.resume=auto", "train.progress=lines",
+                                  "checkpoint.keep_last=0", "train.export=false"};
+  all.insert(all.end(), overrides.begin(), overrides.end());
+  ::testing::internal::CaptureStderr();
+  train::run_training(tiny_config(out_dir, all));
+  fs::remove(out_dir + "/checkpoints/" + io::checkpoint_file_name(3));
+  return ::testing::internal::GetCapturedStderr();
+}
+
+}  // namespace
+
 // A resumed run that takes another number of sequences per step (another rank count with
 // global_batch 0, or changed batch keys) says so and how to keep the old batch; one whose
 // held-out split moved says that its evaluation losses are no longer comparable.
@@ -582,13 +601,7 @@ TEST(CheckpointResume, AnotherBatchSizeOrHeldOutSplitThanTheCheckpointsIsNoted) 
   TempDir tmp;
   train::run_training(tiny_config(tmp / "run", {"train.steps=2", "checkpoint.every_steps=1"}));
   auto resume_log = [&](const std::vector<std::string>& overrides) {
-    std::vector<std::string> all = {"train.steps=3", "train.resume=auto", "train.progress=lines",
-                                    "checkpoint.keep_last=0", "train.export=false"};
-    all.insert(all.end(), overrides.begin(), overrides.end());
-    ::testing::internal::CaptureStderr();
-    train::run_training(tiny_config(tmp / "run", all));
-    fs::remove(tmp / ("run/checkpoints/" + io::checkpoint_file_name(3)));
-    return ::testing::internal::GetCapturedStderr();
+    return resumed_step_3_log(tmp / "run", overrides);
   };
   std::string log = resume_log({"train.global_batch=8"});
   EXPECT_NE(log.find("note: the checkpoint's run took 4 sequences per step (1 rank(s)); this one "
@@ -615,6 +628,57 @@ TEST(CheckpointResume, AnotherBatchSizeOrHeldOutSplitThanTheCheckpointsIsNoted) 
             std::string::npos)
       << log;
   EXPECT_EQ(log.find("sequences per step"), std::string::npos) << log;
+}
+
+// The export and adapter directories are checked at the start but written at the end: a run
+// refused after the check leaves none behind (empty directories would pass for a failed export).
+TEST(CheckpointResume, ARefusedRunLeavesNoEmptyExportDirectory) {
+  TempDir tmp;
+  expect_error<ConfigError>(
+      [&] { train::run_training(tiny_config(tmp / "run/nested", {"model.vocab_size=100"})); },
+      {"has vocabulary size 256 but model.vocab_size is 100"});
+  EXPECT_TRUE(fs::exists(tmp / "run/nested/config.yaml"));
+  EXPECT_FALSE(fs::exists(tmp / "run/nested/export"));
+  expect_error<ConfigError>(
+      [&] {
+        train::run_training(tiny_config(tmp / "lora", {"model.vocab_size=100", "lora.enabled=true",
+                                                       "lora.adapter_out=" + (tmp / "a/b/c")}));
+      },
+      {"model.vocab_size is 100"});
+  EXPECT_FALSE(fs::exists(tmp / "a"));
+}
+
+// The resumed sampler continues the checkpoint's order over the data: a run that asks for another
+// shuffle seed, or whose data.path now holds other tokens, says so; the same file under another
+// name is no change.
+TEST(CheckpointResume, ChangedDataOrShuffleSeedIsNoted) {
+  TempDir tmp;
+  auto write_text = [&](const std::string& line) {
+    std::ofstream out(tmp / "data.txt");
+    for (int i = 0; i < 200; ++i) out << line << i << "\n";
+  };
+  write_text("the first text, line ");
+  const std::string data = "data.path=" + (tmp / "data.txt");
+  train::run_training(
+      tiny_config(tmp / "run", {"train.steps=2", "checkpoint.every_steps=1", data}));
+  auto resume_log = [&](const std::vector<std::string>& overrides) {
+    return resumed_step_3_log(tmp / "run", overrides);
+  };
+  std::string log = resume_log({"data.path=" + tmp.str() + "/./data.txt"});
+  EXPECT_NE(log.find("resumed from"), std::string::npos) << log;
+  EXPECT_EQ(log.find("note: "), std::string::npos) << "the same file, the same seed\n" << log;
+  log = resume_log({data, "data.seed=99"});
+  EXPECT_NE(log.find("note: data.seed is 99 but the checkpoint's run shuffled with 1234; the "
+                     "resumed run keeps that order"),
+            std::string::npos)
+      << log;
+  write_text("a second text, row ");
+  log = resume_log({data});
+  EXPECT_NE(log.find("note: the tokens in data.path '" + (tmp / "data.txt") +
+                     "' differ from those the checkpoint's run trained on; the steps from here "
+                     "on read the new tokens"),
+            std::string::npos)
+      << log;
 }
 
 // A fresh run does not train over an earlier run's checkpoints (it would replace some, keep the

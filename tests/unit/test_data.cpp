@@ -400,7 +400,7 @@ TEST(Sampler, EachEpochIsASeededPermutation) {
   }
   EXPECT_NE(std::vector<int64_t>(sa.begin(), sa.begin() + 100),
             std::vector<int64_t>(sa.begin() + 100, sa.begin() + 200));  // new order per epoch
-  EXPECT_EQ(a.state(), (SamplerState{11, 3, 0}));
+  EXPECT_EQ(a.state(), (SamplerState{11, 3, 0, ds.checksum()}));
   cfg.seed = 12;
   Sampler c(ds, Split::Train, cfg);
   EXPECT_NE(starts_of(c, 20, 5), std::vector<int64_t>(sa.begin(), sa.begin() + 100));
@@ -414,7 +414,7 @@ TEST(Sampler, RestoreAndSkipContinueIdentically) {
   Sampler a(ds, Split::Train, cfg);
   starts_of(a, 70, 4);  // 280 windows: into the second epoch (249 per epoch)
   SamplerState saved = a.state();
-  EXPECT_EQ(saved, (SamplerState{5, 1, 280 - 249}));
+  EXPECT_EQ(saved, (SamplerState{5, 1, 280 - 249, ds.checksum()}));
   std::vector<int64_t> expected = starts_of(a, 80, 4);
 
   cfg.seed = 999;  // the state carries the seed
@@ -652,6 +652,36 @@ TEST_F(DataTest, PrepareDataFromBuiltinAndFile) {
   expect_error<ConfigError>([&] { prepare_data(path("txt.h5"), path("z.h5")); },
                             {"is an HDF5 file"});
   EXPECT_EQ(shardtrain::testing::read_file_bytes(path("txt.h5")), before);
+}
+
+// Output names that cannot be a token dataset are refused before any input is read; input that is
+// not text is refused; a stop between chunks leaves no file, temporary or final.
+TEST_F(DataTest, PrepareDataRefusesBadNamesAndBinaryInputAndStopsCleanly) {
+  const std::string txt = path("in.txt");
+  std::ofstream(txt) << "some text";
+  expect_error<ConfigError>([&] { prepare_data(txt, ""); }, {"--output is empty"});
+  expect_error<ConfigError>([&] { prepare_data(txt, path("tokens.TXT")); },
+                            {"is named like text", "name it .h5"});
+  expect_error<ConfigError>([&] { prepare_data(txt, path("nowhere/tokens.h5")); },
+                            {"the directory of --output", "does not exist: create it first"});
+  {
+    std::ofstream binary(path("packed.txt"), std::ios::binary);
+    binary << "abc";
+    binary.put('\0');
+    binary << "def";
+  }
+  expect_error<ConfigError>([&] { prepare_data(path("packed.txt"), path("packed.h5")); },
+                            {"holds a NUL byte at offset 3", "not text"});
+  int asked = 0;
+  expect_error<Error>(
+      [&] { prepare_data(txt, path("stopped.h5"), "byte", [&] { return ++asked > 0; }); },
+      {"stopped by a signal", "nothing was written"});
+  EXPECT_EQ(asked, 1);
+  for (const auto& entry : fs::directory_iterator(tmp_.path))
+    EXPECT_EQ(entry.path().filename().string().find("stopped.h5"), std::string::npos)
+        << entry.path();
+  EXPECT_TRUE(names_text_corpus("corpus.TXT"));
+  EXPECT_FALSE(names_text_corpus("corpus.txt.h5"));
 }
 
 }  // namespace

@@ -362,6 +362,30 @@ TEST(HfConfig, RunConfigMaxSeqLenExtendsMaxPositionEmbeddings) {
             131072);
 }
 
+// Data with a larger vocabulary than config.json's model is refused before training starts, as it
+// is without model.from_hf, instead of at the first batch that holds a token the model lacks.
+TEST(HfConfig, DataWithALargerVocabularyThanTheModelIsRefused) {
+  TempDir dir("hf-vocab");
+  json j = small_llama3();
+  j["vocab_size"] = 256;
+  write_config(dir, j);
+  train::Config config =
+      train::Config::parse("model:\n  from_hf: " + dir.str() + "\n", {}, "test_hf_config");
+  const TokenDataset fits = TokenDataset::from_tokens({1, 2, 255}, 256, "bytes");
+  EXPECT_NO_THROW(train::check_data_fits_model(fits, config));
+  const TokenDataset larger = TokenDataset::from_tokens({1, 2, 3}, 300, "other");
+  expect_error<ConfigError>(
+      [&] { train::check_data_fits_model(larger, config); },
+      {"has vocabulary size 300", "model.from_hf '" + dir.str() + "'", "has vocab_size 256"});
+  // Without from_hf the run config's model.vocab_size is the limit.
+  config.model.from_hf.clear();
+  config.model.vocab_size = 512;
+  EXPECT_NO_THROW(train::check_data_fits_model(larger, config));
+  config.model.vocab_size = 299;
+  expect_error<ConfigError>([&] { train::check_data_fits_model(larger, config); },
+                            {"has vocabulary size 300 but model.vocab_size is 299"});
+}
+
 TEST(HfConfig, RunConfigThatContradictsConfigJsonIsAnError) {
   TempDir dir("hf-run");
   write_config(dir, small_llama3());

@@ -7,6 +7,7 @@
 #include <unistd.h>
 #include "expect_error.h"
 #include "temp_dir.h"
+#include "tiny_run.h"
 
 #include <algorithm>
 #include <cmath>
@@ -28,6 +29,7 @@
 #include "shardtrain/nn/nf4.h"
 #include "shardtrain/optim/optimizer.h"
 #include "shardtrain/train/config.h"
+#include "shardtrain/train/runtime.h"
 
 namespace shardtrain {
 namespace {
@@ -746,6 +748,71 @@ TEST(Lora, AdamWStepsLowerTheLoss) {
   const float last = loss_of(*m, batch);
   std::printf("LoRA loss %.4f -> %.4f\n", first, last);
   EXPECT_LT(last, 0.8f * first);
+}
+
+// lora.init_from: a run's adapters start as the saved adapter's, bit for bit (instead of A random
+// and B zero); an adapter of another shape or of another base is refused, naming the keys to set.
+TEST(Lora, ARunStartsFromASavedPeftAdapter) {
+  TempDir dir;
+  auto config = [&](std::vector<std::string> overrides) {
+    overrides.insert(overrides.begin(), {"lora.enabled=true", "lora.r=4", "lora.alpha=8",
+                                         "train.out_dir=" + dir.str("run")});
+    return train::Config::parse(testing::kTinyRunYaml, overrides, "test_qlora");
+  };
+  auto adapters = [](nn::LlamaModel& m) {
+    std::vector<float> values;
+    for (auto& [name, lora] : nn::lora_modules(m))
+      for (const Tensor* t : {&lora->lora_A, &lora->lora_B}) {
+        const std::vector<float> v = t->to_float_vector();
+        values.insert(values.end(), v.begin(), v.end());
+      }
+    return values;
+  };
+  std::vector<float> saved_values;
+  {
+    train::Runtime saved(config({"train.seed=11"}));  // other adapters than seed 7's fresh ones
+    randomize_b(saved.model(), 5);
+    saved_values = adapters(saved.model());
+    io::save_peft_adapter(saved.model(), dir.str("adapter"));
+  }
+  const std::string from = "lora.init_from=" + dir.str("adapter");
+  {
+    train::Runtime fresh(config({}));
+    EXPECT_FALSE(bitwise_equal(adapters(fresh.model()), saved_values));
+    train::Runtime started(config({from}));
+    EXPECT_TRUE(bitwise_equal(adapters(started.model()), saved_values));
+  }
+  expect_error<ConfigError>(
+      [&] {
+        train::Runtime r(config({from, "lora.r=8"}));
+      },
+      {"lora.init_from", "has r 4 (lora.r is 8)", "set lora.r"});
+  expect_error<ConfigError>(
+      [&] {
+        train::Runtime r(config({from, "lora.target_modules=[q_proj, v_proj]"}));
+      },
+      {"target_modules [down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj]",
+       "(lora.target_modules is [q_proj, v_proj])"});
+  expect_error<ConfigError>(
+      [&] {
+        train::Config c = config({from, "lora.enabled=false"});
+      },
+      {"lora.init_from", "lora.enabled is false"});
+  // An adapter whose recorded base is a directory that is not this run's base.
+  {
+    std::ifstream in(dir.str("adapter/adapter_config.json"));
+    nlohmann::json peft = nlohmann::json::parse(in);
+    peft["base_model_name_or_path"] = dir.str("run");
+    fs::create_directories(dir.str("elsewhere"));
+    fs::copy_file(dir.str("adapter/adapter_model.safetensors"),
+                  dir.str("elsewhere/adapter_model.safetensors"));
+    std::ofstream(dir.str("elsewhere/adapter_config.json")) << peft.dump();
+  }
+  fs::create_directories(dir.str("run"));
+  expect_error<ConfigError>(
+      [&] { train::Runtime r(config({"lora.init_from=" + dir.str("elsewhere")})); },
+      {"was trained on the base model in '" + dir.str("run") + "'",
+       "initialised from train.seed (no model.from_hf)", "set lora.base_model"});
 }
 
 }  // namespace

@@ -11,7 +11,6 @@
 #include <string>
 #include <vector>
 
-
 namespace shardtrain::h5 {
 
 // Turns off HDF5's automatic error printing (idempotent, called by every wrapper).
@@ -130,7 +129,9 @@ class Dataset : public Object {
 
 class File : public Object {
  public:
-  // Creates (truncating) a file; throws ConfigError when it cannot.
+  // Creates (truncating) a file in the HDF5 1.10 format, whose metadata is checksummed (a
+  // damaged chunk index fails to read instead of pointing at the wrong bytes); throws
+  // ConfigError when it cannot.
   static File create(const std::string& path);
   // Opens an existing file; throws ConfigError when it does not exist and FormatError when it is
   // not HDF5.

@@ -1,6 +1,7 @@
 // Turning a text file (or the built-in corpus) into a token dataset: `shardtrain prepare-data`.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace shardtrain {
@@ -16,8 +17,12 @@ struct PrepareSummary {
 
 // Tokenizes `input` (a text file path, or "builtin" for the generated corpus) with the tokenizer
 // called `tokenizer` and writes the token dataset `output_h5` atomically. Inputs above 64 MiB get
-// a progress line on stderr. Throws ConfigError for an unreadable input or unknown tokenizer.
+// a progress line on stderr. Throws ConfigError for an unreadable input, input that is not text
+// (a NUL byte), an output path that cannot be a token dataset (empty, named .txt, in a missing
+// directory) or an unknown tokenizer. `stop_requested`, when given, is asked between chunks of
+// 16 MiB: once it returns true this throws Error and leaves no file behind.
 PrepareSummary prepare_data(const std::string& input, const std::string& output_h5,
-                            const std::string& tokenizer = "byte");
+                            const std::string& tokenizer = "byte",
+                            const std::function<bool()>& stop_requested = {});
 
 }  // namespace shardtrain

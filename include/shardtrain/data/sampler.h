@@ -29,6 +29,9 @@ struct SamplerState {
   uint64_t seed = 0;
   int64_t epoch = 0;
   int64_t position = 0;  // windows already taken in this epoch
+  // TokenDataset::checksum of the tokens the sampler walks (0: not recorded). restore() does not
+  // need it; a resumed run compares it with its data's to say when the data changed.
+  uint64_t data_checksum = 0;
   bool operator==(const SamplerState&) const = default;
 };
 
@@ -52,7 +55,7 @@ class Sampler {
   // Stream offset of the window taken at `position` of the current epoch.
   int64_t window_start(int64_t position) const;
 
-  SamplerState state() const { return {config_.seed, epoch_, position_}; }
+  SamplerState state() const { return {config_.seed, epoch_, position_, data_.checksum()}; }
   // Continues exactly where `state` was taken; throws ConfigError for an impossible state.
   void restore(const SamplerState& state);
   // Advances by `num_windows` windows without producing them.

@@ -2,7 +2,9 @@
 // vocabulary fits, else uint32) with attributes `vocab_size` (int64) and `tokenizer` (string).
 // Every token must be stored in the file that holds the dataset (compressed or not, reached
 // through an external link or not): a virtual dataset, external raw storage, or storage never
-// written is refused, since HDF5 would read its missing elements as zeros.
+// allocated is refused, since HDF5 would read its missing elements as zeros. Storage allocated
+// but never written (early allocation, then a writer that stopped) reads as zeros too, and the
+// file cannot tell: the trainer warns when the tokens are nearly all one value.
 #pragma once
 #include <cstdint>
 #include <memory>

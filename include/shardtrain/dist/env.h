@@ -25,9 +25,10 @@ namespace shardtrain::dist {
 class MpiRuntime;
 
 // What the launcher's environment variables say, read before MPI starts (the local rank picks
-// the GPU). Open MPI: OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}; Slurm: SLURM_PROCID,
-// SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE; other PMI launchers: PMI_RANK, PMI_SIZE,
-// MPI_LOCALRANKID.
+// the GPU). Open MPI: OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}; Slurm (tasks srun
+// started): SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID, SLURM_STEP_TASKS_PER_NODE; other
+// PMI launchers: PMI_RANK, PMI_SIZE, MPI_LOCALRANKID. A process the batch script starts itself,
+// without srun, is one rank whatever the allocation's SLURM_NTASKS says.
 struct LaunchInfo {
   std::string launcher = "none";  // "openmpi", "slurm", "pmi", or "none"
   int rank = 0;

@@ -65,6 +65,9 @@ class ProcessGroup {
   virtual void all_reduce_host(std::vector<int64_t>& values, ReduceOp op) = 0;
   double all_reduce_host(double value, ReduceOp op);
   int64_t all_reduce_host(int64_t value, ReduceOp op);
+  // For each value (a hash, a count): whether some rank holds another value at that position.
+  // Exact; every rank gets the same answer. Every rank must pass the same number of values.
+  std::vector<bool> differs_between_ranks(const std::vector<uint64_t>& values);
 
   // How long wait() waits before declaring the collective failed (seconds; <= 0: forever).
   void set_timeout(double seconds) { timeout_s_ = seconds; }

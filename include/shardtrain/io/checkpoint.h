@@ -53,6 +53,7 @@ struct SamplerPosition {
   uint64_t seed = 0;
   int64_t epoch = 0;
   int64_t position = 0;
+  uint64_t data_checksum = 0;  // of the tokens it walks; 0 = not recorded (older checkpoints)
   bool operator==(const SamplerPosition&) const = default;
 };
 

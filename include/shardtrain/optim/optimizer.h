@@ -65,19 +65,24 @@ class AdamW : public Optimizer {
   std::vector<bool> decay_;
 };
 
+// SGD with momentum, as torch.optim.SGD: weight decay is added to the gradient (L2) before the
+// momentum, on the parameters `decay_all` / default_decay_filter choose (as AdamW does).
 class SGD : public Optimizer {
  public:
-  SGD(std::vector<NamedParam> params, float momentum, float weight_decay);
+  SGD(std::vector<NamedParam> params, float momentum, float weight_decay, bool decay_all = false);
   std::vector<std::pair<std::string, Tensor*>> state() override;
 
  private:
   void update(float lr, float grad_scale) override;
   float momentum_, weight_decay_;
   std::vector<Tensor> buffers_;
+  std::vector<bool> decay_;
 };
 
-// Linear warmup from 0 to peak over `warmup_steps`, then cosine (or linear, or constant) decay
-// to `min_lr` at `total_steps`.
+// Linear warmup to peak over `warmup_steps` (0-based step s < W runs at peak (s + 1) / W, so the
+// first step already moves), then cosine (or linear, or constant) decay from peak towards
+// `min_lr` with progress (s - W) / (total_steps - W): the last step, s = total_steps - 1, runs one
+// decay step above min_lr, which a step after the end would reach.
 struct LrSchedule {
   enum class Kind { Cosine, Linear, Constant };
   Kind kind = Kind::Cosine;

@@ -55,11 +55,6 @@ void clear_stop_request();
 io::SaveRequest make_save_request(Runtime& runtime, const std::string& dir, int64_t step,
                                   const SamplerState& sampler, float lr);
 
-// What a LoRA run's frozen base is (io::TrainingState::frozen_base): "hf:<fingerprint>" of the
-// model.from_hf weights, or "init:..." with the seed and scale that initialised it; "" for a run
-// that trains every weight. Resuming compares it: adapters only fit the base they were trained on.
-std::string frozen_base_identity(const Config& config);
-
 // Loads the checkpoint at `path` into `runtime`: weights, optimizer state and step count, loss
 // scaler, and the generators when the job has as many ranks as the one that saved. Any number of
 // ranks and any sharding read any checkpoint: each rank reads the ranges it holds, one unit at a

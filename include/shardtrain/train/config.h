@@ -205,6 +205,7 @@ struct LoraConfig {
   std::string quantize_base = "nf4";  // nf4 | none
   std::string base_model;             // Hugging Face dir of the frozen base model
   std::string adapter_out;            // where the adapter is written; "" = <out_dir>/adapter
+  std::string init_from;              // PEFT adapter dir the adapters start from; "" = fresh
   bool merge_on_export = false;
 
   bool operator==(const LoraConfig&) const = default;

@@ -10,4 +10,9 @@ namespace shardtrain::train {
 // the way).
 void prepare_output_dir(const std::string& dir, const std::string& key);
 
+// The same check for a directory written only at the end (the export, the adapter): the
+// directories it had to create are removed again, so a run refused or stopped before its end
+// leaves no empty ones behind. The writer creates them when it writes.
+void check_output_dir(const std::string& dir, const std::string& key);
+
 }  // namespace shardtrain::train

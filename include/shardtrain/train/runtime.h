@@ -18,6 +18,7 @@
 
 #include "shardtrain/amp/grad_scaler.h"
 #include "shardtrain/data/batch.h"
+#include "shardtrain/data/token_dataset.h"
 #include "shardtrain/memory/stats.h"
 #include "shardtrain/nn/llama.h"
 #include "shardtrain/optim/optimizer.h"
@@ -43,6 +44,11 @@ Device training_device(const Config& config);
 // config.json, which the model keys set to non-default values must agree with (ConfigError
 // naming each disagreement otherwise).
 nn::LlamaConfig llama_config_from(const ModelConfig& model);
+
+// Throws ConfigError when `data` (read from data.path) has a larger vocabulary than the model
+// (model.vocab_size, or config.json's with model.from_hf): some token would have no embedding
+// row, and the run would fail at the first batch that holds one, possibly hours in.
+void check_data_fits_model(const TokenDataset& data, const Config& config);
 
 struct StepResult {
   double loss = 0;       // mean cross-entropy per counted token of the global batch
@@ -105,6 +111,12 @@ class Runtime {
   // sharding the model's parameter slots are empty outside a forward: read the weights through
   // sharded()->for_each_full_parameter().
   fsdp::ShardedModel* sharded() { return sharded_.get(); }
+  // What a LoRA run's frozen base is (io::TrainingState::frozen_base): "hf:<fingerprint>" of the
+  // model.from_hf weights, or "init:..." with the seed and scale that initialised it; "" for a
+  // run that trains every weight. Checkpoints record it and resuming compares it: adapters only
+  // fit the base they were trained on. Taken once, at the first call (the fingerprint reads a
+  // sample of every weight file).
+  const std::string& frozen_base();
 
  private:
   Config config_;
@@ -115,6 +127,7 @@ class Runtime {
   std::unique_ptr<fsdp::ShardedModel> sharded_;  // after model_, before optimizer_ (lifetimes)
   std::unique_ptr<optim::Optimizer> optimizer_;
   std::unique_ptr<amp::GradScaler> scaler_;
+  std::optional<std::string> frozen_base_;
 
   // Steps 1 and 2 of a step: the mean loss per counted token; the gradients stay multiplied by
   // the loss scale.
