@@ -164,6 +164,10 @@ std::vector<Flag> config_flags(bool config_required) {
 train::Config config_from_args(const Args& args, const std::vector<std::string>& varied_sections) {
   if (!args.has("config"))
     throw UsageError("a run config is needed: --config FILE (e.g. --config configs/tiny.yaml)");
+  // A --set without '=' is a malformed command line (exit 2), not a bad setting.
+  for (const std::string& set : args.all("set"))
+    if (set.find('=') == std::string::npos)
+      throw UsageError("--set " + set + ": expected KEY=VALUE, e.g. --set optim.lr=1e-3");
   train::Config config = train::load_config(args.get("config"), args.all("set"));
   // Under mpirun every rank reads the same config: one copy of each warning is enough.
   if (dist::job_rank() == 0)

@@ -215,6 +215,10 @@ TEST(Cli, ConfigCommandPrintsTheResolvedConfig) {
   r = run({"config"});
   EXPECT_EQ(r.code, 2);
   EXPECT_CONTAINS(r.err, "--config FILE");
+  // A --set that is not KEY=VALUE is a malformed command line, as a missing value is.
+  r = run({"config", "--config", tiny, "--set", "optim.lr"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "--set optim.lr: expected KEY=VALUE");
 
   r = run({"config", "--keys"});
   EXPECT_EQ(r.code, 0);
