@@ -17,6 +17,10 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 config="${1:?usage: HOSTFILE=hosts $0 CONFIG.yaml [shardtrain train flags...]}"
 shift
+if [[ "$config" == --config ]]; then  # the train command's own spelling
+  config="${1:?usage: HOSTFILE=hosts $0 CONFIG.yaml [shardtrain train flags...]}"
+  shift
+fi
 hostfile="${HOSTFILE:?set HOSTFILE to a hostfile with one 'host slots=N' line per node}"
 per_node="${RANKS_PER_NODE:-8}"
 if [[ ! "$per_node" =~ ^[1-9][0-9]*$ ]]; then
@@ -32,7 +36,11 @@ if ((nodes == 0)); then
   echo "error: HOSTFILE '$hostfile' names no node: write one 'host slots=N' line per node" >&2
   exit 1
 fi
-iface="${IFACE:-$(ip -o route show default 2>/dev/null | awk '{for (i = 1; i < NF; ++i) if ($i == "dev") print $(i + 1); exit}')}"
+iface="${IFACE:-}"
+if [[ -z "$iface" ]] && command -v ip >/dev/null 2>&1; then
+  iface="$(ip -o route show default 2>/dev/null |
+    awk '{for (i = 1; i < NF; ++i) if ($i == "dev") print $(i + 1); exit}' || true)"
+fi
 if [[ -z "$iface" ]]; then
   echo "error: no default network interface found: set IFACE (e.g. eth0, ib0)" >&2
   exit 1

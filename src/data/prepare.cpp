@@ -44,7 +44,8 @@ PrepareSummary prepare_data(const std::string& input, const std::string& output_
     std::error_code ec;
     ST_CHECK_AS(ConfigError, parent.empty() || std::filesystem::is_directory(parent, ec),
                 "prepare-data: the directory of --output '", output_h5, "' ('", parent.string(),
-                "') does not exist: create it first");
+                std::filesystem::exists(parent, ec) ? "') is not a directory"
+                                                    : "') does not exist: create it first");
   }
   if (input != "builtin") {
     std::error_code ec;
@@ -111,6 +112,10 @@ PrepareSummary prepare_data(const std::string& input, const std::string& output_
     if (in.bad()) throw ConfigError(concat("error while reading '", input, "'"));
     if (progress) std::fprintf(stderr, "\n");
   }
+  // A stop asked for after the last chunk still counts: the output is not committed.
+  if (stop_requested && stop_requested())
+    throw Error(concat("prepare-data: stopped by a signal before '", output_h5,
+                       "' was written; nothing was written"));
   ST_CHECK_AS(ConfigError, writer.size() > 0, "input '", input, "' is empty: nothing to train on");
   summary.num_tokens = writer.size();
   summary.unigram_entropy_bits = counts.entropy_bits();

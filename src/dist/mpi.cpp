@@ -5,6 +5,7 @@
 #include <climits>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 
@@ -193,6 +194,7 @@ class MpiWork : public Work {
       }
     }
     static_cast<void>(new std::vector<Tensor>(std::move(keep)));
+    static_cast<void>(new std::shared_ptr<void>(std::move(keep_host)));
   }
 
   bool is_completed() override {
@@ -235,8 +237,9 @@ class MpiWork : public Work {
   }
 
   MPI_Request request = MPI_REQUEST_NULL;
-  std::vector<Tensor> keep;      // buffers MPI reads or writes until completion
-  std::function<void()> finish;  // copies staged results into the caller's tensor
+  std::vector<Tensor> keep;         // buffers MPI reads or writes until completion
+  std::shared_ptr<void> keep_host;  // the same for host numbers
+  std::function<void()> finish;     // copies staged results into the caller's tensor
 
  private:
   void complete() {
@@ -331,26 +334,33 @@ void MpiProcessGroup::barrier() {
   work.wait();
 }
 
-void MpiProcessGroup::all_reduce_host(std::vector<double>& values, ReduceOp op) {
+namespace {
+// A host all-reduce reduces a copy that its Work owns: when wait() times out and the Work is
+// abandoned, the copy is kept alive for the late collective to write into, never the caller's
+// (by then freed) vector.
+template <typename T>
+void all_reduce_host_values(std::vector<T>& values, ReduceOp op, MPI_Datatype type,
+                            const char* what, MPI_Comm comm, int rank, double timeout_s) {
   MpiWork work(
-      detail::concat("all_reduce(", reduce_op_name(op), ") of ", values.size(), " host numbers"),
-      rank_, timeout_s_);
-  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, values.data(),
-                           mpi_count(static_cast<int64_t>(values.size()), "all_reduce"), MPI_DOUBLE,
-                           mpi_op(op), comm_.get(), &work.request),
+      detail::concat("all_reduce(", reduce_op_name(op), ") of ", values.size(), " host ", what),
+      rank, timeout_s);
+  auto buffer = std::make_shared<std::vector<T>>(values);
+  work.keep_host = buffer;
+  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, buffer->data(),
+                           mpi_count(static_cast<int64_t>(buffer->size()), "all_reduce"), type,
+                           mpi_op(op), comm, &work.request),
             "MPI_Iallreduce");
   work.wait();
+  values = *buffer;
+}
+}  // namespace
+
+void MpiProcessGroup::all_reduce_host(std::vector<double>& values, ReduceOp op) {
+  all_reduce_host_values(values, op, MPI_DOUBLE, "numbers", comm_.get(), rank_, timeout_s_);
 }
 
 void MpiProcessGroup::all_reduce_host(std::vector<int64_t>& values, ReduceOp op) {
-  MpiWork work(
-      detail::concat("all_reduce(", reduce_op_name(op), ") of ", values.size(), " host integers"),
-      rank_, timeout_s_);
-  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, values.data(),
-                           mpi_count(static_cast<int64_t>(values.size()), "all_reduce"),
-                           MPI_INT64_T, mpi_op(op), comm_.get(), &work.request),
-            "MPI_Iallreduce");
-  work.wait();
+  all_reduce_host_values(values, op, MPI_INT64_T, "integers", comm_.get(), rank_, timeout_s_);
 }
 
 }  // namespace shardtrain::dist

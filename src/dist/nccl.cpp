@@ -225,6 +225,8 @@ class NcclProcessGroup : public ProcessGroup {
 
   WorkPtr broadcast(Tensor& tensor, int root) override {
     check_device(tensor, "broadcast");
+    ST_CHECK(root >= 0 && root < size(), "broadcast from rank ", root, " in a group of ", size(),
+             " ranks");
     return launch("broadcast of " + tensor.describe(), {tensor}, [&](cudaStream_t s) {
       return ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(),
                            static_cast<size_t>(tensor.numel()), nccl_type(tensor.dtype()), root,

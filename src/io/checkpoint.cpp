@@ -679,13 +679,16 @@ std::string rank_file_name(int64_t step, int rank) {
 std::string save_checkpoint(dist::ProcessGroup& group, const SaveRequest& request) {
   const int rank = group.rank(), world = group.size();
   const int64_t step = request.state.step;
-  ST_CHECK(group.all_reduce_host(step, dist::ReduceOp::Max) == step &&
-               group.all_reduce_host(-step, dist::ReduceOp::Max) == -step,
-           "saving a checkpoint: the ranks disagree on the step (rank ", rank, " has ", step, ")");
-  // Every rank's generators, and which ranks write ranges.
+  // Every rank takes part in this one comparison and every rank gets its verdict, so that they
+  // all throw together (a rank that threw alone would leave the others in a collective).
   const int64_t gens = static_cast<int64_t>(request.generators.size());
-  ST_CHECK(group.all_reduce_host(gens, dist::ReduceOp::Max) == gens,
+  const std::vector<bool> differ =
+      group.differs_between_ranks({static_cast<uint64_t>(step), static_cast<uint64_t>(gens)});
+  ST_CHECK(!differ[0], "saving a checkpoint: the ranks disagree on the step (rank ", rank, " has ",
+           step, ")");
+  ST_CHECK(!differ[1],
            "saving a checkpoint: the ranks have different numbers of random generators");
+  // Every rank's generators, and which ranks write ranges.
   std::vector<int64_t> gathered(static_cast<size_t>(world * (2 * gens + 1)), 0);
   {
     int64_t* mine = gathered.data() + rank * (2 * gens + 1);

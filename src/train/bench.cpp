@@ -318,7 +318,7 @@ BenchRow unpack(const double* v, const BenchRow& shape, int rank) {
 // the whole job says why it failed. Collective.
 void share_first_failure_message(dist::ProcessGroup& world, std::vector<BenchRow>& ranks,
                                  const BenchRow& local) {
-  constexpr size_t kMessageBytes = 512;
+  constexpr size_t kMessageBytes = 4096;
   auto failed = std::find_if(ranks.begin(), ranks.end(),
                              [](const BenchRow& r) { return r.status != BenchStatus::Ok; });
   if (failed == ranks.end()) return;
@@ -332,6 +332,7 @@ void share_first_failure_message(dist::ProcessGroup& world, std::vector<BenchRow
     if (c == 0) break;
     message.push_back(static_cast<char>(c));
   }
+  if (message.size() == kMessageBytes) message += " [...]";  // cut short
   failed->message = message;
 }
 

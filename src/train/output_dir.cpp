@@ -29,9 +29,9 @@ void check_output_dir(const std::string& dir, const std::string& key) {
   // The missing directories, innermost first: what prepare_output_dir will create.
   std::vector<fs::path> missing;
   std::error_code ec;
-  for (fs::path p = fs::path(dir).lexically_normal(); !p.empty() && !fs::exists(p, ec);
-       p = p.parent_path()) {
-    missing.push_back(p);
+  // The path as written, not normalized: "new/../out" creates "new" too.
+  for (fs::path p = fs::path(dir); !p.empty() && !fs::exists(p, ec); p = p.parent_path()) {
+    if (p.filename() != "." && p.filename() != ".." && !p.filename().empty()) missing.push_back(p);
     if (p == p.parent_path()) break;
   }
   prepare_output_dir(dir, key);

@@ -234,23 +234,44 @@ void check_initial_adapter(const Config& config) {
                              ": set lora.r, lora.alpha and lora.target_modules to the adapter's "
                              "values to start from it"));
   }
-  if (base.empty()) return;
-  std::error_code ec;
-  if (!std::filesystem::is_directory(base, ec)) {
-    if (dist::job_rank() == 0)
-      std::fprintf(stderr,
-                   "note: lora.init_from's adapter names its base '%s', which is not a directory "
-                   "here, so it cannot be compared with this run's base; make sure they are the "
-                   "same model\n",
-                   base.c_str());
+  // The weights file must open now, not after the base has loaded (shapes are checked then).
+  try {
+    SafetensorsFile::open(dir + "/" + io::kAdapterWeightsFile);
+  } catch (const std::exception& e) {
+    throw ConfigError(concat("lora.init_from: ", e.what()));
+  }
+  auto note = [](const std::string& line) {
+    if (dist::job_rank() == 0) std::fprintf(stderr, "note: lora.init_from: %s\n", line.c_str());
+  };
+  if (base.empty()) {
+    note(concat("the adapter in '", dir,
+                "' records no base model (base_model_name_or_path), so it cannot be checked "
+                "against this run's base; make sure it was trained on the same weights"));
     return;
   }
+  std::error_code ec;
+  if (!std::filesystem::is_directory(base, ec)) {
+    note(concat("the adapter names its base '", base,
+                "', which is not a directory here (relative paths are taken from the working "
+                "directory), so it cannot be compared with this run's base; make sure they are "
+                "the same model"));
+    return;
+  }
+  // The weights decide, not the path: a copy of the base directory is the same base.
   const std::string& ours = config.model.from_hf;
-  const bool same = !ours.empty() && std::filesystem::equivalent(base, ours, ec);
+  std::string theirs;
+  try {
+    theirs = io::hf_weights_fingerprint(base);
+  } catch (const std::exception& e) {
+    note(concat("the adapter's base '", base, "' holds no weights this run can read (", e.what(),
+                "), so it cannot be compared with this run's base"));
+    return;
+  }
+  const bool same = !ours.empty() && theirs == io::hf_weights_fingerprint(ours);
   ST_CHECK_AS(ConfigError, same, "lora.init_from: the adapter in '", dir,
               "' was trained on the base model in '", base, "', but this run's base is ",
               ours.empty() ? std::string("initialised from train.seed (no model.from_hf)")
-                           : "'" + ours + "'",
+                           : "'" + ours + "', whose weights differ",
               ": set lora.base_model to '", base, "' (adapters only fit their own base)");
 }
 

@@ -219,7 +219,8 @@ TrainSummary train_with(const Config& config) {
     check_output_dir(adapter_dir, config.lora.adapter_out.empty()
                                       ? "lora.adapter_out (default: <train.out_dir>/adapter)"
                                       : "lora.adapter_out");
-  if (exports) check_output_dir(t.out_dir + "/export", "train.export (to <train.out_dir>/export)");
+  if (exports && leader)  // rank 0 writes the export
+    check_output_dir(t.out_dir + "/export", "train.export (to <train.out_dir>/export)");
   if (leader) {
     const std::string path = t.out_dir + "/config.yaml";
     std::ofstream out(path);

@@ -240,5 +240,25 @@ TEST(CollectivesTest, WaitGivesUpAfterTheTimeout) {
   EXPECT_EQ(t.to_float_vector()[0], static_cast<float>(pg.size()));
 }
 
+// A host all-reduce that timed out cannot be waited on again: the late collective must complete
+// into a buffer of its own, not into the caller's vector, which is gone by then. Rank 0 times out
+// and fills the heap with fresh vectors (where the freed one was) before the others join.
+TEST(CollectivesTest, AHostReductionThatTimedOutWritesIntoNoFreedMemory) {
+  DistEnv env;
+  MpiProcessGroup pg(MPI_COMM_WORLD, 0.3);
+  std::vector<std::vector<int64_t>> fresh;
+  if (env.rank() == 0) {
+    EXPECT_THROW(pg.all_reduce_host(int64_t{1000}, ReduceOp::Sum), DistributedError);
+    for (int i = 0; i < 256; ++i) fresh.emplace_back(1, int64_t{-1});
+    env.world().barrier();
+  } else {
+    env.world().barrier();
+    // Pairs with rank 0's abandoned reduction.
+    EXPECT_EQ(pg.all_reduce_host(int64_t{7}, ReduceOp::Sum), 1000 + 7 * (pg.size() - 1));
+  }
+  env.world().barrier();  // the late reduction has completed everywhere
+  for (const std::vector<int64_t>& v : fresh) ASSERT_EQ(v, std::vector<int64_t>{-1});
+}
+
 }  // namespace
 }  // namespace shardtrain::dist

@@ -798,21 +798,39 @@ TEST(Lora, ARunStartsFromASavedPeftAdapter) {
         train::Config c = config({from, "lora.enabled=false"});
       },
       {"lora.init_from", "lora.enabled is false"});
-  // An adapter whose recorded base is a directory that is not this run's base.
+  // An adapter whose recorded base is a model directory, other weights than this run's base...
+  const std::string golden = std::string(SHARDTRAIN_TEST_DATA) + "/golden/llama-tiny-gqa";
   {
     std::ifstream in(dir.str("adapter/adapter_config.json"));
     nlohmann::json peft = nlohmann::json::parse(in);
-    peft["base_model_name_or_path"] = dir.str("run");
+    peft["base_model_name_or_path"] = golden;
     fs::create_directories(dir.str("elsewhere"));
     fs::copy_file(dir.str("adapter/adapter_model.safetensors"),
                   dir.str("elsewhere/adapter_model.safetensors"));
     std::ofstream(dir.str("elsewhere/adapter_config.json")) << peft.dump();
   }
-  fs::create_directories(dir.str("run"));
   expect_error<ConfigError>(
       [&] { train::Runtime r(config({"lora.init_from=" + dir.str("elsewhere")})); },
-      {"was trained on the base model in '" + dir.str("run") + "'",
+      {"was trained on the base model in '" + golden + "'",
        "initialised from train.seed (no model.from_hf)", "set lora.base_model"});
+  // ... and a copy of the base directory is the same base: the weights decide, not the path.
+  auto golden_config = [&](const std::string& from_hf, const std::string& init_from) {
+    std::vector<std::string> sets = {"lora.enabled=true", "lora.r=4", "train.device=cpu",
+                                     "train.out_dir=" + dir.str("golden-run")};
+    if (!init_from.empty()) sets.push_back("lora.init_from=" + init_from);
+    return train::Config::parse("model:\n  from_hf: " + from_hf + "\n", sets, "test_qlora");
+  };
+  {
+    train::Runtime on_golden(golden_config(golden, ""));
+    io::save_peft_adapter(on_golden.model(), dir.str("golden-adapter"), golden);
+  }
+  fs::copy(golden, dir.str("golden-copy"), fs::copy_options::recursive);
+  EXPECT_NO_THROW(train::Runtime(golden_config(dir.str("golden-copy"), dir.str("golden-adapter"))));
+  // An adapter directory whose weights file is missing is refused before the base loads.
+  fs::remove(dir.str("golden-adapter/adapter_model.safetensors"));
+  expect_error<ConfigError>(
+      [&] { train::Runtime r(golden_config(golden, dir.str("golden-adapter"))); },
+      {"lora.init_from: ", "adapter_model.safetensors"});
 }
 
 }  // namespace
