@@ -236,6 +236,12 @@ struct CheckpointBackward : autograd::Node {
     detail::count_rerun(seconds_since(start));
     ST_CHECK(outputs.size() == grad_outputs.size(), "checkpoint: the re-run of a region returned ",
              outputs.size(), " outputs, the forward ", grad_outputs.size());
+    for (size_t i = 0; i < outputs.size(); ++i)
+      ST_CHECK(outputs[i].shape() == grad_outputs[i].shape() &&
+                   outputs[i].dtype() == grad_outputs[i].dtype(),
+               "checkpoint: output ", i, " of a region's re-run is ", outputs[i].describe(),
+               " where its forward's was ", grad_outputs[i].describe(),
+               "; the region is not deterministic");
 
     std::vector<size_t> roots;
     for (size_t i = 0; i < outputs.size(); ++i)

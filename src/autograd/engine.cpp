@@ -24,8 +24,18 @@ struct BackwardDepth {
   BackwardDepth& operator=(const BackwardDepth&) = delete;
 };
 
+// A gradient must have its tensor's shape and dtype: kernels size their loops from one operand
+// and would read past the end of a smaller gradient. `what` names where it came from.
+void check_gradient(const Tensor& grad, const Shape& shape, DType dtype, Device device,
+                    const char* what) {
+  ST_CHECK_SHAPE(grad.shape() == shape && grad.dtype() == dtype && grad.device() == device,
+                 "backward: ", what, " is ", grad.describe(), " but its tensor is ",
+                 shape_str(shape), " ", dtype_name(dtype), " on ", device.str());
+}
+
 // a + b into a fresh tensor (gradients arriving at the same output from several uses).
 Tensor add_grads(const Tensor& a, const Tensor& b) {
+  check_gradient(b, a.shape(), a.dtype(), a.device(), "a second gradient of one output");
   Tensor out = empty(a.shape(), a.dtype(), a.device());
   backend_for(a.device()).add(a, b, out, 1.0f, 1.0f);
   return out;
@@ -50,6 +60,7 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor> grad_outputs) {
     Tensor replaced = hook(g);
     if (replaced.defined()) g = replaced;
   }
+  check_gradient(g, leaf.shape(), leaf.dtype(), leaf.device(), "the gradient of a leaf");
   {
     CategoryScope scope(MemoryCategory::Gradients);
     if (!meta.grad.defined()) {
@@ -82,6 +93,8 @@ void backward(const Tensor& root, const Tensor& grad_root) {
              root.describe());
     seed = ones(root.shape(), root.dtype(), root.device());
   }
+  check_gradient(seed, root.shape(), root.dtype(), root.device(),
+                 "the gradient given for the root");
   NoGrad no_grad;  // backward functions do not record graphs (no double backward)
   CategoryScope workspace(MemoryCategory::Workspace);
   if (tls_backward_depth == 0) tls_stats = {};
@@ -132,6 +145,9 @@ void backward(const Tensor& root, const Tensor& grad_root) {
       Tensor replaced = hook(grads[static_cast<size_t>(output_nr)]);
       if (replaced.defined()) grads[static_cast<size_t>(output_nr)] = replaced;
     }
+    for (size_t i = 0; i < grads.size(); ++i)
+      check_gradient(grads[i], node->outputs[i].shape, node->outputs[i].dtype,
+                     node->outputs[i].device, "the gradient of an output");
     std::vector<Tensor> input_grads = node->apply(std::move(grads));
     node->release_saved();
     tls_stats.nodes_run += 1;

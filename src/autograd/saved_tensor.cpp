@@ -15,8 +15,8 @@ SavedTensorHooksScope::SavedTensorHooksScope(SavedTensorHooks hooks) : active_(t
 
 SavedTensorHooksScope SavedTensorHooksScope::disabled() {
   SavedTensorHooksScope scope;
-  scope.active_ = true;
   tls_hook_stack.push_back(nullptr);
+  scope.active_ = true;  // only once the push succeeded: the destructor pops it
   return scope;
 }
 

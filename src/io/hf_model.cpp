@@ -164,6 +164,18 @@ void load_hf_weights(fsdp::ShardedModel& model, const std::string& dir) {
       return ckpt.load(name, Device::host());
     }
   });
+  // As the unsharded load does, refuse NaN or infinite weights by name. Each rank checks the
+  // elements it keeps, and all of them agree before any throws (one throwing alone would leave
+  // the others waiting in the next collective).
+  std::string bad;
+  for (const optim::NamedParam& piece : model.optimizer_params())
+    if (bad.empty() && !std::isfinite(backend_for(piece.param->device()).sum_squares(*piece.param)))
+      bad = piece.name;
+  if (model.any_rank(!bad.empty()))
+    throw FormatError(
+        "model weights in '" + dir + "': " +
+        (bad.empty() ? std::string("another rank found a tensor") : "tensor '" + bad + "'") +
+        " holds NaN or infinite values (a damaged or wrongly converted file)");
 }
 
 namespace {

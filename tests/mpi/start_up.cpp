@@ -4,11 +4,13 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <string>
 
 #include "shardtrain/dist/env.h"
+#include "shardtrain/io/hf_model.h"
 #include "shardtrain/train/bench.h"
 #include "shardtrain/train/runtime.h"
 #include "shardtrain/train/trainer.h"
@@ -17,6 +19,15 @@
 using namespace shardtrain;
 
 namespace {
+
+// A fresh directory of this rank's own, named after the job (mpirun's pid) and the rank.
+std::filesystem::path rank_directory(const std::string& what) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    ("shardtrain-" + what + "-" + std::to_string(::getppid()) +
+                                     "-" + std::to_string(dist::job_rank()));
+  std::filesystem::create_directories(dir);
+  return dir;
+}
 
 TEST(StartUp, RanksWithDifferentConfigsStopNamingTheKeys) {
   const int rank = dist::job_rank();
@@ -73,10 +84,7 @@ TEST(StartUp, RanksReadingDifferentDataStop) {
   if (dist::job_world_size() < 2) GTEST_SKIP() << "needs several ranks";
   const int rank = dist::job_rank();
   const std::filesystem::path original = std::filesystem::current_path();
-  const std::filesystem::path here =
-      std::filesystem::temp_directory_path() /
-      ("shardtrain-data-" + std::to_string(::getppid()) + "-" + std::to_string(rank));
-  std::filesystem::create_directories(here);
+  const std::filesystem::path here = rank_directory("data");
   {
     std::string text;
     for (int i = 0; i < 400; ++i)
@@ -96,6 +104,38 @@ TEST(StartUp, RanksReadingDifferentDataStop) {
     EXPECT_NE(std::string(e.what()).find("holds different tokens on different ranks"),
               std::string::npos)
         << e.what();
+  }
+  std::filesystem::current_path(original);
+  std::filesystem::remove_all(here);
+}
+
+// Weights with a NaN, loaded into shards: the rank whose shard holds it and the ranks whose
+// shards do not all stop at start, with the tensor named where it was found.
+TEST(StartUp, NonFiniteHfWeightsStopEveryRank) {
+  const int rank = dist::job_rank();
+  const std::filesystem::path original = std::filesystem::current_path();
+  const std::filesystem::path here = rank_directory("hf");
+  train::Config config =
+      train::Config::parse(shardtrain::testing::kTinyRunYaml,
+                           {"train.steps=1", "dist.sharding=full_shard"}, "start-up test");
+  {
+    nn::LlamaModel model(train::llama_config_from(config.model), Device::cpu());
+    model.init_weights(3);
+    for (auto& [name, slot] : model.named_parameters())
+      if (name == "model.norm.weight") slot->data<float>()[1] = std::nanf("");
+    io::save_hf_model(model, (here / "model").string());
+  }
+  std::filesystem::current_path(here);
+  config.model.from_hf = "model";  // the same setting on every rank, each reading its own copy
+  try {
+    train::Runtime rt(config);
+    ADD_FAILURE() << "rank " << rank << " started on weights with a NaN";
+  } catch (const FormatError& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("holds NaN or infinite values"), std::string::npos) << message;
+    const bool named = message.find("tensor 'model.norm.weight'") != std::string::npos;
+    EXPECT_TRUE(named || message.find("another rank found a tensor") != std::string::npos)
+        << message;
   }
   std::filesystem::current_path(original);
   std::filesystem::remove_all(here);

@@ -486,20 +486,25 @@ TEST(Checkpoint, ReentrantInputWithoutGradientStillReachesParameters) {
 }
 
 TEST(Checkpoint, NonDeterministicRegionIsReported) {
-  Generator gen(5);
-  Tensor x = leaf({3, 8}, gen), w = leaf({8, 8}, gen);
-  int calls = 0;
-  auto fn = [&](const Tensor& a) {
-    // The re-run takes a different path, saving a differently shaped tensor.
-    Tensor in = ++calls == 1 ? a : ops::slice_rows(a, 0, 2);
-    return ops::linear(in, w);
-  };
-  Tensor y = checkpoint(fn, x);
-  try {
-    autograd::backward(y, ones(y.shape()));
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("not deterministic"), std::string::npos) << e.what();
+  for (bool reentrant : {false, true}) {
+    SCOPED_TRACE(reentrant ? "reentrant" : "non-reentrant");
+    Generator gen(5);
+    Tensor x = leaf({3, 8}, gen), w = leaf({8, 8}, gen);
+    int calls = 0;
+    auto fn = [&](const Tensor& a) {
+      // The re-run takes a different path, saving (and returning) a differently shaped tensor.
+      Tensor in = ++calls == 1 ? a : ops::slice_rows(a, 0, 2);
+      return ops::linear(in, w);
+    };
+    CheckpointOptions options;
+    options.reentrant = reentrant;
+    Tensor y = checkpoint(fn, x, options);
+    try {
+      autograd::backward(y, ones(y.shape()));
+      FAIL() << "expected an error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("not deterministic"), std::string::npos) << e.what();
+    }
   }
 }
 

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
 #include <optional>
 
 #include "shardtrain/autograd/engine.h"
@@ -204,6 +205,44 @@ TEST(Autograd, AccumulatesAcrossBackwardCallsAndErrorsClearly) {
     y = model.forward(input(12));
   }
   EXPECT_FALSE(autograd::requires_grad(y));
+}
+
+// A gradient of the wrong shape or dtype (given for the root, or returned by a hook) is refused
+// where it enters: the kernels size their loops from the tensor and would read past its end.
+TEST(Autograd, GradientsOfAnotherShapeOrDtypeAreRefused) {
+  auto expect_shape_error = [](const std::function<void()>& fn, const std::string& part) {
+    try {
+      fn();
+      ADD_FAILURE() << "no ShapeError";
+    } catch (const ShapeError& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  TwoLayer model(15);
+  expect_shape_error([&] { autograd::backward(model.forward(input(16)), ones({2})); },
+                     "the gradient given for the root is");
+  expect_shape_error(
+      [&] {
+        autograd::backward(model.forward(input(16)), ones({4, 8}, DType::BF16));
+      },
+      "the gradient given for the root is");
+  {
+    Tensor h = ops::linear(input(17), model.w1);
+    autograd::register_hook(h, [](const Tensor&) { return ones({1}); });
+    Tensor y = ops::linear(h, model.w2);
+    expect_shape_error(
+        [&] {
+          autograd::backward(y, ones({4, 8}));
+        },
+        "the gradient of an output is");
+  }
+  {
+    Tensor leaf = input(18).clone();
+    autograd::set_requires_grad(leaf);
+    autograd::register_hook(leaf, [](const Tensor&) { return ones({3}); });
+    Tensor y = ops::linear(leaf, model.w1);
+    expect_shape_error([&] { autograd::backward(y, ones({4, 16})); }, "the gradient of a leaf is");
+  }
 }
 
 TEST(Autograd, OutOfMemoryLeavesTheGraphUsable) {
