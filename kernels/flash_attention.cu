@@ -1253,8 +1253,20 @@ void allow_smem(Kernel kernel, size_t bytes) {
                                      static_cast<int>(bytes)));
 }
 
+// The most any of a head dim's tensor-core kernels asks for: the forward, the dQ pass, and the
+// dK/dV pass with the one-pass dQ (its larger form) at one or two m-tiles.
+template <int D>
+constexpr size_t tc_kernels_smem() {
+  size_t most = std::max(FwdTiles<D>::kSmem, DqTiles<D>::kSmem);
+  most = std::max(most, DkDvTiles<D, 1>::kSmemFusedDq);
+  if constexpr (D <= 64) most = std::max(most, DkDvTiles<D, 2>::kSmemFusedDq);
+  return most;
+}
+
 bool tensor_core_path(DType type, int64_t head_dim, std::initializer_list<const void*> ptrs) {
-  if (!cuda_attention_uses_tensor_cores(type, head_dim)) return false;
+  // A device whose blocks cannot take the tiles (compute capability 8.6 / 8.9 at head dim 128)
+  // runs the CUDA-core kernels; the trainer says so at start.
+  if (!cuda::attention_uses_tensor_cores(-1, type, head_dim)) return false;
   for (const void* p : ptrs)
     if (!aligned(p, 16)) return false;
   return true;
@@ -1457,6 +1469,12 @@ void check_dims(const AttentionDims& d) {
 }
 
 }  // namespace
+
+size_t attention_tensor_core_smem(int64_t head_dim) {
+  if (head_dim == 64) return tc_kernels_smem<64>();
+  if (head_dim == 128) return tc_kernels_smem<128>();
+  return 0;
+}
 
 void attention_forward(const AttentionDims& d, const void* q, const void* k, const void* v,
                        DType type, void* out, float* lse, cudaStream_t stream) {

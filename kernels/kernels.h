@@ -179,7 +179,10 @@ struct AttentionDims {
   float scale;
 };
 // Which (dtype, head_dim) run on the tensor-core kernels: cuda_attention_uses_tensor_cores
-// (shardtrain/backend/attention.h), with 16-byte aligned operands besides.
+// (shardtrain/backend/attention.h), on a device whose blocks may take
+// attention_tensor_core_smem(head_dim) bytes of shared memory, with 16-byte aligned operands.
+// The most shared memory a tensor-core attention kernel at `head_dim` takes (0: none exists).
+size_t attention_tensor_core_smem(int64_t head_dim);
 // q, k, v, out of dtype `type`; lse f32 [B, Hq, S] (natural log).
 void attention_forward(const AttentionDims& dims, const void* q, const void* k, const void* v,
                        DType type, void* out, float* lse, cudaStream_t stream);

@@ -106,8 +106,11 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, AttentionImp
   }
   int64_t n = d.b * d.hkv, gs = d.group * d.s;
   Tensor probs = empty({d.b * d.hq, d.s, d.s}, q.dtype(), q.device());
-  gemm(q, k, probs, false, true, gs, d.s, d.d, n, gs * d.d, d.s * d.d, gs * d.s);
-  backend_of(q).causal_softmax(probs, sc, probs);
+  // The scores are scaled in the product's fp32 epilogue, before they are stored in the input
+  // dtype: a raw fp16 dot product past 65504 would be inf and the row NaN. The backward's
+  // gradient is that of the unscaled product (the softmax backward applies the scale).
+  gemm(q, k, probs, false, true, gs, d.s, d.d, n, gs * d.d, d.s * d.d, gs * d.s, sc);
+  backend_of(q).causal_softmax(probs, 1.0f, probs);
   gemm(probs, v, out, false, false, gs, d.d, d.s, n, gs * d.s, d.s * d.d, gs * d.d);
   if (graph) {
     auto node = std::make_shared<PlainAttentionBackward>();

@@ -36,11 +36,12 @@ inline Tensor in_dtype(Tensor g, DType dtype) {
   return g.dtype() == dtype ? g : g.to(dtype);
 }
 
-// C = op(A) @ op(B) over `batch` matrices with element strides between them (see GemmArgs).
+// C = alpha op(A) @ op(B) over `batch` matrices with element strides between them (GemmArgs).
 inline void gemm(const Tensor& a, const Tensor& b, Tensor& c, bool ta, bool tb, int64_t m,
                  int64_t n, int64_t k, int64_t batch = 1, int64_t sa = 0, int64_t sb = 0,
-                 int64_t sc = 0) {
+                 int64_t sc = 0, float alpha = 1.0f) {
   GemmArgs args;
+  args.alpha = alpha;
   args.trans_a = ta;
   args.trans_b = tb;
   args.m = m;

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <optional>
+#include <string>
 
 #include "shardtrain/core/error.h"
 #include "shardtrain/core/units.h"
@@ -288,18 +290,37 @@ std::string out_of_memory_advice(const Config& config, int64_t device_bytes, int
   try {
     const Plan plan = make_plan(config, device_bytes, world_size);
     std::string out;
+    std::optional<MemoryPrediction> own;
     if (config.activation.strategy != "none" && !strategy_on_every_layer(config)) {
       out =
           "(The memory model predicts a strategy on every layer, so it gives no figure for "
           "activation.layers '" +
           config.activation.layers + "'.) ";
     } else {
-      const MemoryPrediction own =
-          predict_memory(MemoryModelInput::from_config(config, world_size));
-      out = "The memory model predicts a peak of " + format_bytes(own.peak) +
-            " per rank for this configuration (at " + own.peak_moment + "). ";
+      own = predict_memory(MemoryModelInput::from_config(config, world_size));
+      out = "The memory model predicts a peak of " + format_bytes(own->peak) +
+            " per rank for this configuration (at " + own->peak_moment + "). ";
     }
     if (plan.first_fit < 0) return out + "Along the scale-up recipe, " + plan.verdict() + ".";
+    const std::string headroom =
+        "the run needed more (the prediction's error is listed in docs/recipe.md): leave "
+        "headroom by setting train.device_memory below the device's size";
+    // Predicted to fit, yet it did not: a step merely predicted to fit is no answer (it may be
+    // this very configuration); one predicted well below this configuration's figure is.
+    if (own && own->peak <= device_bytes) {
+      for (size_t i = 0; i < plan.rows.size(); ++i) {
+        const RecipeRow& r = plan.rows[i];
+        if (r.predicted.peak <= device_bytes && 10 * r.predicted.peak < 9 * own->peak)
+          return out + "That is within " + format_bytes(device_bytes) + ", but " + headroom +
+                 ", or take step #" + std::to_string(i + 1) + " " + r.name +
+                 " of the scale-up "
+                 "recipe (" +
+                 r.change + " on top of the steps before it; predicted " +
+                 format_bytes(r.predicted.peak) + "): `shardtrain plan` lists its settings.";
+      }
+      return out + "That is within " + format_bytes(device_bytes) + ", but " + headroom +
+             ", or lower train.micro_batch or train.seq_len.";
+    }
     const RecipeRow& r = plan.rows[static_cast<size_t>(plan.first_fit)];
     // Already that step: pointing at it again would send the user round in a circle.
     const Config& c = r.config;
@@ -309,10 +330,8 @@ std::string out_of_memory_advice(const Config& config, int64_t device_bytes, int
         c.dist.sharding == config.dist.sharding && c.optim.offload == config.optim.offload)
       return out + "This configuration is step #" + std::to_string(plan.first_fit + 1) + " " +
              r.name + " of the scale-up recipe, the first predicted to fit " +
-             format_bytes(device_bytes) +
-             ", but the run needed more (the prediction's error is listed in docs/recipe.md): "
-             "leave headroom by setting train.device_memory below the device's size, take a "
-             "later step, or lower train.micro_batch or train.seq_len.";
+             format_bytes(device_bytes) + ", but " + headroom +
+             ", take a later step, or lower train.micro_batch or train.seq_len.";
     return out + "The first step of the scale-up recipe that fits " + format_bytes(device_bytes) +
            " is #" + std::to_string(plan.first_fit + 1) + " " + r.name + " (" + r.change +
            " on top of the steps before it; predicted " + format_bytes(r.predicted.peak) +

@@ -317,14 +317,29 @@ TrainSummary train_with(const Config& config) {
   // where bf16 on tensor cores takes 53 ms (docs/benchmarks.md): worth a word at the start.
   const int64_t head_dim = rt.model().config().head_dim();
   const bool fused_on_gpu = rt.device().is_cuda() && config.activation.attention == "fused";
-  const bool tensor_core_attention =
-      fused_on_gpu &&
-      cuda_attention_uses_tensor_cores(dtype_from_name(config.precision.compute), head_dim);
-  if (fused_on_gpu && !tensor_core_attention)
-    progress.message("note: activation.attention=fused with precision.compute=" +
-                     config.precision.compute + " and head dim " + std::to_string(head_dim) +
-                     " runs on the exact CUDA-core attention kernels, far slower than the "
-                     "tensor-core ones (bf16 or fp16, head dim 64 or 128)");
+  const DType compute_dtype = dtype_from_name(config.precision.compute);
+  bool tensor_core_attention = false;
+  int64_t block_smem_kib = 0;  // the most shared memory a block may take on this GPU
+#ifdef SHARDTRAIN_HAVE_CUDA
+  if (fused_on_gpu) {
+    tensor_core_attention =
+        cuda::attention_uses_tensor_cores(rt.device().index, compute_dtype, head_dim);
+    block_smem_kib = cuda::shared_memory_per_block_optin(rt.device().index) / 1024;
+  }
+#endif
+  if (fused_on_gpu && !tensor_core_attention) {
+    if (cuda_attention_uses_tensor_cores(compute_dtype, head_dim))  // the GPU's blocks are small
+      progress.message(
+          concat("note: activation.attention=fused at head dim ", head_dim,
+                 " runs on the exact CUDA-core attention kernels on this GPU, far slower than the "
+                 "tensor-core ones, whose tiles need more shared memory than its blocks may take (",
+                 block_smem_kib, " KiB); an A100 or H100 runs them"));
+    else
+      progress.message("note: activation.attention=fused with precision.compute=" +
+                       config.precision.compute + " and head dim " + std::to_string(head_dim) +
+                       " runs on the exact CUDA-core attention kernels, far slower than the "
+                       "tensor-core ones (bf16 or fp16, head dim 64 or 128)");
+  }
   // The one-pass backward changes what a run promises (bit-reproducible gradients), and it
   // exists only for the tensor-core kernels: say which of the two this run gets.
   if (config.activation.attention_backward == "atomic_dq") {

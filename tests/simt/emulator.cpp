@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <exception>
 #include <random>
@@ -669,12 +670,24 @@ void cp_async_wait_all() {
   f.copies.clear();
 }
 
+namespace {
+std::atomic<size_t> shared_optin{163 * 1024};
+}  // namespace
+
+void set_shared_memory_per_block_optin(size_t bytes) {
+  shared_optin.store(bytes);
+}
+
+size_t shared_memory_per_block_optin() {
+  return shared_optin.load();
+}
+
 cudaError_t func_set_attribute(const void*, cudaFuncAttribute attribute, int value) {
   if (attribute == cudaFuncAttributeMaxDynamicSharedMemorySize) {
-    if (value < 0 || static_cast<size_t>(value) > emu().options.max_dynamic_shared)
+    if (value < 0 || static_cast<size_t>(value) > shared_memory_per_block_optin())
       fail("kernel asks for " + std::to_string(value) +
            " bytes of dynamic shared memory; the device limit is " +
-           std::to_string(emu().options.max_dynamic_shared));
+           std::to_string(shared_memory_per_block_optin()));
     emu().allowed_dynamic_shared = value;
   }
   return cudaSuccess;

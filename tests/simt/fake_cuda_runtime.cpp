@@ -16,6 +16,12 @@
 #include <map>
 #include <mutex>
 
+// The emulator's device limit (simt.h, which this file does not include: its macros are for
+// kernel code).
+namespace simt {
+size_t shared_memory_per_block_optin();
+}  // namespace simt
+
 struct CUstream_st {
   int priority = 0;
 };
@@ -129,7 +135,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   prop->totalGlobalMem = kDeviceMemory;
   prop->warpSize = 32;
   prop->maxThreadsPerBlock = 1024;
-  prop->sharedMemPerBlockOptin = 227 * 1024;
+  prop->sharedMemPerBlockOptin = simt::shared_memory_per_block_optin();
   return cudaSuccess;
 }
 
@@ -146,7 +152,7 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
       *value = 0;
       return cudaSuccess;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin:
-      *value = 227 * 1024;
+      *value = static_cast<int>(simt::shared_memory_per_block_optin());
       return cudaSuccess;
     default:
       std::fprintf(stderr, "fake CUDA runtime: device attribute %d is not modelled\n",

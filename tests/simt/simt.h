@@ -69,10 +69,16 @@ struct Options {
   bool shuffle = false;  // run the ready threads of a block in a random order at every step
   uint64_t seed = 1;
   CpAsync cp_async = CpAsync::at_issue;
-  size_t max_dynamic_shared = 163 * 1024;  // opt-in limit of sm_80, the smaller of sm_80/sm_90
 };
 void set_options(const Options& options);
 const Options& options();
+
+// The device's opt-in shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin), which
+// launches are checked against: 163 KiB, sm_80's (the smaller of sm_80 and sm_90), unless a test
+// models another GPU (99 KiB: compute capability 8.6 and 8.9). Not a schedule: set_options
+// leaves it alone.
+void set_shared_memory_per_block_optin(size_t bytes);
+size_t shared_memory_per_block_optin();
 
 // Counters since the last reset, for tests that check a kernel really took a path.
 struct Stats {

@@ -6,6 +6,7 @@
 // results.
 #include <cmath>
 
+#include "shardtrain/backend/cuda.h"
 #include "simt_kernel_checks.h"
 
 namespace shardtrain {
@@ -58,7 +59,7 @@ std::vector<Tensor> run_emulated(const Case& c, const Tensor& q, const Tensor& k
                               dout_.data(), c.dtype, dq.data(), dk.data(), dv.data(), options,
                               scratch, nullptr);
   const int64_t mma = simt::stats().mma;
-  EXPECT_EQ(mma > 0, cuda_attention_uses_tensor_cores(c.dtype, c.D))
+  EXPECT_EQ(mma > 0, cuda::attention_uses_tensor_cores(-1, c.dtype, c.D))
       << run << ": tensor-core path taken " << mma;
   EXPECT_EQ(simt::stats().ldmatrix_bank_conflicts, 0) << run << ": ldmatrix bank conflicts";
   // The tensor-core products of the whole run, so that the caller can tell the backward
@@ -120,7 +121,7 @@ void check_case(const Case& c) {
     if (split == 1) deterministic_whole_group = results[0];
     const float products[2] = {results[0][5].to_float_vector()[0],
                                results[1][5].to_float_vector()[0]};
-    if (cuda_attention_uses_tensor_cores(c.dtype, c.D)) {
+    if (cuda::attention_uses_tensor_cores(-1, c.dtype, c.D)) {
       // One pass does not recompute S and dP for dQ: fewer products than the two passes.
       EXPECT_LT(products[1], products[0]) << both << ": the one-pass backward did not run";
     } else {  // one backward: the same work and the same bits
@@ -163,6 +164,23 @@ TEST(SimtAttention, TensorCoreKernelsMatchTheCpuBackendUnderEverySchedule) {
     check_case({1, 2, 1, 300, 64, t, true});
     check_case({1, 1, 1, 257, 128, t, true});
   }
+}
+
+// A GPU whose blocks may take 99 KiB of shared memory (compute capability 8.6 and 8.9) cannot
+// launch the head-dim-128 tensor-core tiles (102 KiB): it runs the CUDA-core kernels there, with
+// the same results, and keeps the tensor cores at head dim 64.
+TEST(SimtAttention, AGpuWithLessSharedMemoryRunsTheCudaCoreKernelsAtHeadDim128) {
+  struct Restore {
+    size_t bytes = simt::shared_memory_per_block_optin();
+    ~Restore() { simt::set_shared_memory_per_block_optin(bytes); }
+  } restore;
+  EXPECT_GT(kernels::attention_tensor_core_smem(128), size_t{99 * 1024});
+  EXPECT_LE(kernels::attention_tensor_core_smem(64), size_t{99 * 1024});
+  simt::set_shared_memory_per_block_optin(99 * 1024);
+  EXPECT_FALSE(cuda::attention_uses_tensor_cores(-1, DType::BF16, 128));
+  EXPECT_TRUE(cuda::attention_uses_tensor_cores(-1, DType::BF16, 64));
+  check_case({1, 2, 1, 33, 128, DType::BF16});
+  check_case({1, 2, 1, 65, 64, DType::BF16});
 }
 
 TEST(SimtAttention, CudaCoreKernelsMatchTheCpuBackendUnderEverySchedule) {

@@ -2,6 +2,8 @@
 // non-power-of-two ones.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "gradcheck.h"
 #include "shardtrain/ops/ops.h"
 
@@ -97,6 +99,24 @@ TEST(OpsGrad, AttentionPlainMatchesFused) {
   std::vector<float> a = ops::attention(q, k, v, ops::AttentionImpl::Plain).to_float_vector();
   std::vector<float> b = ops::attention(q, k, v, ops::AttentionImpl::Fused).to_float_vector();
   for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-5f);
+}
+
+// fp16 scores whose raw dot product passes fp16's largest value (65504) but whose scaled value
+// does not: the scale is applied before the scores are stored, so the row is not NaN, and the
+// result is the fused attention's.
+TEST(OpsGrad, Fp16PlainAttentionScalesTheScoresBeforeStoringThem) {
+  const int64_t d = 128;
+  Generator gen(12);
+  std::vector<float> ones_q(static_cast<size_t>(3 * d), 23.0f);  // q.k = 128 * 529 = 67712
+  Tensor q = from_floats(ones_q, {1, 1, 3, d}, DType::F16);
+  Tensor k = from_floats(ones_q, {1, 1, 3, d}, DType::F16);
+  Tensor v = randn({1, 1, 3, d}, gen).to(DType::F16);
+  std::vector<float> plain = ops::attention(q, k, v, ops::AttentionImpl::Plain).to_float_vector();
+  std::vector<float> fused = ops::attention(q, k, v, ops::AttentionImpl::Fused).to_float_vector();
+  for (size_t i = 0; i < plain.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(plain[i])) << i;
+    ASSERT_NEAR(plain[i], fused[i], 1e-2f) << i;
+  }
 }
 
 TEST(OpsGrad, CrossEntropy) {

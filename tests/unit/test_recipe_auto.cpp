@@ -12,6 +12,7 @@
 #include "shardtrain/memory/host_capacity.h"
 #include "shardtrain/train/config.h"
 #include "shardtrain/train/memory_model.h"
+#include "shardtrain/train/plan.h"
 #include "shardtrain/train/trainer.h"
 
 using namespace shardtrain;
@@ -106,6 +107,25 @@ TEST(RecipeAuto, AnOutOfMemoryAfterItsChoiceBlamesThePrediction) {
               std::string::npos)
         << m;
     EXPECT_EQ(m.find("or set recipe: auto"), std::string::npos) << m;
+  }
+  std::filesystem::remove_all(out);
+}
+
+// The same configuration chosen by hand (recipe: manual): predicted to fit, it did not. The
+// advice says so instead of naming a step merely predicted to fit, which may be this very one.
+TEST(RecipeAuto, AnOutOfMemoryOfAConfigurationPredictedToFitSaysSo) {
+  std::string out = out_dir("miss-manual");
+  const int64_t capacity = int64_t{24} << 20;
+  const train::Config chosen = train::apply_recipe(tiny(out, "24MiB"), capacity, 1);
+  ASSERT_EQ(chosen.recipe, "manual");
+  try {
+    train::run_training(chosen);
+    FAIL() << "expected an OutOfMemoryError";
+  } catch (const OutOfMemoryError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("That is within 24.00 MiB, but the run needed more"), std::string::npos) << m;
+    EXPECT_EQ(m.find("The first step of the scale-up recipe that fits"), std::string::npos) << m;
+    EXPECT_EQ(m.find("This configuration is step"), std::string::npos) << m;
   }
   std::filesystem::remove_all(out);
 }

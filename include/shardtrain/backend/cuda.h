@@ -7,7 +7,10 @@
 // cuda_backend_available() and link a CUDA build).
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include <string>
+
+#include "shardtrain/core/dtype.h"
 
 namespace shardtrain::cuda {
 
@@ -36,6 +39,13 @@ std::string device_description(int device);
 int multiprocessor_count(int device);
 // Physical memory of `device` in bytes (what the memory planner may use).
 int64_t total_memory(int device);
+// The most shared memory one block may opt into on `device` (-1: the current one): 227 KiB on an
+// H100, 163 KiB on an A100, 99 KiB on compute capability 8.6 and 8.9.
+int64_t shared_memory_per_block_optin(int device);
+// Whether the fused attention runs on its tensor-core kernels on `device` for this dtype and head
+// dim: cuda_attention_uses_tensor_cores (backend/attention.h), and the kernels' shared memory
+// fits the device (the head-dim-128 tiles take 102 KiB). Otherwise the CUDA-core kernels run.
+bool attention_uses_tensor_cores(int device, DType type, int64_t head_dim);
 // Waits for all work on `device`.
 void synchronize_device(int device);
 

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <initializer_list>
 
+#include "shardtrain/backend/attention.h"
 #include "shardtrain/core/error.h"
 
 namespace shardtrain::cuda {
@@ -285,6 +286,12 @@ kernels::AttentionDims attention_dims(const Tensor& q, const Tensor& k, float sc
   return d;
 }
 }  // namespace
+
+bool attention_uses_tensor_cores(int device, DType type, int64_t head_dim) {
+  return cuda_attention_uses_tensor_cores(type, head_dim) &&
+         static_cast<int64_t>(kernels::attention_tensor_core_smem(head_dim)) <=
+             shared_memory_per_block_optin(device);
+}
 
 void CudaBackend::attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, float scale,
                                     Tensor& out, Tensor& lse) {

@@ -103,6 +103,13 @@ int multiprocessor_count(int device) {
   return count;
 }
 
+int64_t shared_memory_per_block_optin(int device) {
+  int bytes = 0;
+  ST_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                       checked_device(device)));
+  return bytes;
+}
+
 int64_t total_memory(int device) {
   cudaDeviceProp prop{};
   ST_CUDA_CHECK(cudaGetDeviceProperties(&prop, checked_device(device)));
