@@ -32,6 +32,21 @@ void checked_status(herr_t status, const std::string& what) {
 // exit-time clean-up then crashes on it after the error has been reported.
 const bool kNoExitCleanup = H5dont_atexit() >= 0;
 
+// The dataspaces that address elements [start, start + count) of a 1-D dataset: its file space
+// with that range selected, and a memory space of `count` elements.
+struct RangeSpaces {
+  Handle file, memory;
+};
+RangeSpaces range_spaces(hid_t dataset, hsize_t start, hsize_t count, const std::string& what) {
+  RangeSpaces spaces;
+  spaces.file = dataspace(checked(H5Dget_space(dataset), what));
+  checked_status(
+      H5Sselect_hyperslab(spaces.file.get(), H5S_SELECT_SET, &start, nullptr, &count, nullptr),
+      what);
+  spaces.memory = dataspace(checked(H5Screate_simple(1, &count, nullptr), what));
+  return spaces;
+}
+
 TypeInfo describe_type(hid_t type) {
   TypeInfo info;
   info.type_class = H5Tget_class(type);
@@ -106,6 +121,13 @@ Handle datatype(hid_t id) {
 }
 Handle plist(hid_t id) {
   return Handle(id, H5Pclose);
+}
+
+Handle v110_file_access() {
+  Handle fapl = plist(checked(H5Pcreate(H5P_FILE_ACCESS), "cannot create a property list"));
+  checked_status(H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V110, H5F_LIBVER_V110),
+                 "cannot select the HDF5 1.10 file format");
+  return fapl;
 }
 
 std::string TypeInfo::describe() const {
@@ -371,12 +393,8 @@ void Dataset::read_range(void* out, hid_t mem_type, hsize_t start, hsize_t count
   if (count == 0) return;
   const std::string what =
       concat(where_, ": cannot read elements [", start, ", ", start + count, ")");
-  Handle file_space = dataspace(checked(H5Dget_space(id()), what));
-  checked_status(
-      H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, &start, nullptr, &count, nullptr),
-      what);
-  Handle mem_space = dataspace(checked(H5Screate_simple(1, &count, nullptr), what));
-  checked_status(H5Dread(id(), mem_type, mem_space.get(), file_space.get(), H5P_DEFAULT, out),
+  const RangeSpaces spaces = range_spaces(id(), start, count, what);
+  checked_status(H5Dread(id(), mem_type, spaces.memory.get(), spaces.file.get(), H5P_DEFAULT, out),
                  what);
 }
 
@@ -395,13 +413,9 @@ void Dataset::append(const void* data, hid_t mem_type, hsize_t count) {
   hsize_t start = dims_[0];
   hsize_t new_size = start + count;
   checked_status(H5Dset_extent(id(), &new_size), what);
-  Handle file_space = dataspace(checked(H5Dget_space(id()), what));
+  const RangeSpaces spaces = range_spaces(id(), start, count, what);
   checked_status(
-      H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, &start, nullptr, &count, nullptr),
-      what);
-  Handle mem_space = dataspace(checked(H5Screate_simple(1, &count, nullptr), what));
-  checked_status(H5Dwrite(id(), mem_type, mem_space.get(), file_space.get(), H5P_DEFAULT, data),
-                 what);
+      H5Dwrite(id(), mem_type, spaces.memory.get(), spaces.file.get(), H5P_DEFAULT, data), what);
   dims_[0] = new_size;
 }
 
@@ -412,10 +426,7 @@ File::File(Handle handle, std::string path)
 
 File File::create(const std::string& path) {
   silence_library_errors();
-  Handle fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
-  if (fapl.get() < 0 || H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V110, H5F_LIBVER_V110) < 0)
-    throw Error(concat("cannot select the HDF5 1.10 file format for '", path, "' (",
-                       take_error_message(), ")"));
+  const Handle fapl = v110_file_access();
   hid_t id = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get());
   if (id < 0)
     throw ConfigError(concat("cannot create HDF5 file '", path, "' (", take_error_message(), ")"));

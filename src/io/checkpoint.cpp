@@ -66,15 +66,6 @@ class Node : public h5::Object {
   }
 };
 
-// The HDF5 1.10 file format for every file: its metadata is checksummed, so a torn or damaged
-// file fails to open instead of giving wrong values, and it is what virtual datasets need.
-h5::Handle file_access() {
-  h5::Handle fapl = h5::plist(checked(H5Pcreate(H5P_FILE_ACCESS), "cannot create a property list"));
-  checked_status(H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V110, H5F_LIBVER_V110),
-                 "cannot select the HDF5 1.10 file format");
-  return fapl;
-}
-
 // Link creation that makes the missing groups of a path ("optim/exp_avg/<name>").
 h5::Handle intermediate_groups() {
   h5::Handle lcpl = h5::plist(checked(H5Pcreate(H5P_LINK_CREATE), "cannot create a property list"));
@@ -84,7 +75,7 @@ h5::Handle intermediate_groups() {
 
 Node create_file(const std::string& path) {
   h5::silence_library_errors();
-  h5::Handle fapl = file_access();
+  h5::Handle fapl = h5::v110_file_access();
   hid_t id = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get());
   if (id < 0) fail(concat("cannot create checkpoint file '", path, "'"));
   return Node(h5::Handle(id, H5Fclose), path + ":/");
@@ -98,7 +89,7 @@ Node open_file(const std::string& path) {
     H5Eclear2(H5E_DEFAULT);
     throw FormatError(concat("'", path, "' is not an HDF5 file (truncated or overwritten?)"));
   }
-  h5::Handle fapl = file_access();
+  h5::Handle fapl = h5::v110_file_access();
   hid_t id = H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.get());
   if (id < 0)
     fail<FormatError>(concat("cannot open checkpoint file '", path, "' (damaged or truncated?)"));

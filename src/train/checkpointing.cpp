@@ -186,9 +186,6 @@ bool ranks_agree(dist::ProcessGroup& group, int64_t value) {
   return !group.differs_between_ranks({static_cast<uint64_t>(value)})[0];
 }
 
-}  // namespace
-
-namespace {
 // A frozen-base identity in words; `from_hf` is the directory of the run it belongs to.
 std::string describe_frozen_base(const std::string& identity, const std::string& from_hf) {
   if (identity.rfind("hf:", 0) == 0)
@@ -298,23 +295,31 @@ std::vector<std::string> weight_settings_that_differ(const std::string& path,
 }
 
 // What a resumed run changes about the training it continues, one note each: legitimate (a job
-// grown or shrunk, a new data mix), but not silent. Empty when nothing changed, or when the saved
-// config is of another version and does not parse.
+// grown or shrunk, a new data mix), but not silent. Empty when nothing changed; only the
+// data.seed note (which reads the sampler state alone) when the saved config is of another
+// version and does not parse.
 //  - sequences per step: another rank count with global_batch 0 (micro_batch x ranks), or changed
 //    batch keys. The note says which train.global_batch keeps the old batch.
 //  - data.path or data.eval_fraction: the windows held out for evaluation are no longer the ones
 //    the earlier steps never trained on.
+//  - data.seed: the sampler keeps the checkpoint's shuffle order.
 std::vector<std::string> resume_notes(const io::TrainingState& state, const Config& now,
                                       int64_t ranks) {
+  std::vector<std::string> notes;
+  // The sampler's seed is restored with its epoch and position: the order stays the saved one.
+  if (state.sampler.seed != static_cast<uint64_t>(now.data.seed))
+    notes.push_back(concat("note: data.seed is ", now.data.seed, " but the checkpoint's run ",
+                           "shuffled with ", state.sampler.seed, "; the resumed run keeps that ",
+                           "order (start a new run, train.resume=none, to shuffle with ",
+                           now.data.seed, ")"));
   Config saved;
   int64_t before = 0;
   try {
     saved = Config::parse(state.config_yaml, {}, "saved config");
     before = saved.train.sequences_per_step(state.world_size);
   } catch (const std::exception&) {
-    return {};
+    return notes;
   }
-  std::vector<std::string> notes;
   const int64_t after = now.train.sequences_per_step(ranks);
   if (before != after) {
     TrainConfig same = now.train;

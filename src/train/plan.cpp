@@ -313,10 +313,9 @@ std::string out_of_memory_advice(const Config& config, int64_t device_bytes, int
         if (r.predicted.peak <= device_bytes && 10 * r.predicted.peak < 9 * own->peak)
           return out + "That is within " + format_bytes(device_bytes) + ", but " + headroom +
                  ", or take step #" + std::to_string(i + 1) + " " + r.name +
-                 " of the scale-up "
-                 "recipe (" +
-                 r.change + " on top of the steps before it; predicted " +
-                 format_bytes(r.predicted.peak) + "): `shardtrain plan` lists its settings.";
+                 " of the scale-up recipe (" + r.change +
+                 " on top of the steps before it; predicted " + format_bytes(r.predicted.peak) +
+                 "): `shardtrain plan` lists its settings.";
       }
       return out + "That is within " + format_bytes(device_bytes) + ", but " + headroom +
              ", or lower train.micro_batch or train.seq_len.";

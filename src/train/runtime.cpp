@@ -1,5 +1,8 @@
 #include "shardtrain/train/runtime.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -191,9 +194,8 @@ void check_same_config_on_every_rank(const Config& config, dist::ProcessGroup& w
   for (size_t i = 0; i < keys.size(); ++i)
     if (differs[i]) differing.push_back(keys[i]);
   if (differing.empty()) return;
-  std::string list;
-  for (const std::string& k : differing) list += (list.empty() ? "" : ", ") + k;
-  throw ConfigError("the ranks were started with different configurations: " + list +
+  throw ConfigError("the ranks were started with different configurations: " +
+                    fmt::format("{}", fmt::join(differing, ", ")) +
                     (differing.size() == 1 ? " differs" : " differ") +
                     " between ranks; give every rank the same --config file and --set flags");
 }
@@ -202,8 +204,9 @@ using detail::concat;
 
 // lora.init_from must hold adapters of this run's shape (rank, scale, projections), and when it
 // records a base directory, this run's base: adapters only fit the base they were trained on.
-// Checked before the base weights load, which can take minutes.
-void check_initial_adapter(const Config& config) {
+// `frozen_base` is this run's (Runtime::frozen_base). Checked before the base weights load,
+// which can take minutes.
+void check_initial_adapter(const Config& config, const std::string& frozen_base) {
   const std::string& dir = config.lora.init_from;
   std::string base;
   const nn::LoraOptions saved = io::read_peft_config(dir, &base);
@@ -218,19 +221,12 @@ void check_initial_adapter(const Config& config) {
   std::sort(saved_targets.begin(), saved_targets.end());
   std::sort(run_targets.begin(), run_targets.end());
   run_targets.erase(std::unique(run_targets.begin(), run_targets.end()), run_targets.end());
-  if (saved_targets != run_targets) {
-    auto list = [](const std::vector<std::string>& names) {
-      std::string out;
-      for (const std::string& n : names) out += (out.empty() ? "" : ", ") + n;
-      return "[" + out + "]";
-    };
-    differ.push_back(concat("target_modules ", list(saved_targets), " (lora.target_modules is ",
-                            list(run_targets), ")"));
-  }
+  if (saved_targets != run_targets)
+    differ.push_back(fmt::format("target_modules [{}] (lora.target_modules is [{}])",
+                                 fmt::join(saved_targets, ", "), fmt::join(run_targets, ", ")));
   if (!differ.empty()) {
-    std::string all;
-    for (const std::string& d : differ) all += (all.empty() ? "" : "; ") + d;
-    throw ConfigError(concat("lora.init_from: the adapter in '", dir, "' has ", all,
+    throw ConfigError(concat("lora.init_from: the adapter in '", dir, "' has ",
+                             fmt::format("{}", fmt::join(differ, "; ")),
                              ": set lora.r, lora.alpha and lora.target_modules to the adapter's "
                              "values to start from it"));
   }
@@ -267,8 +263,7 @@ void check_initial_adapter(const Config& config) {
                 "), so it cannot be compared with this run's base"));
     return;
   }
-  const bool same = !ours.empty() && theirs == io::hf_weights_fingerprint(ours);
-  ST_CHECK_AS(ConfigError, same, "lora.init_from: the adapter in '", dir,
+  ST_CHECK_AS(ConfigError, "hf:" + theirs == frozen_base, "lora.init_from: the adapter in '", dir,
               "' was trained on the base model in '", base, "', but this run's base is ",
               ours.empty() ? std::string("initialised from train.seed (no model.from_hf)")
                            : "'" + ours + "', whose weights differ",
@@ -310,7 +305,7 @@ Runtime::Runtime(const Config& config) : config_(config), device_(training_devic
   const bool deferred =
       dist_->world_size() > 1 && !config_.lora.enabled &&
       fsdp::parse_sharding_strategy(config_.dist.sharding) != fsdp::ShardingStrategy::NoShard;
-  if (!config_.lora.init_from.empty()) check_initial_adapter(config_);
+  if (!config_.lora.init_from.empty()) check_initial_adapter(config_, frozen_base());
   nn::LlamaConfig mc = llama_config_from(config_.model);
   model_ = std::make_unique<nn::LlamaModel>(
       mc, device_, deferred ? nn::ParameterStorage::Deferred : nn::ParameterStorage::Allocated);

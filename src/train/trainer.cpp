@@ -363,16 +363,9 @@ TrainSummary train_with(const Config& config) {
                 first_step, ", past train.steps (", t.steps,
                 "): raise train.steps to train further, or start a new run (train.resume=none)");
     train_sampler.restore(resumed->sampler);
-    // The sampler continues the checkpoint's order (its seed, epoch and position): say so when
-    // this run asks for another order, or its data are not the tokens the checkpoint's run read.
-    if (resumed->sampler.seed != static_cast<uint64_t>(config.data.seed))
-      progress.message(concat("note: data.seed is ", config.data.seed,
-                              " but the checkpoint's run "
-                              "shuffled with ",
-                              resumed->sampler.seed,
-                              "; the resumed run keeps "
-                              "that order (start a new run, train.resume=none, to shuffle with ",
-                              config.data.seed, ")"));
+    // The sampler continues the checkpoint's order over the tokens it finds: say so when they
+    // are not those the checkpoint's run read (only the data can tell; resume_notes has the
+    // config's changes, data.seed among them).
     if (resumed->sampler.data_checksum != 0 && resumed->sampler.data_checksum != data.checksum())
       progress.message(concat("note: the tokens in data.path '", config.data.path,
                               "' differ from those the checkpoint's run trained on; the steps "

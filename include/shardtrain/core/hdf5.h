@@ -51,6 +51,11 @@ Handle dataspace(hid_t id);  // H5Sclose
 Handle datatype(hid_t id);   // H5Tclose
 Handle plist(hid_t id);      // H5Pclose
 
+// File access in the HDF5 1.10 format, for every file this project writes: its metadata is
+// checksummed, so a torn or damaged file fails to open instead of giving wrong values, and it is
+// what virtual datasets need.
+Handle v110_file_access();
+
 // What an HDF5 element type is, in the terms callers check.
 struct TypeInfo {
   H5T_class_t type_class = H5T_NO_CLASS;
