@@ -14,15 +14,6 @@ int64_t r64(int64_t bytes) {
   return (std::max<int64_t>(bytes, 1) + 63) / 64 * 64;
 }
 
-void check_strategy(const std::string& strategy) {
-  const auto& names = activation_strategies();
-  if (std::find(names.begin(), names.end(), strategy) != names.end()) return;
-  std::string allowed;
-  for (const std::string& n : names) allowed += (allowed.empty() ? "" : ", ") + n;
-  throw ConfigError("activation.strategy = '" + strategy +
-                    "' is not a known strategy; expected one of " + allowed);
-}
-
 // The sizes of one decoder layer's tensors (B batch, S sequence, T = B*S tokens, e bytes per
 // element) and the derived quantities the formulas use.
 struct LayerSizes {

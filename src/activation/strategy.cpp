@@ -1,10 +1,14 @@
 #include "shardtrain/activation/strategy.h"
 
+#include <fmt/ranges.h>
+
+#include <algorithm>
 #include <cmath>
 #include <memory>
 
 #include "shardtrain/activation/checkpoint.h"
 #include "shardtrain/activation/offload.h"
+#include "shardtrain/core/error.h"
 #include "shardtrain/nn/lora.h"
 
 namespace shardtrain::activation {
@@ -13,6 +17,14 @@ const std::vector<std::string>& activation_strategies() {
   static const std::vector<std::string> names = {"none",      "per_layer", "sqrt_segment",
                                                  "selective", "offload",   "offload_checkpoint"};
   return names;
+}
+
+void check_strategy(const std::string& strategy) {
+  const auto& names = activation_strategies();
+  if (std::find(names.begin(), names.end(), strategy) != names.end()) return;
+  throw ConfigError(
+      fmt::format("activation.strategy = '{}' is not a known strategy; expected one of {}",
+                  strategy, fmt::join(names, ", ")));
 }
 
 std::vector<std::pair<int, int>> sqrt_segments(int num_layers,
@@ -134,11 +146,7 @@ void apply_activation_strategy(nn::LlamaModel& model, const ActivationOptions& o
         });
     return;
   }
-  std::string allowed;
-  for (const std::string& name : activation_strategies())
-    allowed += (allowed.empty() ? "" : ", ") + name;
-  throw ConfigError("activation.strategy = '" + s + "' is not a known strategy; expected one of " +
-                    allowed);
+  check_strategy(s);  // throws: each known strategy returned above
 }
 
 }  // namespace shardtrain::activation

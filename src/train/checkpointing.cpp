@@ -3,6 +3,7 @@
 #include "shardtrain/train/checkpointing.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <yaml-cpp/yaml.h>
 #include <cerrno>
 #include <cmath>
@@ -368,8 +369,7 @@ std::vector<std::string> resume_notes(const io::TrainingState& state, const Conf
     compare("optim.min_lr", saved.optim.min_lr, now.optim.min_lr);
     if (saved.optim.schedule != now.optim.schedule)
       changed.push_back("optim.schedule " + saved.optim.schedule + " -> " + now.optim.schedule);
-    std::string list;
-    for (const std::string& c : changed) list += (list.empty() ? "" : ", ") + c;
+    const std::string list = fmt::format("{}", fmt::join(changed, ", "));
     const std::string rates =
         fmt::format("{:.3g} where the checkpoint's run would have used {:.3g}",
                     static_cast<double>(will), static_cast<double>(would));

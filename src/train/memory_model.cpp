@@ -1,5 +1,7 @@
 #include "shardtrain/train/memory_model.h"
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -114,12 +116,10 @@ ModelBytes model_bytes(const MemoryModelInput& in, int64_t param_bytes, int64_t 
 
 void check_choice(const std::string& value, std::initializer_list<const char*> allowed,
                   const char* key) {
-  std::string list;
-  for (const char* a : allowed) {
+  for (const char* a : allowed)
     if (value == a) return;
-    list += (list.empty() ? "" : ", ") + std::string(a);
-  }
-  throw ConfigError(std::string(key) + " = '" + value + "': expected one of " + list);
+  throw ConfigError(
+      fmt::format("{} = '{}': expected one of {}", key, value, fmt::join(allowed, ", ")));
 }
 
 // The sizes of one decoder layer's activations (see activation/estimate.h).

@@ -4,9 +4,11 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <vector>
 
 #include "shardtrain/core/error.h"
+#include "shardtrain/train/run_lock.h"
 
 namespace shardtrain::train {
 
@@ -24,9 +26,11 @@ void prepare_output_dir(const std::string& dir, const std::string& key) {
               "': cannot write files there; choose a writable path");
 }
 
-void check_output_dir(const std::string& dir, const std::string& key) {
+namespace {
+
+// The missing directories of `dir`, innermost first: what prepare_output_dir will create.
+std::vector<std::filesystem::path> missing_directories(const std::string& dir) {
   namespace fs = std::filesystem;
-  // The missing directories, innermost first: what prepare_output_dir will create.
   std::vector<fs::path> missing;
   std::error_code ec;
   // The path as written, not normalized: "new/../out" creates "new" too.
@@ -34,8 +38,38 @@ void check_output_dir(const std::string& dir, const std::string& key) {
     if (p.filename() != "." && p.filename() != ".." && !p.filename().empty()) missing.push_back(p);
     if (p == p.parent_path()) break;
   }
+  return missing;
+}
+
+}  // namespace
+
+void check_output_dir(const std::string& dir, const std::string& key) {
+  const std::vector<std::filesystem::path> missing = missing_directories(dir);
   prepare_output_dir(dir, key);
-  for (const fs::path& p : missing) fs::remove(p, ec);  // only empty ones go
+  std::error_code ec;
+  for (const std::filesystem::path& p : missing) std::filesystem::remove(p, ec);  // empty ones
+}
+
+DirectoriesOfThisRun::DirectoriesOfThisRun() : exceptions_at_start_(std::uncaught_exceptions()) {}
+
+void DirectoriesOfThisRun::prepare(const std::string& dir, const std::string& key) {
+  std::vector<std::filesystem::path> missing = missing_directories(dir);
+  prepare_output_dir(dir, key);
+  created_.insert(created_.end(), missing.begin(), missing.end());
+}
+
+DirectoriesOfThisRun::~DirectoriesOfThisRun() {
+  if (std::uncaught_exceptions() <= exceptions_at_start_) return;  // the run went well
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  for (const fs::path& dir : created_) {
+    // The run's lock was released before this runs (the locks are declared after this guard).
+    const fs::path lock = dir / RunLock::kFileName;
+    if (fs::exists(lock, ec) &&
+        std::distance(fs::directory_iterator(dir, ec), fs::directory_iterator()) == 1)
+      fs::remove(lock, ec);
+    fs::remove(dir, ec);  // only an empty directory goes
+  }
 }
 
 }  // namespace shardtrain::train

@@ -15,7 +15,7 @@ namespace shardtrain::train {
 using detail::concat;
 
 RunLock::RunLock(const std::string& dir, const std::string& key) {
-  const std::string path = dir + "/.shardtrain.lock";
+  const std::string path = dir + "/" + kFileName;
   fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd_ < 0)
     throw ConfigError(concat(key, " = '", dir, "': cannot create ", path, " (",

@@ -193,17 +193,29 @@ TrainSummary train_with(const Config& config) {
   const int world = dist::job_world_size();
   const bool leader = dist::job_rank() == 0;
   check_host_memory(config, world);
-  prepare_output_dir(t.out_dir, "train.out_dir");
+  // Declared before the locks, so that a failed run's locks are released when it cleans up.
+  DirectoriesOfThisRun created_dirs;
+  // Only rank 0 takes back what a failed run created: the other ranks share the directories.
+  auto prepare = [&](const std::string& dir, const std::string& key) {
+    if (leader)
+      created_dirs.prepare(dir, key);
+    else
+      prepare_output_dir(dir, key);
+  };
+  prepare(t.out_dir, "train.out_dir");
   if (config.checkpoint.every_steps > 0 || config.checkpoint.every_minutes > 0)
-    prepare_output_dir(config.effective_checkpoint_dir(),
-                       config.checkpoint.dir.empty()
-                           ? "checkpoint.dir (default: under train.out_dir)"
-                           : "checkpoint.dir");
+    prepare(config.effective_checkpoint_dir(), config.checkpoint.dir.empty()
+                                                   ? "checkpoint.dir (default: under train.out_dir)"
+                                                   : "checkpoint.dir");
   // One run at a time in a directory; rank 0 holds the locks for the job.
   std::optional<RunLock> out_lock, checkpoint_lock;
   if (leader) {
     out_lock.emplace(t.out_dir, "train.out_dir");
-    if (!config.checkpoint.dir.empty() && std::filesystem::is_directory(config.checkpoint.dir))
+    // A checkpoint.dir that is train.out_dir itself is locked already: a second flock from this
+    // process would refuse the run as "in use".
+    std::error_code ec;
+    if (!config.checkpoint.dir.empty() && std::filesystem::is_directory(config.checkpoint.dir) &&
+        !std::filesystem::equivalent(config.checkpoint.dir, t.out_dir, ec))
       checkpoint_lock.emplace(config.checkpoint.dir, "checkpoint.dir");
     for (const RunLock* lock :
          {out_lock ? &*out_lock : nullptr, checkpoint_lock ? &*checkpoint_lock : nullptr})

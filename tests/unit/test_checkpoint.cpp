@@ -639,6 +639,17 @@ TEST(CheckpointResume, ARefusedRunLeavesNoEmptyExportDirectory) {
       {"has vocabulary size 256 but model.vocab_size is 100"});
   EXPECT_TRUE(fs::exists(tmp / "run/nested/config.yaml"));
   EXPECT_FALSE(fs::exists(tmp / "run/nested/export"));
+  // Nor an empty checkpoint directory, the default one or one of its own with its run lock;
+  // a directory that was there before stays.
+  for (const std::string& dir : {std::string(), tmp / "ckpt/a", tmp / "run"}) {
+    std::vector<std::string> overrides = {"model.vocab_size=100", "checkpoint.every_steps=1"};
+    if (!dir.empty()) overrides.push_back("checkpoint.dir=" + dir);
+    expect_error<ConfigError>([&] { train::run_training(tiny_config(tmp / "run", overrides)); },
+                              {"model.vocab_size is 100"});
+    EXPECT_FALSE(fs::exists(tmp / "run/checkpoints")) << dir;
+    EXPECT_FALSE(fs::exists(tmp / "ckpt")) << dir;
+    EXPECT_TRUE(fs::exists(tmp / "run/config.yaml")) << dir;
+  }
   expect_error<ConfigError>(
       [&] {
         train::run_training(tiny_config(tmp / "lora", {"model.vocab_size=100", "lora.enabled=true",

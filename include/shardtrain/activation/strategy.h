@@ -30,6 +30,10 @@ struct ActivationOptions {
 // The accepted strategy names, in the order above.
 const std::vector<std::string>& activation_strategies();
 
+// Throws ConfigError naming `activation.strategy` and the accepted names unless `strategy` is
+// one of them.
+void check_strategy(const std::string& strategy);
+
 // Installs the wrappers for `options.strategy` on `model`. Throws ConfigError naming
 // `activation.strategy` for an unknown strategy. Call once per model, and before other layer
 // wrappers (FSDP, mixed precision) are added: wrappers added later run inside the strategy's

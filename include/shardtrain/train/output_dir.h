@@ -1,7 +1,9 @@
 // Directories a run or a benchmark writes into, checked when it starts: a path that cannot serve
 // fails before the first step (or the first combination), not at the first write hours later.
 #pragma once
+#include <filesystem>
 #include <string>
+#include <vector>
 
 namespace shardtrain::train {
 
@@ -14,5 +16,25 @@ void prepare_output_dir(const std::string& dir, const std::string& key);
 // directories it had to create are removed again, so a run refused or stopped before its end
 // leaves no empty ones behind. The writer creates them when it writes.
 void check_output_dir(const std::string& dir, const std::string& key);
+
+// The directories a run creates as it starts (its checkpoint directory, say), taken back when it
+// fails: a run refused after start-up (data that does not fit the model, out of memory at the
+// first step) leaves no empty directory behind. One that received files stays; a run lock file
+// (train/run_lock.h) alone does not count, as the lock ends with the run.
+class DirectoriesOfThisRun {
+ public:
+  DirectoriesOfThisRun();
+  // While an exception unwinds: removes the created directories still empty, innermost first.
+  ~DirectoriesOfThisRun();
+  DirectoriesOfThisRun(const DirectoriesOfThisRun&) = delete;
+  DirectoriesOfThisRun& operator=(const DirectoriesOfThisRun&) = delete;
+
+  // prepare_output_dir(dir, key), remembering the directories it had to create.
+  void prepare(const std::string& dir, const std::string& key);
+
+ private:
+  std::vector<std::filesystem::path> created_;  // innermost first, in the order prepared
+  int exceptions_at_start_;
+};
 
 }  // namespace shardtrain::train

@@ -9,6 +9,8 @@ namespace shardtrain::train {
 
 class RunLock {
  public:
+  static constexpr const char* kFileName = ".shardtrain.lock";
+
   // Throws ConfigError naming `key`, the directory and the holder's pid when another process
   // holds the lock. On a file system without locks (ENOLCK, EOPNOTSUPP) the run goes on
   // unlocked, and `unlocked_reason()` says why (for the log).
