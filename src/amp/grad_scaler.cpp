@@ -1,6 +1,7 @@
 #include "shardtrain/amp/grad_scaler.h"
 
 #include <cmath>
+#include <limits>
 
 #include "shardtrain/autograd/node.h"
 #include "shardtrain/backend/backend.h"
@@ -44,7 +45,14 @@ void GradScaler::update(bool found_inf) {
   unscaled_this_step_ = false;
   if (!options_.enabled) return;
   if (found_inf) {
-    state_.scale *= options_.backoff_factor;
+    const float backed_off = state_.scale * options_.backoff_factor;
+    ST_CHECK(backed_off >= std::numeric_limits<float>::min(),
+             "fp16 loss scaling: the gradients overflowed at every loss scale down to ",
+             state_.scale, " (", state_.skipped_steps + 1,
+             " steps skipped in all): the run has diverged, or the model or data produce inf/NaN; "
+             "lower optim.lr, set optim.grad_clip, check the data, or train with "
+             "precision.compute=bf16, then continue from an earlier checkpoint");
+    state_.scale = backed_off;
     state_.growth_tracker = 0;
     state_.skipped_steps += 1;
     return;

@@ -1,6 +1,7 @@
 #include "shardtrain/cli/cli.h"
 
 #include <algorithm>
+#include <csignal>
 #include <iostream>
 #include <new>
 
@@ -130,6 +131,10 @@ int run(const std::vector<std::string>& args) {
 }
 
 int main(int argc, char** argv) {
+  // Past a file-size limit (ulimit -f, a batch system's) a write fails with EFBIG, which every
+  // writer turns into a message naming the file; the default SIGXFSZ would kill the process
+  // without a word and leave its temporary files behind.
+  std::signal(SIGXFSZ, SIG_IGN);
   std::vector<std::string> args;
   for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
   return run(args);

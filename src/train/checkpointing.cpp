@@ -487,6 +487,20 @@ io::TrainingState load_checkpoint(Runtime& rt, const std::string& path) {
 
 // ---- the training loop's checkpointing --------------------------------------------------------
 
+void refuse_fresh_run_over_checkpoints(const Config& config) {
+  const std::string& mode = config.train.resume;
+  if (!mode.empty() && mode != "none") return;
+  // A fresh run must not write into an earlier run's checkpoints: it would replace some of them
+  // and leave the others, and a later resume=auto would continue whichever is newest.
+  const std::string dir = config.effective_checkpoint_dir();
+  const std::vector<io::CheckpointEntry> earlier = io::list_checkpoints(dir);
+  ST_CHECK_AS(ConfigError, earlier.empty(), "the checkpoint directory '", dir,
+              "' holds checkpoints of an earlier run (the newest at step ",
+              earlier.empty() ? 0 : earlier.front().step,
+              ") and train.resume is none: continue that run with train.resume=auto, or "
+              "start this one in another train.out_dir (or checkpoint.dir), or delete them");
+}
+
 Checkpointing::Checkpointing(const Config& config, Runtime& runtime, Log log)
     : config_(config),
       runtime_(runtime),
@@ -498,17 +512,11 @@ std::optional<ResumePoint> Checkpointing::resume() {
   const std::string& mode = config_.train.resume;
   dist::ProcessGroup& world = runtime_.dist().world();
   if (mode.empty() || mode == "none") {
-    // A fresh run must not write into an earlier run's checkpoints: it would replace some of
-    // them and leave the others, and a later resume=auto would continue whichever is newest.
-    const std::vector<io::CheckpointEntry> earlier = io::list_checkpoints(dir_);
-    ST_CHECK_AS(ConfigError, earlier.empty(), "the checkpoint directory '", dir_,
-                "' holds checkpoints of an earlier run (the newest at step ",
-                earlier.empty() ? 0 : earlier.front().step,
-                ") and train.resume is none: continue that run with train.resume=auto, or "
-                "start this one in another train.out_dir (or checkpoint.dir), or delete them");
+    refuse_fresh_run_over_checkpoints(config_);
     return std::nullopt;
   }
-  auto load = [&](const std::string& path) {
+  auto load = [&](const std::string& path, int64_t step) {
+    refuse_later_checkpoints(step, path);
     io::TrainingState state = load_checkpoint(runtime_, path);
     log_(concat("resumed from ", path, " (step ", state.step, ", saved by ", state.world_size,
                 " rank(s), sharding ", state.sharding, ")"));
@@ -531,7 +539,7 @@ std::optional<ResumePoint> Checkpointing::resume() {
     std::string problem = io::verify_checkpoint(world, mode);
     if (!problem.empty())
       throw FormatError(concat("train.resume: cannot resume from '", mode, "': ", problem));
-    return load(mode);
+    return load(mode, io::CheckpointReader(mode).state().step);
   }
   const std::string dir = mode == "auto" ? dir_ : mode;
   std::vector<io::CheckpointEntry> candidates = io::list_checkpoints(dir);
@@ -541,15 +549,8 @@ std::optional<ResumePoint> Checkpointing::resume() {
   for (const io::CheckpointEntry& c : candidates) {
     ST_CHECK(ranks_agree(world, c.step), "train.resume: the ranks see different checkpoints in '",
              dir, "'; the checkpoint directory must be on a file system every rank shares");
-    std::string problem = io::verify_checkpoint(world, c.path);
-    if (problem.empty()) {
-      try {  // reading the state changes nothing: any failure here is a reason to fall back
-        problem = saved_config_problem(io::CheckpointReader(c.path).state().config_yaml);
-      } catch (const std::exception& e) {
-        problem = e.what();
-      }
-    }
-    if (problem.empty()) return load(c.path);
+    const std::string problem = resumable_problem(c.path);
+    if (problem.empty()) return load(c.path, c.step);
     log_(concat("refusing checkpoint ", c.path, ": ", problem,
                 "; falling back to the previous one"));
   }
@@ -562,6 +563,44 @@ std::optional<ResumePoint> Checkpointing::resume() {
   log_(concat("train.resume=", mode, ": no complete checkpoint in '", dir,
               "'; starting from scratch"));
   return std::nullopt;
+}
+
+std::string Checkpointing::resumable_problem(const std::string& path) {
+  std::string problem = io::verify_checkpoint(runtime_.dist().world(), path);
+  if (problem.empty()) {
+    try {  // reading the state changes nothing: any failure here is a reason to fall back
+      problem = saved_config_problem(io::CheckpointReader(path).state().config_yaml);
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+  }
+  return problem;
+}
+
+// This run saves into dir_, and pruning keeps the checkpoints of the highest steps: one there
+// past the resumed step (the abandoned steps of a run rolled back to an earlier checkpoint) would
+// outlive this run's saves, and a later resume=auto would continue it instead of this run.
+void Checkpointing::refuse_later_checkpoints(int64_t step, const std::string& resumed) {
+  dist::ProcessGroup& world = runtime_.dist().world();
+  const std::vector<io::CheckpointEntry> entries = io::list_checkpoints(dir_);
+  const std::string not_shared =
+      concat("train.resume: the ranks see different checkpoints in '", dir_,
+             "'; the checkpoint directory must be on a file system "
+             "every rank shares");
+  ST_CHECK(ranks_agree(world, static_cast<int64_t>(entries.size())), not_shared);
+  std::vector<std::string> later;
+  for (const io::CheckpointEntry& c : entries) {  // newest first
+    ST_CHECK(ranks_agree(world, c.step), not_shared);
+    if (c.step <= step) break;
+    if (resumable_problem(c.path).empty()) later.push_back(fs::path(c.path).filename().string());
+  }
+  if (later.empty()) return;
+  throw ConfigError(fmt::format(
+      "train.resume: resuming step {} from '{}', but the checkpoint directory '{}' also holds "
+      "later checkpoints ({}), of the run being rolled back or of another: this run's saves "
+      "there would be pruned in their favour, and train.resume=auto would later continue them. "
+      "Move them out of the directory, or give this run another checkpoint.dir",
+      step, resumed, dir_, fmt::join(later, ", ")));
 }
 
 bool Checkpointing::after_step(int64_t step, const SamplerState& sampler, float lr) {
@@ -642,9 +681,23 @@ void open_metrics(std::ofstream& out, const std::string& path, int64_t resumed_s
       if (step <= resumed_step && !eval_at_resumed_step) kept.push_back(line);
     }
   }
-  out.open(path, std::ios::trunc);
-  for (const std::string& line : kept) out << line << "\n";
-  out.flush();
+  // The kept lines go to a new file that replaces the old one whole: a failed write (a full
+  // disk, a kill) leaves the earlier record as it was.
+  const std::string temporary = path + ".tmp";
+  {
+    std::ofstream rewritten(temporary, std::ios::trunc);
+    for (const std::string& line : kept) rewritten << line << "\n";
+    rewritten.close();
+    if (!rewritten.good()) {
+      const int err = errno;
+      fs::remove(temporary, ec);
+      throw Error(concat("cannot write ", temporary, " (", std::strerror(err),
+                         "); train.out_dir must be a writable directory with free space"));
+    }
+  }
+  fs::rename(temporary, path, ec);
+  ST_CHECK(!ec, "cannot replace ", path, " with ", temporary, " (", ec.message(), ")");
+  out.open(path, std::ios::app);
   check();
 }
 

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -50,7 +51,7 @@ void check_output_dir(const std::string& dir, const std::string& key) {
   for (const std::filesystem::path& p : missing) std::filesystem::remove(p, ec);  // empty ones
 }
 
-DirectoriesOfThisRun::DirectoriesOfThisRun() : exceptions_at_start_(std::uncaught_exceptions()) {}
+DirectoriesOfThisRun::DirectoriesOfThisRun() = default;
 
 void DirectoriesOfThisRun::prepare(const std::string& dir, const std::string& key) {
   std::vector<std::filesystem::path> missing = missing_directories(dir);
@@ -59,10 +60,15 @@ void DirectoriesOfThisRun::prepare(const std::string& dir, const std::string& ke
 }
 
 DirectoriesOfThisRun::~DirectoriesOfThisRun() {
-  if (std::uncaught_exceptions() <= exceptions_at_start_) return;  // the run went well
   namespace fs = std::filesystem;
   std::error_code ec;
+  // Innermost first: a path is longer than its parent's (both as written).
+  std::stable_sort(created_.begin(), created_.end(), [](const fs::path& a, const fs::path& b) {
+    return a.native().size() > b.native().size();
+  });
   for (const fs::path& dir : created_) {
+    // Something else in its place now (a file) is not this run's to remove.
+    if (!fs::is_directory(fs::symlink_status(dir, ec))) continue;
     // The run's lock was released before this runs (the locks are declared after this guard).
     const fs::path lock = dir / RunLock::kFileName;
     if (fs::exists(lock, ec) &&

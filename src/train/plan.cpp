@@ -119,7 +119,9 @@ Plan make_plan(const Config& config, int64_t device_bytes, int world_size) {
     row.input = MemoryModelInput::from_config(c, world_size);
     row.predicted = predict_memory(row.input);
     row.cost = predict_step_cost(row.input);
-    row.fits = row.predicted.peak <= device_bytes;
+    if (c.optim.offload == "cpu" && c.optim.name != "adamw")
+      row.unavailable = "optim.offload=cpu runs AdamW, optim.name is " + c.optim.name;
+    row.fits = row.unavailable.empty() && row.predicted.peak <= device_bytes;
     if (row.fits && plan.first_fit < 0) plan.first_fit = static_cast<int>(plan.rows.size());
     plan.rows.push_back(std::move(row));
   }
@@ -163,7 +165,10 @@ std::string Plan::table() const {
     out += "| " + std::to_string(i + 1) + " | " + r.name + " | " + r.change + " | " +
            format_bytes(persistent) + " | " + format_bytes(at(MemoryCategory::Gradients)) + " | " +
            format_bytes(at(MemoryCategory::Activations)) + " | " + format_bytes(other) + " | " +
-           format_bytes(p.peak) + " | " + (r.fits ? "yes" : "no") +
+           format_bytes(p.peak) + " | " +
+           (r.fits                  ? "yes"
+            : r.unavailable.empty() ? "no"
+                                    : "no (" + r.unavailable + ")") +
            (static_cast<int>(i) == first_fit ? " (first)" : "") + " |";
     if (any_measured) {
       if (r.measured) {
@@ -188,7 +193,10 @@ std::string Plan::verdict() const {
   const std::string per = format_bytes(device_bytes) + " per rank on " +
                           std::to_string(world_size) + (world_size == 1 ? " rank" : " ranks");
   if (first_fit < 0) {
-    const RecipeRow& last = rows.back();
+    const RecipeRow* last_available = &rows.back();
+    for (const RecipeRow& r : rows)
+      if (r.unavailable.empty()) last_available = &r;
+    const RecipeRow& last = *last_available;
     return "nothing fits " + per + ": the last step still needs " +
            format_bytes(last.predicted.peak) + " per rank (peak at " + last.predicted.peak_moment +
            "); use more ranks, a shorter train.seq_len or a smaller train.micro_batch "
@@ -210,6 +218,10 @@ void measure_plan(Plan& plan, int64_t warmup_steps, int64_t measured_steps) {
   int64_t machine = physical_memory() / 4 * 3 / world;
   int64_t budget = machine > 0 ? std::min(machine, plan.device_bytes) : plan.device_bytes;
   for (RecipeRow& r : plan.rows) {
+    if (!r.unavailable.empty()) {
+      r.measure_note = "not run: " + r.unavailable;
+      continue;
+    }
     const bool replica = r.config.dist.sharding == "no_shard";
     Config c = r.config;
     c.train.device = "cpu";
@@ -310,7 +322,7 @@ std::string out_of_memory_advice(const Config& config, int64_t device_bytes, int
     if (own && own->peak <= device_bytes) {
       for (size_t i = 0; i < plan.rows.size(); ++i) {
         const RecipeRow& r = plan.rows[i];
-        if (r.predicted.peak <= device_bytes && 10 * r.predicted.peak < 9 * own->peak)
+        if (r.fits && 10 * r.predicted.peak < 9 * own->peak)
           return out + "That is within " + format_bytes(device_bytes) + ", but " + headroom +
                  ", or take step #" + std::to_string(i + 1) + " " + r.name +
                  " of the scale-up recipe (" + r.change +

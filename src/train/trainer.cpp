@@ -113,12 +113,12 @@ void check_host_memory(const Config& config, int world) {
                 : "keep the optimizer state on the GPU (optim.offload=none, or "
                   "optim.offload_moments=device), use an activation.strategy that recomputes "
                   "instead of offloading, or put fewer ranks on each node";
-  throw OutOfMemoryError("out of host memory before the first step: this run needs about " +
-                             format_bytes(per_rank) + " of host memory per rank (" + parts + ")" +
-                             ranks + ", more than the " + format_bytes(capacity.bytes) + " of " +
-                             capacity.source + ": " + fix +
-                             " (`shardtrain plan --config ...` shows the figures)",
-                         needed);
+  throw HostOutOfMemoryError("out of host memory before the first step: this run needs about " +
+                                 format_bytes(per_rank) + " of host memory per rank (" + parts +
+                                 ")" + ranks + ", more than the " + format_bytes(capacity.bytes) +
+                                 " of " + capacity.source + ": " + fix +
+                                 " (`shardtrain plan --config ...` shows the figures)",
+                             needed);
 }
 
 // Ranks that read different files under one data.path (a node-local copy that differs, a
@@ -157,6 +157,8 @@ TrainSummary run_training(const Config& requested) {
   const Config config = resolve_recipe(requested);
   try {
     return train_with(config);
+  } catch (const HostOutOfMemoryError&) {
+    throw;  // its message has the host's advice
   } catch (const OutOfMemoryError& e) {
     // The allocator says what did not fit; the planner adds which configuration would.
     const int64_t capacity = planning_capacity(config);
@@ -193,9 +195,9 @@ TrainSummary train_with(const Config& config) {
   const int world = dist::job_world_size();
   const bool leader = dist::job_rank() == 0;
   check_host_memory(config, world);
-  // Declared before the locks, so that a failed run's locks are released when it cleans up.
+  // Declared before the locks, so that the locks are released when it cleans up.
   DirectoriesOfThisRun created_dirs;
-  // Only rank 0 takes back what a failed run created: the other ranks share the directories.
+  // Only rank 0 takes back what the run created and left empty: the ranks share the directories.
   auto prepare = [&](const std::string& dir, const std::string& key) {
     if (leader)
       created_dirs.prepare(dir, key);
@@ -203,20 +205,21 @@ TrainSummary train_with(const Config& config) {
       prepare_output_dir(dir, key);
   };
   prepare(t.out_dir, "train.out_dir");
-  if (config.checkpoint.every_steps > 0 || config.checkpoint.every_minutes > 0)
-    prepare(config.effective_checkpoint_dir(), config.checkpoint.dir.empty()
-                                                   ? "checkpoint.dir (default: under train.out_dir)"
-                                                   : "checkpoint.dir");
-  // One run at a time in a directory; rank 0 holds the locks for the job.
+  // Every run may save: a stop signal does, whatever checkpoint.every_* say.
+  const std::string checkpoint_dir = config.effective_checkpoint_dir();
+  prepare(checkpoint_dir, config.checkpoint.dir.empty()
+                              ? "checkpoint.dir (default: under train.out_dir)"
+                              : "checkpoint.dir");
+  // One run at a time in a directory; rank 0 holds the locks for the job. The checkpoint
+  // directory has its own, default or not: another run may name it as its checkpoint.dir.
   std::optional<RunLock> out_lock, checkpoint_lock;
   if (leader) {
     out_lock.emplace(t.out_dir, "train.out_dir");
     // A checkpoint.dir that is train.out_dir itself is locked already: a second flock from this
     // process would refuse the run as "in use".
     std::error_code ec;
-    if (!config.checkpoint.dir.empty() && std::filesystem::is_directory(config.checkpoint.dir) &&
-        !std::filesystem::equivalent(config.checkpoint.dir, t.out_dir, ec))
-      checkpoint_lock.emplace(config.checkpoint.dir, "checkpoint.dir");
+    if (!std::filesystem::equivalent(checkpoint_dir, t.out_dir, ec))
+      checkpoint_lock.emplace(checkpoint_dir, "checkpoint.dir");
     for (const RunLock* lock :
          {out_lock ? &*out_lock : nullptr, checkpoint_lock ? &*checkpoint_lock : nullptr})
       if (lock != nullptr && !lock->unlocked_reason().empty())
@@ -233,15 +236,9 @@ TrainSummary train_with(const Config& config) {
                                       : "lora.adapter_out");
   if (exports && leader)  // rank 0 writes the export
     check_output_dir(t.out_dir + "/export", "train.export (to <train.out_dir>/export)");
-  if (leader) {
-    const std::string path = t.out_dir + "/config.yaml";
-    std::ofstream out(path);
-    out << config.to_yaml();
-    out.close();
-    ST_CHECK(out.good(), "cannot write ", path, " (", std::strerror(errno),
-             "): the run's resolved config must be kept with its results; free space or choose "
-             "another train.out_dir");
-  }
+  // A fresh run in a directory of an earlier run's checkpoints is refused now, before the model
+  // is built (or loaded from model.from_hf).
+  refuse_fresh_run_over_checkpoints(config);
 
   TokenDataset data = load_token_source(config.data.path);
   check_data_fits_model(data, config);
@@ -385,6 +382,16 @@ TrainSummary train_with(const Config& config) {
                               resumed->sampler.epoch, ", window ", resumed->sampler.position));
   }
   summary.first_step = first_step;
+  // Written once the run is sure to go ahead: a refused run keeps the earlier run's record.
+  if (leader) {
+    const std::string path = t.out_dir + "/config.yaml";
+    std::ofstream out(path);
+    out << config.to_yaml();
+    out.close();
+    ST_CHECK(out.good(), "cannot write ", path, " (", std::strerror(errno),
+             "): the run's resolved config must be kept with its results; free space or choose "
+             "another train.out_dir");
+  }
   if (first_step == t.steps && first_step > 0)
     progress.message("the checkpoint is at step " + std::to_string(first_step) +
                      " = train.steps: nothing left to train");
@@ -516,27 +523,39 @@ TrainSummary train_with(const Config& config) {
           "write the merged model to " +
           t.out_dir + "/export");
   }
-  if (exports) {
-    summary.export_dir = t.out_dir + "/export";
-    if (config.lora.enabled) {
-      io::save_merged_hf_model(rt.model(), summary.export_dir);
-    } else if (rt.sharded() == nullptr) {
-      io::save_hf_model(rt.model(), summary.export_dir);
-    } else {
-      // Every rank gathers the weights one unit at a time and rank 0 streams them into the
-      // files: no rank ever holds the full model.
-      io::save_hf_model(*rt.sharded(), summary.export_dir);
+  if (exports) try {
+      summary.export_dir = t.out_dir + "/export";
+      if (config.lora.enabled) {
+        io::save_merged_hf_model(rt.model(), summary.export_dir);
+      } else if (rt.sharded() == nullptr) {
+        io::save_hf_model(rt.model(), summary.export_dir);
+      } else {
+        // Every rank gathers the weights one unit at a time and rank 0 streams them into the
+        // files: no rank ever holds the full model.
+        io::save_hf_model(*rt.sharded(), summary.export_dir);
+      }
+      // A model fine-tuned from released weights keeps their token ids and tokenizer.
+      if (!config.model.from_hf.empty() && rt.dist().rank() == 0) {
+        const std::vector<std::string> carried =
+            io::carry_hf_metadata(config.model.from_hf, summary.export_dir);
+        if (!carried.empty())
+          progress.message("carried " + std::to_string(carried.size()) +
+                           " field(s) and file(s) of " + config.model.from_hf +
+                           " (token ids, tokenizer) into the export");
+      }
+      progress.message("exported the model to " + summary.export_dir);
+    } catch (const std::exception& e) {
+      // The trained weights are safe only in a checkpoint of the last step: say where they are.
+      const bool kept =
+          !summary.last_checkpoint.empty() && checkpoints.last_saved_step() == t.steps;
+      throw Error(std::string(e.what()) +
+                  (kept ? "\nThe trained weights are in " + summary.last_checkpoint +
+                              ": fix the cause and run again with train.resume=auto, which exports "
+                              "without training again"
+                        : "\nThe run saved no checkpoint of its last step "
+                          "(checkpoint.every_steps is 0), so its trained weights are lost: set "
+                          "checkpoint.every_steps or checkpoint.every_minutes to keep them"));
     }
-    // A model fine-tuned from released weights keeps their token ids and tokenizer.
-    if (!config.model.from_hf.empty() && rt.dist().rank() == 0) {
-      const std::vector<std::string> carried =
-          io::carry_hf_metadata(config.model.from_hf, summary.export_dir);
-      if (!carried.empty())
-        progress.message("carried " + std::to_string(carried.size()) + " field(s) and file(s) of " +
-                         config.model.from_hf + " (token ids, tokenizer) into the export");
-    }
-    progress.message("exported the model to " + summary.export_dir);
-  }
   return summary;
 }
 

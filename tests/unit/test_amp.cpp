@@ -392,6 +392,24 @@ TEST(GradScaler, GrowthStopsBeforeInfinity) {
   EXPECT_EQ(scaler.growth_tracker(), 0);
 }
 
+// Backing off below the smallest normal float would make 1/scale infinite (the fused unscale
+// multiplies the gradients by it): the scaler stops the run instead.
+TEST(GradScaler, BackoffPastTheSmallestNormalFloatStopsTheRun) {
+  amp::GradScaler scaler({std::ldexp(1.0f, -125), 2.0f, 0.5f, 2000, true});
+  scaler.update(true);
+  EXPECT_EQ(scaler.scale(), std::ldexp(1.0f, -126));  // FLT_MIN itself is still a scale
+  EXPECT_TRUE(std::isfinite(scaler.inv_scale()));
+  try {
+    scaler.update(true);
+    FAIL() << "the scale went below " << scaler.scale();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the gradients overflowed at every loss scale"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(scaler.scale(), std::ldexp(1.0f, -126));
+}
+
 TEST(GradScaler, SecondUnscaleInOneStepThrows) {
   FakeParams params({{2.0f, 4.0f}});
   amp::GradScaler scaler({2.0f, 2.0f, 0.5f, 2000, true});

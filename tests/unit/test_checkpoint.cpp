@@ -637,8 +637,9 @@ TEST(CheckpointResume, ARefusedRunLeavesNoEmptyExportDirectory) {
   expect_error<ConfigError>(
       [&] { train::run_training(tiny_config(tmp / "run/nested", {"model.vocab_size=100"})); },
       {"has vocabulary size 256 but model.vocab_size is 100"});
-  EXPECT_TRUE(fs::exists(tmp / "run/nested/config.yaml"));
-  EXPECT_FALSE(fs::exists(tmp / "run/nested/export"));
+  // Nothing at all: the directories it created are gone (config.yaml is written once a run
+  // goes ahead).
+  EXPECT_FALSE(fs::exists(tmp / "run"));
   // Nor an empty checkpoint directory, the default one or one of its own with its run lock;
   // a directory that was there before stays.
   for (const std::string& dir : {std::string(), tmp / "ckpt/a", tmp / "run"}) {
@@ -648,7 +649,7 @@ TEST(CheckpointResume, ARefusedRunLeavesNoEmptyExportDirectory) {
                               {"model.vocab_size is 100"});
     EXPECT_FALSE(fs::exists(tmp / "run/checkpoints")) << dir;
     EXPECT_FALSE(fs::exists(tmp / "ckpt")) << dir;
-    EXPECT_TRUE(fs::exists(tmp / "run/config.yaml")) << dir;
+    EXPECT_FALSE(fs::exists(tmp / "run")) << dir;
   }
   expect_error<ConfigError>(
       [&] {
@@ -755,14 +756,49 @@ TEST(CheckpointDirectory, ASecondRunInTheSameDirectoryIsRefused) {
   } catch (const ConfigError& e) {
     message = e.what();
   }
+  // Its default checkpoint directory is locked too: another run may not save there.
+  std::string checkpoint_message = "no error";
+  try {
+    train::run_training(tiny_config(
+        tmp / "other", {"train.steps=2", "checkpoint.dir=" + (tmp / "run/checkpoints")}));
+  } catch (const ConfigError& e) {
+    checkpoint_message = e.what();
+  }
   kill(child, SIGKILL);
   wait_child(child);
   EXPECT_NE(message.find("train.out_dir = '" + (tmp / "run") + "' is in use by another run (pid " +
                          std::to_string(child) + " holds"),
             std::string::npos)
       << message;
+  EXPECT_NE(checkpoint_message.find("checkpoint.dir = '" + (tmp / "run/checkpoints") +
+                                    "' is in use by another run (pid " + std::to_string(child) +
+                                    " holds"),
+            std::string::npos)
+      << checkpoint_message;
   // The lock goes with the process that held it: a killed run leaves nothing to clean up.
   EXPECT_NO_THROW(train::run_training(tiny_config(tmp / "run", {"train.steps=2"})));
+}
+
+// Rolling a run back to an earlier checkpoint of its directory while later ones remain would mix
+// two runs: pruning keeps the later ones over the new saves, and resume=auto continues them.
+TEST(CheckpointResume, RollingBackWhileLaterCheckpointsRemainIsRefused) {
+  TempDir tmp;
+  train::run_training(tiny_config(tmp / "run", {"train.steps=4", "checkpoint.every_steps=2"}));
+  const std::string earlier = tmp / "run/checkpoints/step-00000002.h5";
+  expect_error<ConfigError>(
+      [&] {
+        train::run_training(tiny_config(
+            tmp / "run", {"train.steps=4", "checkpoint.every_steps=1", "train.resume=" + earlier}));
+      },
+      {"train.resume: resuming step 2 from '" + earlier + "', but the checkpoint directory '" +
+           (tmp / "run/checkpoints") + "' also holds later checkpoints (step-00000004.h5)",
+       "give this run another checkpoint.dir"});
+  // Another checkpoint.dir for the rolled-back run is the way.
+  train::TrainSummary s = train::run_training(tiny_config(
+      tmp / "run", {"train.steps=4", "checkpoint.every_steps=1",
+                    "checkpoint.dir=" + (tmp / "rolled-back"), "train.resume=" + earlier}));
+  EXPECT_EQ(s.first_step, 2);
+  EXPECT_EQ(s.last_checkpoint, tmp / "rolled-back/step-00000004.h5");
 }
 
 TEST(CheckpointResume, ResumeAutoWithoutCheckpointsStartsFromScratch) {
@@ -795,10 +831,18 @@ TEST(CheckpointDirectory, AnUnusableDirectoryIsAConfigErrorBeforeTraining) {
   };
   std::string message = error_of(tiny_config(file, {"train.steps=2"}));
   EXPECT_NE(message.find("train.out_dir = '" + file + "'"), std::string::npos) << message;
-  message = error_of(tiny_config(
-      tmp / "run", {"train.steps=2", "checkpoint.every_steps=1", "checkpoint.dir=" + file + "/c"}));
+  // Without periodic saves too: a stop signal saves whatever checkpoint.every_* say.
+  message = error_of(tiny_config(tmp / "run", {"train.steps=2", "checkpoint.dir=" + file + "/c"}));
   EXPECT_NE(message.find("checkpoint.dir = '" + file + "/c'"), std::string::npos) << message;
   EXPECT_FALSE(fs::exists(tmp / "run/metrics.jsonl")) << "training started";
+  fs::create_directories(tmp / "run");
+  std::ofstream(tmp / "run/checkpoints") << "x";
+  message = error_of(tiny_config(tmp / "run", {"train.steps=2"}));
+  EXPECT_NE(message.find("checkpoint.dir (default: under train.out_dir) = '" +
+                         (tmp / "run/checkpoints") + "': cannot create the directory"),
+            std::string::npos)
+      << message;
+  fs::remove(tmp / "run/checkpoints");
   // The adapter and the export are written after the last step, and checked before the first.
   message =
       error_of(tiny_config(tmp / "run", {"train.steps=2", "lora.enabled=true",
@@ -825,8 +869,10 @@ TEST(CheckpointRetention, KeepLastDeletesOlderCheckpointsAndTheirRankFiles) {
   for (const auto& e : fs::directory_iterator(tmp / "run/checkpoints"))
     names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{"step-00000008.h5", "step-00000008.rank-0.h5",
-                                             "step-00000010.h5", "step-00000010.rank-0.h5"}));
+  // The run's lock stays with the checkpoints (and is released with the run).
+  EXPECT_EQ(names, (std::vector<std::string>{".shardtrain.lock", "step-00000008.h5",
+                                             "step-00000008.rank-0.h5", "step-00000010.h5",
+                                             "step-00000010.rank-0.h5"}));
 }
 
 // ---- signals and crashes ----------------------------------------------------------------------

@@ -92,6 +92,34 @@ TEST(RecipeAuto, NothingFitsGivesThePlanTable) {
   std::filesystem::remove_all(out);
 }
 
+// The offloaded optimizer is AdamW: with SGD the recipe's last step is not offered, and a capacity
+// that only it would fit gets the plan table instead of a configuration the run refuses.
+TEST(RecipeAuto, SgdIsNotOfferedOptimizerOffload) {
+  train::Config c = tiny(out_dir("sgd"), "1MiB");
+  c.optim.name = "sgd";
+  const train::Plan roomy = train::make_plan(c, 1ll << 40, 1);
+  ASSERT_EQ(roomy.rows.back().name, "optimizer offload");
+  EXPECT_EQ(roomy.rows.back().unavailable, "optim.offload=cpu runs AdamW, optim.name is sgd");
+  EXPECT_FALSE(roomy.rows.back().fits);
+  EXPECT_EQ(roomy.first_fit, 0);
+  // Between the last two rows' predictions: only the offload row would fit.
+  const train::Plan p = train::make_plan(c, 1, 1);
+  const int64_t offload = p.rows.back().predicted.peak,
+                sharded = p.rows[p.rows.size() - 2].predicted.peak;
+  ASSERT_LT(offload, sharded);
+  try {
+    train::apply_recipe(c, (offload + sharded) / 2, 1, nullptr);
+    FAIL() << "recipe: auto chose a step for SGD at " << (offload + sharded) / 2 << " bytes";
+  } catch (const ConfigError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("recipe: auto: nothing fits"), std::string::npos) << m;
+    EXPECT_NE(m.find("no (optim.offload=cpu runs AdamW, optim.name is sgd)"), std::string::npos)
+        << m;
+    // The verdict's figure is the last step that can run.
+    EXPECT_NE(m.find("the last step still needs " + format_bytes(sharded)), std::string::npos) << m;
+  }
+}
+
 // The memory model under-predicts the CPU's 16-bit rows (docs/recipe.md): at 24 MiB recipe: auto
 // picks per_layer (predicted 23.42 MiB) and the run needs 25.85 MiB. The error says the choice
 // was the model's, and does not send the user back to recipe: auto.
@@ -178,6 +206,19 @@ TEST(HostMemory, APredictionPastTheMachinesMemoryFailsBeforeTheFirstStep) {
     EXPECT_EQ(e.requested_bytes(), p.peak);
   }
   EXPECT_FALSE(std::filesystem::exists(out)) << "the check came after the run began";
+  // With a device capacity set, the device's advice (the recipe, optimizer offload, which moves
+  // state into host memory) is not added to the host's.
+  config.train.device_memory = "1TiB";
+  try {
+    train::run_training(config);
+    ADD_FAILURE() << "a " << format_bytes(p.peak) << " run started on " << format_bytes(host.bytes);
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_NE(std::string(e.what()).find("out of host memory before the first step"),
+              std::string::npos)
+        << e.what();
+    EXPECT_EQ(std::string(e.what()).find("The memory model predicts"), std::string::npos)
+        << e.what();
+  }
 
   // A .txt corpus is held in memory (4 bytes a token, plus the text): one as large as the
   // machine's memory (a sparse file) is refused before it is read, pointing at prepare-data.

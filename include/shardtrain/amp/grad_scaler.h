@@ -86,7 +86,10 @@ class GradScaler {
   // Ends a step. found_inf: scale *= backoff_factor, the growth tracker restarts at 0 and the
   // skipped-step count goes up by one. Otherwise the tracker counts the clean step, and on
   // reaching growth_interval the scale is multiplied by growth_factor (kept only if finite) and
-  // the tracker restarts. Disabled: does nothing.
+  // the tracker restarts. Disabled: does nothing. Throws Error when a backoff would take the scale
+  // below the smallest normal float (about 1.2e-38, some 140 overflowing steps in a row from the
+  // default): gradients that overflow at every scale come from a diverged run, and a smaller
+  // scale would make 1/scale infinite, which the fused unscale would write into the weights.
   void update(bool found_inf);
 
   GradScalerState state() const { return state_; }

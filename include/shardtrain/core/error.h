@@ -41,6 +41,13 @@ class OutOfMemoryError : public Error {
   long long requested_bytes_;
 };
 
+// The host's physical memory cannot hold what a run needs: device-memory advice (the scale-up
+// recipe, optimizer offload) does not apply, as offloading moves state into host memory.
+class HostOutOfMemoryError : public OutOfMemoryError {
+ public:
+  using OutOfMemoryError::OutOfMemoryError;
+};
+
 // A failure of a communication layer (MPI, NCCL) or of another rank.
 class DistributedError : public Error {
  public:

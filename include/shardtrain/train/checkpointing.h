@@ -64,6 +64,11 @@ io::TrainingState load_checkpoint(Runtime& runtime, const std::string& path);
 
 // ---- the training loop's checkpointing --------------------------------------------------------
 
+// A fresh run (train.resume none) whose checkpoint directory holds checkpoints is refused:
+// ConfigError naming the directory, its newest step and the choices. Called before the model is
+// built, and again by Checkpointing::resume(). Not collective.
+void refuse_fresh_run_over_checkpoints(const Config& config);
+
 struct ResumePoint {
   std::string path;
   int64_t step = 0;  // steps completed: the loop goes on with step + 1
@@ -99,9 +104,16 @@ class Checkpointing {
 
   const std::string& dir() const { return dir_; }
   const std::string& last_saved() const { return last_saved_; }
+  int64_t last_saved_step() const { return last_saved_step_; }  // -1 when none
 
  private:
   void log_stopped(int signal, int64_t step);  // the stop's log line, after its save
+  // What keeps resume from taking the checkpoint at `path` ("" when nothing): it does not verify
+  // (incomplete, damaged) or its saved config does not parse. Collective.
+  std::string resumable_problem(const std::string& path);
+  // Throws ConfigError when the checkpoint directory holds a checkpoint resume could take at a
+  // step past `step`, the one resumed. Collective.
+  void refuse_later_checkpoints(int64_t step, const std::string& resumed);
 
   const Config& config_;
   Runtime& runtime_;

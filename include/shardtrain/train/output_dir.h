@@ -17,14 +17,15 @@ void prepare_output_dir(const std::string& dir, const std::string& key);
 // leaves no empty ones behind. The writer creates them when it writes.
 void check_output_dir(const std::string& dir, const std::string& key);
 
-// The directories a run creates as it starts (its checkpoint directory, say), taken back when it
-// fails: a run refused after start-up (data that does not fit the model, out of memory at the
-// first step) leaves no empty directory behind. One that received files stays; a run lock file
-// (train/run_lock.h) alone does not count, as the lock ends with the run.
+// The directories a run creates as it starts, taken back at its end when they are still empty: a
+// run refused after start-up (data that does not fit the model, out of memory at the first step)
+// leaves nothing behind, and a run that saved no checkpoint no empty checkpoint directory. One
+// that received files stays; a run lock file (train/run_lock.h) alone does not count, as the
+// lock ends with the run.
 class DirectoriesOfThisRun {
  public:
   DirectoriesOfThisRun();
-  // While an exception unwinds: removes the created directories still empty, innermost first.
+  // Removes the created directories still empty, innermost first.
   ~DirectoriesOfThisRun();
   DirectoriesOfThisRun(const DirectoriesOfThisRun&) = delete;
   DirectoriesOfThisRun& operator=(const DirectoriesOfThisRun&) = delete;
@@ -33,8 +34,7 @@ class DirectoriesOfThisRun {
   void prepare(const std::string& dir, const std::string& key);
 
  private:
-  std::vector<std::filesystem::path> created_;  // innermost first, in the order prepared
-  int exceptions_at_start_;
+  std::vector<std::filesystem::path> created_;
 };
 
 }  // namespace shardtrain::train

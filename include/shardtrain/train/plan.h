@@ -31,6 +31,9 @@ struct RecipeRow {
   MemoryPrediction predicted;
   StepCost cost;
   bool fits = false;  // predicted.peak <= the plan's device memory
+  // Why this step cannot run with the rest of the configuration ("" when it can); such a step
+  // never fits (optimizer offload with optim.name=sgd: the offloaded optimizer is AdamW).
+  std::string unavailable;
 
   // Filled by measure_plan().
   bool measured = false;
