@@ -80,6 +80,9 @@ std::string take_error_message() {
 
 bool has_hdf5_signature(const std::string& path) {
   static constexpr char kSignature[8] = {'\x89', 'H', 'D', 'F', '\r', '\n', '\x1a', '\n'};
+  // Only a regular file is opened: opening a FIFO would block until a writer appears.
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) return false;
   std::ifstream in(path, std::ios::binary);
   char head[8] = {};
   return in.read(head, sizeof head) && std::memcmp(head, kSignature, sizeof head) == 0;

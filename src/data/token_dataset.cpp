@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "shardtrain/core/error.h"
+#include "shardtrain/core/files.h"
 #include "shardtrain/core/word_hash.h"
 #include "shardtrain/data/corpus.h"
 #include "shardtrain/data/tokenizer.h"
@@ -233,6 +234,7 @@ TokenDataset load_token_source(const std::string& path) {
               "' is not an HDF5 token dataset: give a text file the .txt extension (it is then "
               "trained on as bytes), or convert it with `shardtrain prepare-data --input ",
               path, " --output DATA.h5`");
+  check_regular_file(path, "data.path");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ConfigError("data.path: cannot open '" + path + "'");
   std::stringstream text;

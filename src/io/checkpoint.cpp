@@ -832,6 +832,10 @@ CheckpointReader::CheckpointReader(const std::string& path)
   Node optim = open_group(f, "optim");
   s.optimizer = optim.read_string_attribute("name");
   s.optimizer_steps = optim.read_int64_attribute("steps_taken");
+  // One optimizer step a training step at most (skipped fp16 steps take none).
+  if (s.optimizer_steps < 0 || s.optimizer_steps > s.step)
+    throw FormatError(concat("'", path, "' is damaged: /optim steps_taken is ", s.optimizer_steps,
+                             " at step ", s.step, " (0 to the step expected)"));
   s.lr = optim.read_double_attribute("lr");
   Node scaler = open_group(f, "amp/grad_scaler");
   s.scaler_enabled = scaler.read_int64_attribute("enabled") != 0;

@@ -13,6 +13,7 @@
 
 #include "shardtrain/autograd/grad_mode.h"
 #include "shardtrain/backend/backend.h"
+#include "shardtrain/core/files.h"
 #include "shardtrain/core/word_hash.h"
 #include "shardtrain/io/safetensors.h"
 
@@ -93,6 +94,7 @@ std::vector<std::string> carry_hf_metadata(const std::string& source_dir,
   using nlohmann::json;
   std::vector<std::string> carried;
   auto read_json = [](const fs::path& path) {
+    check_regular_file(path.string(), "model metadata file");
     std::ifstream in(path);
     const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     if (!in.good() && !in.eof()) throw Error("cannot read '" + path.string() + "'");

@@ -8,6 +8,8 @@
 #include <set>
 
 #include "shardtrain/autograd/grad_mode.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/core/files.h"
 
 namespace shardtrain::io {
 
@@ -120,6 +122,7 @@ void save_peft_adapter(nn::LlamaModel& model, const std::string& dir,
 
 nn::LoraOptions read_peft_config(const std::string& dir, std::string* base_model) {
   const std::string path = config_path(dir);
+  check_regular_file(path, "PEFT adapter config");
   std::ifstream in(path);
   if (!in)
     throw ConfigError("cannot open '" + path + "': not a PEFT adapter directory (expected " +
@@ -218,6 +221,11 @@ void load_peft_adapter(nn::LlamaModel& model, const std::string& dir) {
         throw FormatError("'" + weights + "' has no tensor '" + name +
                           "' (was the adapter trained with other target_modules?)");
       const TensorInfo& info = file.info(name);
+      if (!is_floating(info.dtype))
+        throw FormatError("'" + weights + "': tensor '" + name + "' is stored as " +
+                          std::string(safetensors_dtype_name(info.dtype)) +
+                          ", an integer type; adapter weights must be F32, BF16 or F16 (a wrongly "
+                          "converted or mislabelled file)");
       if (info.shape != slot.shape())
         throw FormatError("'" + weights + "': tensor '" + name + "' has shape " +
                           shape_str(info.shape) + " but the model's adapter is " +
@@ -231,7 +239,17 @@ void load_peft_adapter(nn::LlamaModel& model, const std::string& dir) {
                         "' that no adapter of this model takes (different target_modules or "
                         "number of layers?)");
   autograd::NoGrad no_grad;
-  for (auto& [name, slot] : slots) file.load_into(name, *slot);
+  // Read and checked whole before any adapter changes: a NaN or infinity would surface steps
+  // later as a diverged loss (the sum of squares of finite weights stays finite in double).
+  std::vector<Tensor> loaded;
+  for (auto& [name, slot] : slots) {
+    loaded.push_back(empty(slot->shape(), slot->dtype(), slot->device()));
+    file.load_into(name, loaded.back());
+    if (!std::isfinite(backend_for(slot->device()).sum_squares(loaded.back())))
+      throw FormatError("'" + weights + "': tensor '" + name +
+                        "' holds NaN or infinite values (a damaged or wrongly converted file)");
+  }
+  for (size_t i = 0; i < slots.size(); ++i) slots[i].second->copy_from(loaded[i]);
 }
 
 // ---- merged export ----------------------------------------------------------------------------

@@ -18,6 +18,7 @@
 #include <set>
 
 #include "shardtrain/core/error.h"
+#include "shardtrain/core/files.h"
 #include "shardtrain/core/suggest.h"
 
 namespace shardtrain {
@@ -715,6 +716,7 @@ SafetensorsCheckpoint SafetensorsCheckpoint::open(const std::string& dir_or_file
     const std::string index_path = (root / kCheckpointIndexFile).string();
     std::map<std::string, std::string> weight_map;
     {
+      check_regular_file(index_path, "safetensors index");
       std::ifstream in(index_path, std::ios::binary);
       if (!in) throw ConfigError(concat("cannot open '", index_path, "': ", std::strerror(errno)));
       std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 
+#include "shardtrain/core/files.h"
 #include "shardtrain/nn/llama.h"
 
 namespace shardtrain::nn {
@@ -20,6 +21,21 @@ void LlamaConfig::validate() const {
     fail(
         "vocab_size, hidden_size, intermediate_size, num_layers, num_heads and num_kv_heads "
         "must all be positive");
+  // Far past any model that exists, and small enough that no product of them (a weight's
+  // elements, a step's bytes) can wrap around int64 and read as a small or negative size.
+  const std::pair<const char*, std::pair<int64_t, int64_t>> limits[] = {
+      {"vocab_size", {vocab_size, int64_t{1} << 32}},
+      {"hidden_size", {hidden_size, int64_t{1} << 20}},
+      {"intermediate_size", {intermediate_size, int64_t{1} << 22}},
+      {"num_layers", {num_layers, int64_t{1} << 16}},
+      {"num_heads", {num_heads, int64_t{1} << 16}},
+      {"num_kv_heads", {num_kv_heads, int64_t{1} << 16}},
+      {"max_seq_len", {max_seq_len, int64_t{1} << 24}}};
+  for (const auto& [name, value_and_limit] : limits)
+    if (value_and_limit.first > value_and_limit.second)
+      fail(std::string(name) + " = " + std::to_string(value_and_limit.first) +
+           " is larger than this runtime allows (" + std::to_string(value_and_limit.second) +
+           "): no model is that large; check the value");
   if (hidden_size % num_heads != 0)
     fail("hidden_size " + std::to_string(hidden_size) + " is not divisible by num_heads " +
          std::to_string(num_heads));
@@ -170,6 +186,7 @@ class HfConfigReader {
 }  // namespace
 
 LlamaConfig LlamaConfig::from_hf_json(const std::string& path) {
+  check_regular_file(path, "model config");
   std::ifstream in(path);
   if (!in) throw ConfigError("cannot open model config '" + path + "'");
   json j;
@@ -190,6 +207,10 @@ LlamaConfig LlamaConfig::from_hf_json(const std::string& path) {
   r.expect_string("hidden_act", "silu", "the MLP is SwiGLU with SiLU");
   r.expect_false("attention_bias", "the attention projections have no bias");
   r.expect_false("mlp_bias", "the MLP projections have no bias");
+  if (const double dropout = r.number_or("attention_dropout", 0.0f); dropout != 0.0)
+    throw r.error("attention_dropout = " + std::to_string(dropout) +
+                  " is not supported: the attention has no dropout (released Llama configs say "
+                  "0.0)");
 
   LlamaConfig c;
   c.vocab_size = r.integer("vocab_size");
@@ -205,7 +226,9 @@ LlamaConfig LlamaConfig::from_hf_json(const std::string& path) {
   c.max_seq_len = r.integer_or("max_position_embeddings", 2048);
   c.init_std = r.number_or("initializer_range", 0.02f);
   const int64_t head_dim = r.integer_or("head_dim", 0);
-  if (head_dim != 0 && head_dim * c.num_heads != c.hidden_size)
+  // Compared by division: a huge head_dim times the heads could wrap around to hidden_size.
+  if (head_dim != 0 && (c.num_heads <= 0 || c.hidden_size % c.num_heads != 0 ||
+                        head_dim != c.hidden_size / c.num_heads))
     throw r.error("head_dim = " + std::to_string(head_dim) +
                   " with num_attention_heads = " + std::to_string(c.num_heads) +
                   " does not give hidden_size = " + std::to_string(c.hidden_size) +

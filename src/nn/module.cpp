@@ -32,6 +32,8 @@ void Module::register_child(std::string name, Module* child) {
 void Module::replace_child(const std::string& name, Module* child) {
   for (auto& [n, c] : children_)
     if (n == name) {
+      // The replacement runs in the mode of the module it replaces (eval: no dropout).
+      child->train(c->is_training());
       c = child;
       return;
     }

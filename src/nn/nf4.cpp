@@ -91,7 +91,9 @@ Nf4Tensor Nf4Tensor::quantize(const Tensor& w) {
     finite = finite && std::isfinite(m);
     absmax[static_cast<size_t>(b)] = m;
     // bitsandbytes multiplies by the reciprocal; an all-zero block codes every weight as 0.
-    const float inv = m > 0.0f ? 1.0f / m : 0.0f;
+    // A subnormal absmax has no finite reciprocal (0 x inf would code zeros as NaN): such a
+    // block, as small as a weight can be, codes as zeros too.
+    const float inv = m > 0.0f && std::isfinite(1.0f / m) ? 1.0f / m : 0.0f;
     for (int64_t i = lo; i < hi; ++i) {
       const uint8_t c = nearest_nf4(values[static_cast<size_t>(i)] * inv, thresholds);
       uint8_t& byte = codes[static_cast<size_t>(i / 2)];

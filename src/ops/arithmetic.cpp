@@ -58,7 +58,7 @@ struct MulLastdimBackward : NamedNode<MulLastdimBackward> {
 
 Tensor add(const Tensor& a, const Tensor& b) {
   check_same(a, b, "add");
-  ST_CHECK_SHAPE(a.numel() == b.numel(), "add: shapes differ (", a.describe(), " vs ", b.describe(),
+  ST_CHECK_SHAPE(a.shape() == b.shape(), "add: shapes differ (", a.describe(), " vs ", b.describe(),
                  ")");
   Tensor out = empty_like(a);
   backend_of(a).add(a, b, out, 1.0f, 1.0f);
@@ -69,7 +69,7 @@ Tensor add(const Tensor& a, const Tensor& b) {
 
 Tensor mul(const Tensor& a, const Tensor& b) {
   check_same(a, b, "mul");
-  ST_CHECK_SHAPE(a.numel() == b.numel(), "mul: shapes differ (", a.describe(), " vs ", b.describe(),
+  ST_CHECK_SHAPE(a.shape() == b.shape(), "mul: shapes differ (", a.describe(), " vs ", b.describe(),
                  ")");
   Tensor out = empty_like(a);
   backend_of(a).mul(a, b, out);

@@ -58,9 +58,10 @@ struct MatmulBackward : NamedNode<MatmulBackward> {
 Tensor linear(const Tensor& x, const Tensor& w) {
   check_float(x, "linear", "input");
   check_same(x, w, "linear");
-  ST_CHECK_SHAPE(w.dim() == 2 && x.dim() >= 1 && x.size(-1) == w.size(1), "linear: input ",
-                 x.describe(), " does not match weight ", w.describe(), " (expected input [..., ",
-                 w.dim() == 2 ? w.size(1) : -1, "])");
+  ST_CHECK_SHAPE(w.dim() == 2 && w.size(1) > 0 && x.dim() >= 1 && x.size(-1) == w.size(1),
+                 "linear: input ", x.describe(), " does not match weight ", w.describe(),
+                 " (expected input [..., ", w.dim() == 2 ? w.size(1) : -1,
+                 "] and at least one input feature)");
   int64_t in = w.size(1), out_features = w.size(0), rows = x.numel() / in;
   Shape out_shape = x.shape();
   out_shape.back() = out_features;

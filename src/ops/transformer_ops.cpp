@@ -90,8 +90,8 @@ Tensor embedding(const Tensor& weight, const Tensor& ids) {
 
 Tensor rms_norm(const Tensor& x, const Tensor& w, float eps) {
   check_same(x, w, "rms_norm");
-  ST_CHECK_SHAPE(w.dim() == 1 && x.size(-1) == w.size(0), "rms_norm: input ", x.describe(),
-                 " does not match weight ", w.describe());
+  ST_CHECK_SHAPE(w.dim() == 1 && w.size(0) > 0 && x.size(-1) == w.size(0), "rms_norm: input ",
+                 x.describe(), " does not match weight ", w.describe(), " (of at least 1 element)");
   int64_t h = w.size(0), rows = x.numel() / h;
   Tensor y = empty_like(x);
   Tensor rstd = empty({rows}, DType::F32, x.device());

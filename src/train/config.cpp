@@ -372,6 +372,9 @@ std::string check_rope_type(const std::string& text) {
 const std::vector<std::string> kSections = {
     "model", "data", "train", "optim", "precision", "activation", "dist", "checkpoint", "lora"};
 
+// Sizes carry an upper bound far past any real run: products of them (a step's tokens, a weight's
+// elements) then stay far from int64's range, where they would wrap around to small or negative
+// sizes.
 const std::vector<Key>& schema() {
   using C = Config;
   static const std::vector<Key> keys = {
@@ -383,21 +386,27 @@ const std::vector<Key>& schema() {
           .help("Hugging Face model dir (config.json gives the model, safetensors the weights)"),
       Key("model.vocab_size", &C::model, &ModelConfig::vocab_size)
           .at_least(1)
+          .at_most(static_cast<double>(1ll << 32))
           .help("vocabulary size"),
       Key("model.hidden_size", &C::model, &ModelConfig::hidden_size)
           .at_least(1)
+          .at_most(static_cast<double>(1ll << 20))
           .help("model width"),
       Key("model.intermediate_size", &C::model, &ModelConfig::intermediate_size)
           .at_least(1)
+          .at_most(static_cast<double>(1ll << 22))
           .help("SwiGLU MLP width"),
       Key("model.num_layers", &C::model, &ModelConfig::num_layers)
           .at_least(1)
+          .at_most(static_cast<double>(1ll << 16))
           .help("transformer blocks"),
       Key("model.num_heads", &C::model, &ModelConfig::num_heads)
           .at_least(1)
+          .at_most(static_cast<double>(1ll << 16))
           .help("attention heads"),
       Key("model.num_kv_heads", &C::model, &ModelConfig::num_kv_heads)
           .at_least(0)
+          .at_most(static_cast<double>(1ll << 16))
           .help("key/value heads for grouped-query attention; 0 = num_heads"),
       Key("model.rms_norm_eps", &C::model, &ModelConfig::rms_norm_eps)
           .above(0)
@@ -430,6 +439,7 @@ const std::vector<Key>& schema() {
           .help("share the input embedding with the output projection"),
       Key("model.max_seq_len", &C::model, &ModelConfig::max_seq_len)
           .at_least(1)
+          .at_most(static_cast<double>(1ll << 24))
           .help("longest sequence the model supports (with model.from_hf: the longer of this "
                 "and config.json's max_position_embeddings)"),
       Key("model.init_std", &C::model, &ModelConfig::init_std)
@@ -450,21 +460,26 @@ const std::vector<Key>& schema() {
       Key("train.steps", &C::train, &TrainConfig::steps).at_least(1).help("optimizer steps"),
       Key("train.seq_len", &C::train, &TrainConfig::seq_len)
           .at_least(1)
+          .at_most(static_cast<double>(1ll << 24))
           .help("tokens per sequence"),
       Key("train.micro_batch", &C::train, &TrainConfig::micro_batch)
           .at_least(1)
+          .at_most(static_cast<double>(1ll << 20))
           .help("sequences per rank per forward/backward"),
       Key("train.global_batch", &C::train, &TrainConfig::global_batch)
           .at_least(0)
+          .at_most(static_cast<double>(1ll << 30))
           .help("sequences per optimizer step over all ranks; 0 = micro_batch x world size"),
       Key("train.global_batch_tokens", &C::train, &TrainConfig::global_batch_tokens)
           .at_least(0)
+          .at_most(static_cast<double>(1ll << 48))
           .help("tokens per optimizer step (instead of global_batch); 0 = unused"),
       Key("train.eval_every", &C::train, &TrainConfig::eval_every)
           .at_least(0)
           .help("steps between evaluations; 0 = never"),
       Key("train.eval_batches", &C::train, &TrainConfig::eval_batches)
           .at_least(1)
+          .at_most(static_cast<double>(1ll << 20))
           .help("micro-batches per evaluation"),
       Key("train.log_every", &C::train, &TrainConfig::log_every)
           .at_least(1)
@@ -611,7 +626,10 @@ const std::vector<Key>& schema() {
 
       Key("lora.enabled", &C::lora, &LoraConfig::enabled)
           .help("train low-rank adapters on a frozen base"),
-      Key("lora.r", &C::lora, &LoraConfig::r).at_least(1).help("adapter rank"),
+      Key("lora.r", &C::lora, &LoraConfig::r)
+          .at_least(1)
+          .at_most(static_cast<double>(1ll << 16))
+          .help("adapter rank"),
       Key("lora.alpha", &C::lora, &LoraConfig::alpha)
           .above(0)
           .help("adapter scale numerator (scale = alpha / r)"),

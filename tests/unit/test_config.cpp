@@ -122,6 +122,20 @@ lora:
   EXPECT_DOUBLE_EQ(c.optim.beta2, 0.95);
 }
 
+// Sizes far past any real run are refused by key: their products (a step's tokens, a weight's
+// elements) would wrap around int64 into small or negative sizes, and crash or train nothing.
+TEST(Config, SizesHaveAnUpperBound) {
+  EXPECT_CONTAINS(parse_error("", {"train.seq_len=4611686018427387904"}),
+                  "train.seq_len = 4611686018427387904 is out of range: must be in [1, 16777216]");
+  EXPECT_CONTAINS(parse_error("", {"train.global_batch=4611686018427387904"}),
+                  "train.global_batch = 4611686018427387904 is out of range");
+  EXPECT_CONTAINS(parse_error("", {"lora.r=4611686018427387904"}), "lora.r = ");
+  EXPECT_CONTAINS(parse_error("", {"model.num_layers=1099511627776"}), "must be in [1, 65536]");
+  EXPECT_CONTAINS(parse_error("", {"train.eval_batches=4611686018427387904"}),
+                  "train.eval_batches = ");
+  EXPECT_NO_THROW(Config::parse("", {"train.seq_len=131072", "model.max_seq_len=131072"}, "x"));
+}
+
 TEST(Config, UnknownKeyNamesPathLocationAndSuggestion) {
   std::string msg = parse_error("optim:\n  lr: 1e-3\n  lrr: 2\n");
   EXPECT_CONTAINS(msg, "run.yaml:3:3");
@@ -184,7 +198,7 @@ TEST(Config, OutOfRangeNamesTheAllowedRange) {
   EXPECT_EQ(Config::parse("optim:\n  beta2: 0.9999999\n").optim.beta2, 0.9999999);
   // Integers past 64 bits are out of range, not of the wrong type.
   EXPECT_CONTAINS(parse_error("model:\n  hidden_size: 99999999999999999999\n"),
-                  "model.hidden_size = 99999999999999999999 is out of range: must be >= 1");
+                  "model.hidden_size = 99999999999999999999 is out of range: must be in [1, ");
   // A model whose weights start at zero has zero gradients and never learns.
   EXPECT_CONTAINS(parse_error("model:\n  init_std: 0\n"), "model.init_std = 0 is out of range");
 }

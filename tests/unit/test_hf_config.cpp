@@ -3,6 +3,7 @@
 // back by to_hf_json and used by the model, and a run config that contradicts the config.json
 // of model.from_hf.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <nlohmann/json.hpp>
 #include <string>
@@ -144,8 +145,35 @@ TEST(HfConfig, RefusesWhatTheModelDoesNotCompute) {
   j["model_type"] = "mistral";
   expect_refused(j, {"model_type = \"mistral\" is not supported", "only \"llama\""});
   j = small_llama3();
+  j["attention_dropout"] = 0.1;
+  expect_refused(j, {"attention_dropout = 0.1", "is not supported: the attention has no dropout"});
+  j = small_llama3();
+  j["attention_dropout"] = 0.0;  // what released configs say
+  EXPECT_NO_THROW(read(TempDir("hf-config"), j));
+  j = small_llama3();
   j["attention_bias"] = "no";
   expect_refused(j, {"attention_bias = \"no\" has the wrong type: expected true or false"});
+}
+
+// Sizes past any real model are refused before anything is allocated, and a head_dim whose
+// product with the heads would wrap around int64 to hidden_size is compared by division.
+TEST(HfConfig, RefusesSizesNoModelHasAndAFifo) {
+  json j = small_llama3();
+  j["num_hidden_layers"] = int64_t{1} << 40;
+  TempDir dir("hf-config");
+  expect_error<ConfigError>(
+      [&] { read(dir, j); },
+      {"num_layers = 1099511627776 is larger than this runtime allows (65536)"});
+  j = small_llama3();
+  j["num_attention_heads"] = 4;
+  j["head_dim"] = (int64_t{1} << 62) + 8;  // x 4 heads = 2^64 + 32: wraps around to hidden_size
+  expect_refused(j, {"head_dim = 4611686018427387912", "does not give hidden_size = 32"});
+  // A FIFO would block the open until some writer came.
+  TempDir fifo_dir("hf-fifo");
+  const std::string fifo = fifo_dir.str("config.json");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_error<ConfigError>([&] { nn::LlamaConfig::from_hf_json(fifo); },
+                            {"model config '" + fifo + "' is not a regular file"});
 }
 
 TEST(HfConfig, RefusesNonIntegerNumbersForIntegerFields) {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 
 #include "gradcheck.h"
 #include "shardtrain/ops/ops.h"
@@ -264,4 +265,19 @@ TEST(OpsGrad, ComposedGraphSharesInputs) {
         return ops::add(ops::mul(h, h), ops::rms_norm(h, t[2], 1e-5f));
       },
       {param({4, 6}, gen), param({5, 6}, gen), param({5}, gen)});
+}
+
+// Inputs an op cannot take are ShapeErrors, not a flat-order pairing, a division by zero or a
+// wrapped-around row address.
+TEST(OpsShapes, MismatchedAndEmptyInputsAreRefused) {
+  Generator gen(7);
+  Tensor a = param({2, 3}, gen), b = param({3, 2}, gen);
+  EXPECT_THROW(ops::add(a, b), ShapeError);
+  EXPECT_THROW(ops::mul(a, b), ShapeError);
+  EXPECT_THROW(ops::rms_norm(param({3, 0}, gen), param({0}, gen), 1e-5f), ShapeError);
+  EXPECT_THROW(ops::linear(param({3, 0}, gen), param({4, 0}, gen)), ShapeError);
+  // INT64_MIN once passed as "no id is ignored", and its row address wrapped around to row 0.
+  Tensor ids = from_ints({std::numeric_limits<int64_t>::min(), 0}, {2});
+  EXPECT_THROW(ops::embedding(param({5, 4}, gen), ids), ShapeError);
+  EXPECT_NO_THROW(ops::embedding(param({5, 4}, gen), from_ints({4, 0}, {2})));
 }

@@ -105,6 +105,17 @@ TEST(Nf4, DequantizedValuesAreScaledCodes) {
   EXPECT_EQ(used.size(), 16u);
 }
 
+// A block whose absmax is subnormal has no finite reciprocal: its zeros must stay zeros (0 x inf
+// was NaN, which coded as -1, dequantizing to -absmax).
+TEST(Nf4, ASubnormalBlockKeepsItsZeros) {
+  std::vector<float> v(64, 0.0f);
+  v[0] = 1e-40f;
+  v[1] = -5e-41f;
+  const nn::Nf4Tensor q = nn::Nf4Tensor::quantize(from_floats(v, {64}));
+  const std::vector<float> dq = q.dequantize().to_float_vector();
+  for (size_t i = 2; i < dq.size(); ++i) ASSERT_EQ(dq[i], 0.0f) << "element " << i;
+}
+
 TEST(Nf4, RmsErrorMatchesNf4) {
   Generator gen(11);
   Tensor w = randn({1024, 1024}, gen);
@@ -607,6 +618,48 @@ TEST(Peft, LoadErrorsNameTheFileAndTensor) {
                             {"dora/adapter_config.json", "use_dora"});
   expect_error<ConfigError>([&] { io::read_peft_config(dir.str("nowhere")); },
                             {"nowhere/adapter_config.json"});
+
+  // Integer adapter tensors, and NaN in one: refused by name, with the model left as it was.
+  auto rewritten = [&](const std::string& name, auto&& change) {
+    SafetensorsFile file = SafetensorsFile::open(weights);
+    NamedTensors tensors;
+    for (const std::string& n : file.names()) {
+      Tensor t = file.load(n);
+      if (n.find("layers.0.self_attn.q_proj.lora_A") != std::string::npos) t = change(t);
+      tensors.emplace_back(n, t);
+    }
+    fs::create_directories(dir.str(name));
+    fs::copy_file(dir.str("adapter/adapter_config.json"), dir.str(name + "/adapter_config.json"));
+    save_safetensors(dir.str(name + "/adapter_model.safetensors"), tensors);
+  };
+  rewritten("int", [](const Tensor& t) { return t.to(DType::I32); });
+  expect_error<FormatError>(
+      [&] { io::load_peft_adapter(*m, dir.str("int")); },
+      {"int/adapter_model.safetensors", "layers.0.self_attn.q_proj.lora_A.weight", "I32",
+       "adapter weights must be F32, BF16 or F16"});
+  const std::vector<float> before = nn::lora_modules(*m).back().second->lora_B.to_float_vector();
+  rewritten("nan", [](const Tensor& t) {
+    std::vector<float> v = t.to_float_vector();
+    v[3] = std::nanf("");
+    return from_floats(v, t.shape());
+  });
+  expect_error<FormatError>([&] { io::load_peft_adapter(*m, dir.str("nan")); },
+                            {"nan/adapter_model.safetensors",
+                             "layers.0.self_attn.q_proj.lora_A.weight", "NaN or infinite"});
+  EXPECT_EQ(nn::lora_modules(*m).back().second->lora_B.to_float_vector(), before)
+      << "a refused adapter changed the model";
+}
+
+// An adapter installed in a model in eval mode evaluates: its dropout is off.
+TEST(Lora, AdaptersTakeTheModelsTrainingMode) {
+  auto m = tiny_model();
+  m->train(false);
+  nn::LoraOptions o = options(nn::BaseQuantization::None);
+  o.dropout = 0.5f;
+  nn::apply_lora(*m, o);
+  for (auto& [name, lora] : nn::lora_modules(*m)) EXPECT_FALSE(lora->is_training()) << name;
+  m->train(true);
+  for (auto& [name, lora] : nn::lora_modules(*m)) EXPECT_TRUE(lora->is_training()) << name;
 }
 
 TEST(Peft, MergedExportComputesWhatTheAdaptedModelComputes) {

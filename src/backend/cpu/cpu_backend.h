@@ -163,9 +163,12 @@ class Fp32Span {
   const float* data_ = nullptr;
 };
 
+// "No id is ignored" for check_indices: 0, which the range check accepts anyway whenever there is
+// a vocabulary at all. (A sentinel outside the ids' range, such as INT64_MIN, would let that very
+// id through, and its row address wrap around.)
+constexpr int64_t kNoIgnoredIndex = 0;
 // Validates that every id lies in [0, limit) (or equals `ignore`) and throws ShapeError naming
 // `what` and the first bad position otherwise.
-constexpr int64_t kNoIgnoredIndex = INT64_MIN;
 void check_indices(const Tensor& ids, int64_t limit, int64_t ignore, const char* what);
 
 }  // namespace cpu

@@ -107,7 +107,10 @@ void check_indices(const Tensor& ids, int64_t limit, int64_t ignore, const char*
                 : ": the data was tokenized with a vocabulary larger than the model's vocab_size"));
 }
 
-constexpr int64_t kNoIgnoredIndex = INT64_MIN;
+// "No id is ignored" for check_indices: 0, which the range check accepts anyway whenever there is
+// a vocabulary at all. (A sentinel outside the ids' range, such as INT64_MIN, would let that very
+// id through, and its row address wrap around.)
+constexpr int64_t kNoIgnoredIndex = 0;
 constexpr int64_t kIgnoreIndex = -100;
 
 }  // namespace
