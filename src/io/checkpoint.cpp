@@ -608,6 +608,8 @@ void write_main_file(const std::string& path, const TrainingState& state,
   file.write_string_attribute("sharding", state.sharding);
   file.write_string_attribute("config", state.config_yaml);
   if (!state.frozen_base.empty()) file.write_string_attribute("frozen_base", state.frozen_base);
+  if (!state.model_config_json.empty())
+    file.write_string_attribute("model_config", state.model_config_json);
   std::vector<int64_t> writer_ranks(writers.begin(), writers.end());
   write_attr<int64_t>(file, "writer_ranks", writer_ranks);
 
@@ -829,6 +831,8 @@ CheckpointReader::CheckpointReader(const std::string& path)
   s.sharding = f.read_string_attribute("sharding");
   s.config_yaml = f.read_string_attribute("config");
   if (f.has_attribute("frozen_base")) s.frozen_base = f.read_string_attribute("frozen_base");
+  if (f.has_attribute("model_config"))
+    s.model_config_json = f.read_string_attribute("model_config");
   Node optim = open_group(f, "optim");
   s.optimizer = optim.read_string_attribute("name");
   s.optimizer_steps = optim.read_int64_attribute("steps_taken");

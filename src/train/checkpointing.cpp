@@ -214,6 +214,7 @@ io::SaveRequest make_save_request(Runtime& rt, const std::string& dir, int64_t s
   s.init_seed = static_cast<uint64_t>(config.train.seed);
   s.config_yaml = config.to_yaml();
   s.frozen_base = rt.frozen_base();
+  s.model_config_json = rt.model().config().to_hf_json();
   if (fsdp::ShardedModel* sharded = rt.sharded()) {
     s.sharding = config.dist.sharding;
     s.layout_json = layout_json(*sharded, config.dist.sharding);
@@ -291,6 +292,25 @@ std::vector<std::string> weight_settings_that_differ(const std::string& path,
       const std::string was = YAML::Dump(before), now = YAML::Dump(entry.second);
       if (was != now) out.push_back(key + ": checkpoint " + was + ", this run " + now);
     }
+  }
+  return out;
+}
+
+// The config.json fields (LlamaConfig::to_hf_json) that differ between a checkpoint's model and
+// this run's, as "field: checkpoint X, this run Y"; the limit on sequence length and the
+// initialisation scale do not define the weights and are not compared.
+std::vector<std::string> model_fields_that_differ(const std::string& saved_json,
+                                                  const std::string& current_json) {
+  const nlohmann::json saved = nlohmann::json::parse(saved_json, nullptr, false);
+  const nlohmann::json current = nlohmann::json::parse(current_json);
+  std::vector<std::string> out;
+  if (!saved.is_object()) return {"its recorded model_config does not parse"};
+  for (const auto& [key, value] : current.items()) {
+    if (key == "max_position_embeddings" || key == "initializer_range") continue;
+    const auto it = saved.find(key);
+    if (it == saved.end() || *it != value)
+      out.push_back(key + ": checkpoint " + (it == saved.end() ? "(none)" : it->dump()) +
+                    ", this run " + value.dump());
   }
   return out;
 }
@@ -399,6 +419,22 @@ io::TrainingState load_checkpoint(Runtime& rt, const std::string& path) {
                              "' was saved with other model settings (", list,
                              "): resume with the settings it was saved with, or start a new run "
                              "(train.resume=none, or another train.out_dir)"));
+  }
+  // The same for the model itself: with model.from_hf the run config's model keys are not the
+  // model (config.json is), so a config.json changed between the runs (another rope_theta, a
+  // head split of the same shapes) shows only here.
+  if (!state.model_config_json.empty()) {
+    const std::vector<std::string> fields =
+        model_fields_that_differ(state.model_config_json, rt.model().config().to_hf_json());
+    if (!fields.empty())
+      throw ConfigError(fmt::format(
+          "train.resume: checkpoint '{}' was saved for another model ({}){}: resume with the "
+          "model it was saved for, or start a new run (train.resume=none, or another "
+          "train.out_dir)",
+          path, fmt::join(fields, "; "),
+          config.model.from_hf.empty()
+              ? std::string()
+              : ", and this run's model comes from " + config.model.from_hf + "/config.json"));
   }
   // A LoRA checkpoint holds the adapters, not the base they adapt: on another base they would
   // train on, from a wrong start, with no error anywhere else.

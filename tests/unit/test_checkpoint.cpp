@@ -801,6 +801,31 @@ TEST(CheckpointResume, RollingBackWhileLaterCheckpointsRemainIsRefused) {
   EXPECT_EQ(s.last_checkpoint, tmp / "rolled-back/step-00000004.h5");
 }
 
+// With model.from_hf the model is config.json's: resuming on a config.json that changed between
+// the runs (another rope_theta, with every tensor's shape the same) is refused.
+TEST(CheckpointResume, ResumingOnAnotherConfigJsonIsRefused) {
+  TempDir tmp;
+  train::run_training(tiny_config(tmp / "base", {"train.steps=1", "train.export=true"}));
+  fs::copy(tmp / "base/export", tmp / "same");
+  fs::copy(tmp / "base/export", tmp / "other");
+  nlohmann::json config_json = nlohmann::json::parse(std::ifstream(tmp / "other/config.json"));
+  config_json["rope_theta"] = 500000.0;
+  std::ofstream(tmp / "other/config.json") << config_json.dump(2);
+  train::run_training(tiny_config(tmp / "run", {"train.steps=2", "checkpoint.every_steps=2",
+                                                "model.from_hf=" + (tmp / "base/export")}));
+  expect_error<ConfigError>(
+      [&] {
+        train::run_training(tiny_config(tmp / "run", {"train.steps=3", "train.resume=auto",
+                                                      "model.from_hf=" + (tmp / "other")}));
+      },
+      {"was saved for another model (rope_theta: checkpoint 10000.0, this run 500000.0)",
+       "this run's model comes from " + (tmp / "other") + "/config.json"});
+  // A copy of the same config.json is the same model.
+  train::TrainSummary s = train::run_training(tiny_config(
+      tmp / "run", {"train.steps=3", "train.resume=auto", "model.from_hf=" + (tmp / "same")}));
+  EXPECT_EQ(s.first_step, 2);
+}
+
 TEST(CheckpointResume, ResumeAutoWithoutCheckpointsStartsFromScratch) {
   TempDir tmp;
   // Files that only look like checkpoints (a step past int64, of a main file, a rank file and a

@@ -72,6 +72,10 @@ struct TrainingState {
   // not hold (LoRA): the fingerprint of its Hugging Face weights, or the seed it was initialised
   // from. Empty otherwise, and in checkpoints written before it was recorded.
   std::string frozen_base;
+  // The model the weights are for, as config.json text (LlamaConfig::to_hf_json): with
+  // model.from_hf the run config's model keys are not the model, config.json is. Empty in
+  // checkpoints written before it was recorded.
+  std::string model_config_json;
   std::string sharding = "none";  // dist.sharding of the saving job, "none" for one rank
   // The flat-parameter layout of every sharded unit (JSON: names, shapes, offsets, padding,
   // shards); empty when not sharded. Informational: loading goes by tensor name.
