@@ -1,6 +1,8 @@
 #include "shardtrain/cli/cli.h"
 
+#include <unistd.h>
 #include <algorithm>
+
 #include <csignal>
 #include <iostream>
 #include <new>
@@ -130,11 +132,29 @@ int run(const std::vector<std::string>& args) {
   }
 }
 
+namespace {
+
+// A memory-mapped file cut short under the process (a token dataset truncated in place) faults
+// with SIGBUS when its missing pages are read: say so before the signal ends the process.
+void on_bus_error(int signal) {
+  static const char kMessage[] =
+      "error: bus error (SIGBUS): a memory-mapped file, most likely the token dataset of "
+      "data.path, was truncated or written over while this process read it; put it back and "
+      "continue from the last checkpoint with train.resume=auto\n";
+  const ssize_t written = ::write(STDERR_FILENO, kMessage, sizeof kMessage - 1);
+  (void)written;  // nothing more can be done about a failed write here
+  std::signal(signal, SIG_DFL);
+  std::raise(signal);
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   // Past a file-size limit (ulimit -f, a batch system's) a write fails with EFBIG, which every
   // writer turns into a message naming the file; the default SIGXFSZ would kill the process
   // without a word and leave its temporary files behind.
   std::signal(SIGXFSZ, SIG_IGN);
+  std::signal(SIGBUS, on_bus_error);
   std::vector<std::string> args;
   for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
   return run(args);

@@ -1,6 +1,7 @@
 #include "shardtrain/data/token_dataset.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <cctype>
 
@@ -115,7 +116,25 @@ void write_token_dataset(const std::string& path, const std::vector<uint32_t>& t
 
 // ---- reading ----------------------------------------------------------------------------------
 
+TokenDataset::FileStamp TokenDataset::stamp_of(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return {};
+  return {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
+          static_cast<int64_t>(st.st_size),
+          static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
+}
+
+std::string TokenDataset::changed_on_disk() const {
+  if (!memory_mapped() || opened_.size < 0) return "";
+  const FileStamp now = stamp_of(source_);
+  if (now.size < 0 || now.device != opened_.device || now.inode != opened_.inode) return "";
+  if (now.size == opened_.size && now.modified_ns == opened_.modified_ns) return "";
+  return concat("was written over in place (", opened_.size, " bytes when opened, ", now.size,
+                " now)");
+}
+
 TokenDataset TokenDataset::open(const std::string& path) {
+  const FileStamp opened = stamp_of(path);  // before reading: a change while validating counts
   h5::File file = h5::File::open(path);
   if (!file.has(kTokensName))
     throw FormatError(concat(path,
@@ -142,6 +161,7 @@ TokenDataset TokenDataset::open(const std::string& path) {
   };
   TokenDataset out;
   out.source_ = path;
+  out.opened_ = opened;
   out.vocab_size_ = owner("vocab_size").read_int64_attribute("vocab_size");
   if (out.vocab_size_ < 1 || out.vocab_size_ > kMaxVocab)
     throw FormatError(concat(path, ": vocab_size ", out.vocab_size_, " is outside [1, 2^32]"));

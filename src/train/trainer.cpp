@@ -452,6 +452,15 @@ TrainSummary train_with(const Config& config) {
     const int64_t per_rank = accumulation * t.micro_batch;
     std::vector<Batch> micro = split_batch(
         train_sampler.next_batch_rows(global_batch, rank * per_rank, per_rank), accumulation);
+    // The batch just read came from the file's pages: stop before training on tokens that a
+    // write over the file may have changed (a stat(2) a step).
+    if (const std::string change = data.changed_on_disk(); !change.empty())
+      throw Error(concat(
+          "data.path '", config.data.path, "' ", change,
+          " while this run reads it (memory-mapped): the tokens under the run changed. Put the "
+          "file back and continue from the last checkpoint with train.resume=auto; to train on "
+          "new data, write a new file and rename it onto the path (as prepare-data does), which "
+          "a running job does not see"));
     auto start = std::chrono::steady_clock::now();
     StepResult r = rt.train_step(micro, schedule.at(step));
     double seconds =

@@ -81,6 +81,34 @@ TEST_F(DataTest, TokenDatasetRoundTripUint16) {
   EXPECT_EQ(std::distance(fs::directory_iterator(tmp_.path), fs::directory_iterator()), 1);
 }
 
+// A memory-mapped dataset notices its file written over in place (the tokens under the run would
+// change, or vanish with SIGBUS); another file renamed onto the path is no change to it.
+TEST_F(DataTest, AMappedDatasetNoticesItsFileWrittenOverInPlace) {
+  const std::string p = path("tokens.h5");
+  std::vector<uint32_t> tokens(4096);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint32_t>(i % 251);
+  write_token_dataset(p, tokens, 256, "byte");
+  TokenDataset ds = TokenDataset::open(p);
+  ASSERT_TRUE(ds.memory_mapped());
+  EXPECT_EQ(ds.changed_on_disk(), "");
+  // Renamed onto the path: the mapping keeps the file it opened.
+  write_token_dataset(path("new.h5"), {1, 2, 3}, 256, "byte");
+  fs::rename(path("new.h5"), p);
+  EXPECT_EQ(ds.changed_on_disk(), "");
+  EXPECT_EQ(ds.tokens(), tokens);
+  // Written over in place (as cp onto an existing file does): noticed.
+  TokenDataset reopened = TokenDataset::open(p);
+  const auto size = fs::file_size(p);
+  { std::ofstream(p, std::ios::in | std::ios::out | std::ios::binary | std::ios::app) << "x"; }
+  EXPECT_NE(
+      reopened.changed_on_disk().find("was written over in place (" + std::to_string(size) +
+                                      " bytes when opened, " + std::to_string(size + 1) + " now)"),
+      std::string::npos)
+      << reopened.changed_on_disk();
+  // Tokens held in memory are not affected by the file.
+  EXPECT_EQ(TokenDataset::from_tokens({1, 2}, 256, "byte", p).changed_on_disk(), "");
+}
+
 TEST_F(DataTest, TokenDatasetRoundTripUint32ThroughManyAppends) {
   const std::string p = path("wide.h5");
   std::vector<uint32_t> all;

@@ -78,7 +78,20 @@ class TokenDataset {
   // ranks of a job compare it, so that none trains on a different copy of the data).
   uint64_t checksum() const { return checksum_; }
 
+  // A memory-mapped dataset reads its file's pages as the run goes: a file written over in place
+  // (cp onto it, truncate) changes the tokens under the run, or ends it with SIGBUS. What changed
+  // since open() ("" when nothing did): the file's size or modification time, with the same
+  // inode. Another file renamed onto the path (what prepare-data does) or a deleted one is no
+  // change: the mapping keeps the file it opened. Always "" for tokens held in memory.
+  std::string changed_on_disk() const;
+
  private:
+  struct FileStamp {
+    uint64_t device = 0, inode = 0;
+    int64_t size = -1, modified_ns = 0;
+  };
+  static FileStamp stamp_of(const std::string& path);
+  FileStamp opened_;  // of the file open() mapped
   std::string source_;
   int64_t vocab_size_ = 0;
   std::string tokenizer_;
