@@ -14,6 +14,7 @@
 #include "shardtrain/autograd/grad_mode.h"
 #include "shardtrain/backend/backend.h"
 #include "shardtrain/core/files.h"
+#include "shardtrain/core/json_input.h"
 #include "shardtrain/core/word_hash.h"
 #include "shardtrain/io/safetensors.h"
 
@@ -98,7 +99,7 @@ std::vector<std::string> carry_hf_metadata(const std::string& source_dir,
     std::ifstream in(path);
     const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     if (!in.good() && !in.eof()) throw Error("cannot read '" + path.string() + "'");
-    return json::parse(text);
+    return parse_json_input(text);
   };
   const fs::path source_config = fs::path(source_dir) / "config.json";
   const fs::path export_config = fs::path(export_dir) / "config.json";

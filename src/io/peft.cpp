@@ -10,6 +10,7 @@
 #include "shardtrain/autograd/grad_mode.h"
 #include "shardtrain/backend/backend.h"
 #include "shardtrain/core/files.h"
+#include "shardtrain/core/json_input.h"
 
 namespace shardtrain::io {
 
@@ -129,8 +130,13 @@ nn::LoraOptions read_peft_config(const std::string& dir, std::string* base_model
                       kAdapterConfigFile + " and " + kAdapterWeightsFile + ")");
   json config;
   try {
-    config = json::parse(in);
-  } catch (const json::exception& e) {
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    // The parser takes a NUL for the end of its input: what follows one would go unread.
+    if (text.find('\0') != std::string::npos)
+      throw FormatError("holds a NUL byte at offset " + std::to_string(text.find('\0')) +
+                        ": not a JSON text file");
+    config = parse_json_input(text);
+  } catch (const std::exception& e) {
     throw FormatError("'" + path + "' is not valid JSON: " + e.what());
   }
   auto fail = [&](const std::string& key, const std::string& problem) {

@@ -19,6 +19,7 @@
 
 #include "shardtrain/core/error.h"
 #include "shardtrain/core/files.h"
+#include "shardtrain/core/json_input.h"
 #include "shardtrain/core/suggest.h"
 
 namespace shardtrain {
@@ -219,10 +220,16 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   f.data_start_ = static_cast<int64_t>(8 + header_len);
   const int64_t data_size = static_cast<int64_t>(size) - f.data_start_;
 
+  // The JSON parser takes a NUL for the end of its input: what follows one would go unread (the
+  // format pads headers with spaces).
+  if (const void* nul = std::memchr(bytes + 8, '\0', header_len); nul != nullptr)
+    throw FormatError(concat(path, ": the JSON header holds a NUL byte at offset ",
+                             static_cast<const char*>(nul) - bytes,
+                             " (a damaged file; headers are padded with spaces)"));
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(bytes + 8, bytes + 8 + header_len);
-  } catch (const nlohmann::json::parse_error& e) {
+    header = parse_json_input(std::string_view(bytes + 8, header_len));
+  } catch (const std::exception& e) {
     throw FormatError(concat(path, ": invalid JSON header: ", e.what()));
   }
   if (!header.is_object())
@@ -309,6 +316,21 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
                                ") and '", b.name, "' [", b.data_begin, ", ", b.data_end,
                                ") overlap"));
   }
+  // The tensors tile the data section, as the format requires: a gap is bytes no tensor owns (a
+  // damaged file, or a tensor named twice in the header, whose first entry the JSON reader
+  // drops), and bytes past the last tensor are no part of the contents.
+  int64_t end = 0;
+  for (const TensorInfo* t : by_offset) {
+    if (t->data_begin != end)
+      throw FormatError(concat(path, ": bytes [", end, ", ", t->data_begin,
+                               ") of the data section belong to no tensor (a damaged file, or a "
+                               "tensor named twice in the header)"));
+    end = t->data_end;
+  }
+  if (end != data_size)
+    throw FormatError(concat(path, ": the data section holds ", data_size,
+                             " bytes but its tensors end at byte ", end,
+                             " (bytes appended to the file, or a damaged header)"));
   return f;
 }
 
@@ -722,8 +744,8 @@ SafetensorsCheckpoint SafetensorsCheckpoint::open(const std::string& dir_or_file
       std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
       nlohmann::json index;
       try {
-        index = nlohmann::json::parse(text);
-      } catch (const nlohmann::json::parse_error& e) {
+        index = parse_json_input(text);
+      } catch (const std::exception& e) {
         throw FormatError(concat(index_path, ": invalid JSON: ", e.what()));
       }
       if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())

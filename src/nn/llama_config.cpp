@@ -10,6 +10,7 @@
 #include <string>
 
 #include "shardtrain/core/files.h"
+#include "shardtrain/core/json_input.h"
 #include "shardtrain/nn/llama.h"
 
 namespace shardtrain::nn {
@@ -197,7 +198,7 @@ LlamaConfig LlamaConfig::from_hf_json(const std::string& path) {
     if (text.find('\0') != std::string::npos)
       throw FormatError("'" + path + "' holds a NUL byte at offset " +
                         std::to_string(text.find('\0')) + ": not a JSON text file");
-    j = json::parse(text);
+    j = parse_json_input(text);
   } catch (const std::exception& e) {
     throw FormatError("'" + path + "' is not valid JSON: " + e.what());
   }

@@ -176,6 +176,18 @@ TEST(HfConfig, RefusesSizesNoModelHasAndAFifo) {
                             {"model config '" + fifo + "' is not a regular file"});
 }
 
+// A value nested a million deep parses, but printing it (in an error message) or copying it (into
+// an export) overflowed the stack: nesting past 64 levels is refused as it is read.
+TEST(HfConfig, RefusesDeeplyNestedValues) {
+  TempDir dir("hf-deep");
+  std::string text = small_llama3().dump();
+  text.insert(text.size() - 1,
+              ", \"extra\": " + std::string(1000000, '[') + std::string(1000000, ']'));
+  const std::string path = dir.write("config.json", text);
+  expect_error<FormatError>([&] { nn::LlamaConfig::from_hf_json(path); },
+                            {"'" + path + "' is not valid JSON", "nested deeper than 64 levels"});
+}
+
 TEST(HfConfig, RefusesNonIntegerNumbersForIntegerFields) {
   for (const char* key :
        {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

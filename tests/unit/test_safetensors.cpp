@@ -440,6 +440,44 @@ TEST_F(SafetensorsTest, OverlappingTensors) {
   expect_error<FormatError>([&] { SafetensorsFile::open(p); }, {p, "'a'", "'b'", "overlap"});
 }
 
+// The tensors must tile the data section: a name given twice (the JSON reader keeps the last
+// entry, leaving the first one's bytes to no tensor) and bytes past the last tensor are refused.
+TEST_F(SafetensorsTest, TensorsMustTileTheDataSection) {
+  const std::string twice = write_raw("twice.safetensors",
+                                      R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                                      R"("a":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+                                      16);
+  expect_error<FormatError>(
+      [&] { SafetensorsFile::open(twice); },
+      {twice, "bytes [0, 8) of the data section belong to no tensor", "a tensor named twice"});
+  const std::string trailing = write_raw(
+      "trailing.safetensors", R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 12);
+  expect_error<FormatError>([&] { SafetensorsFile::open(trailing); },
+                            {trailing, "holds 12 bytes but its tensors end at byte 8"});
+  const std::string tiled = write_raw(
+      "tiled.safetensors",
+      R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"e":{"dtype":"F32","shape":[0],)"
+      R"("data_offsets":[8,8]},"b":{"dtype":"U8","shape":[3],"data_offsets":[8,11]}})",
+      11);
+  EXPECT_EQ(SafetensorsFile::open(tiled).names().size(), 3u);
+}
+
+// The parser would stop at a NUL and never read what follows it; a header nested thousands deep
+// would overflow the stack when printed in a message.
+TEST_F(SafetensorsTest, HeadersWithANulOrDeepNestingAreRefused) {
+  const std::string nul = write_raw(
+      "nul.safetensors",
+      std::string(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})") + '\0' + "junk", 8);
+  expect_error<FormatError>([&] { SafetensorsFile::open(nul); },
+                            {nul, "the JSON header holds a NUL byte at offset 62"});
+  const std::string deep = write_raw("deep.safetensors",
+                                     R"({"a":{"dtype":"F32","shape":)" + std::string(100000, '[') +
+                                         std::string(100000, ']') + R"(,"data_offsets":[0,0]}})",
+                                     0);
+  expect_error<FormatError>([&] { SafetensorsFile::open(deep); },
+                            {deep, "nested deeper than 64 levels"});
+}
+
 TEST_F(SafetensorsTest, MissingTensorListsAvailableNames) {
   const std::string p = path("names.safetensors");
   save_safetensors(p, {{"model.norm.weight", zeros({4})}, {"lm_head.weight", zeros({2, 4})}});
