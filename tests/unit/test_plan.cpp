@@ -226,10 +226,14 @@ TEST(Plan, Llama8bModelStatesFollowZeroBytesPerParameter) {
 // Shapes whose byte counts would wrap around int64 are refused, not planned as a negative or
 // small peak that "fits"; the largest real shapes plan as before.
 TEST(MemoryModel, ShapesPastWhatInt64CountsAreRefused) {
-  train::Config huge = train::load_config(
-      kConfigs + "tiny.yaml",
-      {"model.hidden_size=2000000000", "model.num_layers=1000000",
-       "model.intermediate_size=2000000000", "model.num_heads=1", "model.num_kv_heads=1"});
+  // Past what the config keys accept (test_config): set directly, as a program using the library
+  // could.
+  train::Config huge = train::load_config(kConfigs + "tiny.yaml");
+  huge.model.hidden_size = 2000000000;
+  huge.model.num_layers = 1000000;
+  huge.model.intermediate_size = 2000000000;
+  huge.model.num_heads = 1;
+  huge.model.num_kv_heads = 1;
   const auto input = train::MemoryModelInput::from_config(huge, 1);
   try {
     train::predict_memory(input);
