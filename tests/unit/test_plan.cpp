@@ -226,21 +226,18 @@ TEST(Plan, Llama8bModelStatesFollowZeroBytesPerParameter) {
 // Shapes whose byte counts would wrap around int64 are refused, not planned as a negative or
 // small peak that "fits"; the largest real shapes plan as before.
 TEST(MemoryModel, ShapesPastWhatInt64CountsAreRefused) {
-  // Past what the config keys accept (test_config): set directly, as a program using the library
-  // could.
-  train::Config huge = train::load_config(kConfigs + "tiny.yaml");
-  huge.model.hidden_size = 2000000000;
-  huge.model.num_layers = 1000000;
-  huge.model.intermediate_size = 2000000000;
-  huge.model.num_heads = 1;
-  huge.model.num_kv_heads = 1;
+  // Each size at the most its config key accepts; together 3 x 2^58 weights.
+  train::Config huge = train::load_config(
+      kConfigs + "tiny.yaml",
+      {"model.hidden_size=1048576", "model.num_layers=65536", "model.intermediate_size=4194304",
+       "model.num_heads=1", "model.num_kv_heads=1"});
   const auto input = train::MemoryModelInput::from_config(huge, 1);
   try {
     train::predict_memory(input);
-    ADD_FAILURE() << "planned a model of 2e9 x 2e9 x 1e6 weights";
+    ADD_FAILURE() << "planned a model of 3 x 2^58 weights";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("the model and batch are too large to plan: with "
-                                         "model.hidden_size 2000000000"),
+                                         "model.hidden_size 1048576"),
               std::string::npos)
         << e.what();
   }
