@@ -136,12 +136,15 @@ CheckReport run_check(Config config, const CheckOptions& options) {
   float lr = metadata_float(meta, "lr", ef, positive, "> 0");
   double eps = config.optim.eps;
 
+  // The tolerance of the coarsest dtype the gradients pass through: the compute dtype, or the
+  // reduce dtype they are rounded to when summed.
   const std::string& compute = config.precision.effective_param_dtype();
-  bool half = compute != "fp32";
-  double rtol = options.rtol >= 0 ? options.rtol
-                                  : (compute == "bf16"   ? 5e-2
-                                     : compute == "fp16" ? 1e-2
-                                                         : 1e-4);
+  const std::string& reduce = config.precision.reduce_dtype;
+  const bool half = compute != "fp32" || reduce != "fp32";
+  auto rtol_of = [](const std::string& dtype) {
+    return dtype == "bf16" ? 5e-2 : dtype == "fp16" ? 1e-2 : 1e-4;
+  };
+  double rtol = options.rtol >= 0 ? options.rtol : std::max(rtol_of(compute), rtol_of(reduce));
 
   Batch full;
   full.input_ids = batch.load("input_ids", Device::cpu(), DType::I64);
