@@ -246,7 +246,7 @@ TrainSummary train_with(const Config& config) {
   // HDF5 storage allocated but never written (a writer that crashed after an early allocation)
   // reads as zeros that no check can tell from tokens: data that is nearly one token is worth a
   // word before hours of training on it.
-  if (leader && summary.unigram_entropy_nats < 0.05)
+  if (leader && data.size() > 0 && summary.unigram_entropy_nats < 0.05)
     std::fprintf(stderr,
                  "warning: data.path '%s' is nearly one token repeated (unigram entropy %.4f "
                  "nats over %lld tokens): a dataset written only in part reads as zeros; check "
@@ -471,7 +471,7 @@ TrainSummary train_with(const Config& config) {
     if (step == first_step) summary.first_loss = r.loss;
     summary.final_loss = r.loss;
     summary.skipped_steps += r.skipped ? 1 : 0;
-    ST_CHECK(std::isfinite(r.loss) || r.skipped, "the loss became ", r.loss, " at step ", step,
+    ST_CHECK(std::isfinite(r.loss) || r.skipped, "the loss became ", r.loss, " at step ", step + 1,
              ": lower optim.lr, enable optim.grad_clip, or use fp32/bf16 instead of fp16");
     nlohmann::json j = {{"event", "step"},
                         {"step", step + 1},
