@@ -1024,7 +1024,12 @@ void apply_override(YAML::Node& root, const std::string& assignment,
 
   YAML::Node value;
   try {
-    value = YAML::Load(value_text);
+    // One document: YAML::Load would read the first of several ("a\n---\nb") and drop the rest.
+    const std::vector<YAML::Node> documents = YAML::LoadAll(value_text);
+    if (documents.size() > 1)
+      throw ConfigError(origin + ": the value holds " + std::to_string(documents.size()) +
+                        " YAML documents (a line '---' separates them); give one value");
+    if (!documents.empty()) value = documents.front();
   } catch (const YAML::ParserException& e) {
     throw ConfigError(origin + ": cannot read the value as YAML: " + e.msg);
   }

@@ -134,6 +134,9 @@ TEST(Config, SizesHaveAnUpperBound) {
   EXPECT_CONTAINS(parse_error("", {"train.eval_batches=4611686018427387904"}),
                   "train.eval_batches = ");
   EXPECT_NO_THROW(Config::parse("", {"train.seq_len=131072", "model.max_seq_len=131072"}, "x"));
+  // One value per --set: a second YAML document in it was dropped without a word.
+  EXPECT_CONTAINS(parse_error("", {"train.out_dir=a\n---\nb"}),
+                  "--set train.out_dir=a\n---\nb: the value holds 2 YAML documents");
 }
 
 TEST(Config, UnknownKeyNamesPathLocationAndSuggestion) {
