@@ -7,6 +7,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <sstream>
 #include <string>
 
 #include "shardtrain/core/files.h"
@@ -209,7 +210,7 @@ LlamaConfig LlamaConfig::from_hf_json(const std::string& path) {
   r.expect_false("attention_bias", "the attention projections have no bias");
   r.expect_false("mlp_bias", "the MLP projections have no bias");
   if (const double dropout = r.number_or("attention_dropout", 0.0f); dropout != 0.0)
-    throw r.error("attention_dropout = " + std::to_string(dropout) +
+    throw r.error("attention_dropout = " + (std::ostringstream() << dropout).str() +
                   " is not supported: the attention has no dropout (released Llama configs say "
                   "0.0)");
 

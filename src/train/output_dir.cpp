@@ -60,12 +60,16 @@ void DirectoriesOfThisRun::prepare(const std::string& dir, const std::string& ke
 }
 
 DirectoriesOfThisRun::~DirectoriesOfThisRun() {
+  if (!armed_) return;
   namespace fs = std::filesystem;
   std::error_code ec;
-  // Innermost first: a path is longer than its parent's (both as written).
-  std::stable_sort(created_.begin(), created_.end(), [](const fs::path& a, const fs::path& b) {
-    return a.native().size() > b.native().size();
-  });
+  // Innermost first: a path's absolute form is longer than its parent's, however each was
+  // written (relative or absolute).
+  auto depth = [&](const fs::path& p) {
+    return fs::absolute(p, ec).lexically_normal().native().size();
+  };
+  std::stable_sort(created_.begin(), created_.end(),
+                   [&](const fs::path& a, const fs::path& b) { return depth(a) > depth(b); });
   for (const fs::path& dir : created_) {
     // Something else in its place now (a file) is not this run's to remove.
     if (!fs::is_directory(fs::symlink_status(dir, ec))) continue;

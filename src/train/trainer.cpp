@@ -220,6 +220,9 @@ TrainSummary train_with(const Config& config) {
     std::error_code ec;
     if (!std::filesystem::equivalent(checkpoint_dir, t.out_dir, ec))
       checkpoint_lock.emplace(checkpoint_dir, "checkpoint.dir");
+    // Only a run that holds the directories takes back those it created: one refused because
+    // another run holds them (two started at once on a new directory) leaves them to that run.
+    created_dirs.take_back_at_end();
     for (const RunLock* lock :
          {out_lock ? &*out_lock : nullptr, checkpoint_lock ? &*checkpoint_lock : nullptr})
       if (lock != nullptr && !lock->unlocked_reason().empty())
@@ -382,15 +385,23 @@ TrainSummary train_with(const Config& config) {
                               resumed->sampler.epoch, ", window ", resumed->sampler.position));
   }
   summary.first_step = first_step;
-  // Written once the run is sure to go ahead: a refused run keeps the earlier run's record.
+  // Written once the run is sure to go ahead, whole or not at all (a temporary file renamed over
+  // it): a refused or failed run keeps the earlier run's record.
   if (leader) {
-    const std::string path = t.out_dir + "/config.yaml";
-    std::ofstream out(path);
+    const std::string path = t.out_dir + "/config.yaml", temporary = path + ".tmp";
+    std::ofstream out(temporary);
     out << config.to_yaml();
     out.close();
-    ST_CHECK(out.good(), "cannot write ", path, " (", std::strerror(errno),
-             "): the run's resolved config must be kept with its results; free space or choose "
-             "another train.out_dir");
+    const int err = errno;
+    std::error_code ec;
+    if (out.good()) std::filesystem::rename(temporary, path, ec);
+    if (!out.good() || ec) {
+      std::filesystem::remove(temporary, ec);
+      throw Error(concat("cannot write ", path, " (",
+                         out.good() ? ec.message() : std::strerror(err),
+                         "): the run's resolved config must be kept with its results; free space "
+                         "(or raise the file-size limit), or choose another train.out_dir"));
+    }
   }
   if (first_step == t.steps && first_step > 0)
     progress.message("the checkpoint is at step " + std::to_string(first_step) +
@@ -554,16 +565,21 @@ TrainSummary train_with(const Config& config) {
       }
       progress.message("exported the model to " + summary.export_dir);
     } catch (const std::exception& e) {
-      // The trained weights are safe only in a checkpoint of the last step: say where they are.
+      // The trained weights are safe only in a checkpoint of the last step (and a LoRA run's
+      // adapters in the adapter saved before the export): say where they are.
       const bool kept =
           !summary.last_checkpoint.empty() && checkpoints.last_saved_step() == t.steps;
-      throw Error(std::string(e.what()) +
-                  (kept ? "\nThe trained weights are in " + summary.last_checkpoint +
-                              ": fix the cause and run again with train.resume=auto, which exports "
-                              "without training again"
-                        : "\nThe run saved no checkpoint of its last step "
-                          "(checkpoint.every_steps is 0), so its trained weights are lost: set "
-                          "checkpoint.every_steps or checkpoint.every_minutes to keep them"));
+      const std::string where =
+          kept ? "\nThe trained weights are in " + summary.last_checkpoint +
+                     ": fix the cause and run again with train.resume=" + summary.last_checkpoint +
+                     ", which exports without training again"
+          : config.lora.enabled
+              ? "\nThe trained adapter was saved to " + adapter_dir +
+                    " before the export; the merged model can be written again from it"
+              : "\nThe run saved no checkpoint of its last step (checkpoint.every_steps is 0), so "
+                "its trained weights are lost: set checkpoint.every_steps or "
+                "checkpoint.every_minutes to keep them";
+      throw Error(std::string(e.what()) + where);
     }
   return summary;
 }

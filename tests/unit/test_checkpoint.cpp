@@ -22,6 +22,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <regex>
 #include <sstream>
 #include <thread>
@@ -31,6 +32,8 @@
 #include "shardtrain/io/checkpoint.h"
 #include "shardtrain/io/safetensors.h"
 #include "shardtrain/train/checkpointing.h"
+#include "shardtrain/train/output_dir.h"
+#include "shardtrain/train/run_lock.h"
 #include "shardtrain/train/runtime.h"
 #include "shardtrain/train/trainer.h"
 
@@ -777,6 +780,37 @@ TEST(CheckpointDirectory, ASecondRunInTheSameDirectoryIsRefused) {
       << checkpoint_message;
   // The lock goes with the process that held it: a killed run leaves nothing to clean up.
   EXPECT_NO_THROW(train::run_training(tiny_config(tmp / "run", {"train.steps=2"})));
+}
+
+// Two runs started at once on a new directory both create it; the one refused by the lock must not
+// take back the directory (and the lock file) of the one that won.
+TEST(CheckpointDirectory, ARunTakesBackOnlyDirectoriesItHolds) {
+  TempDir tmp;
+  const std::string dir = tmp / "new/run";
+  std::optional<train::RunLock> winner;
+  {
+    train::DirectoriesOfThisRun loser;
+    loser.prepare(dir, "train.out_dir");
+    winner.emplace(dir, "train.out_dir");
+    EXPECT_THROW(train::RunLock(dir, "train.out_dir"), ConfigError);
+  }
+  EXPECT_TRUE(fs::exists(fs::path(dir) / train::RunLock::kFileName));
+  // Once it holds the lock, a run takes back what it created and left empty, innermost first
+  // however the paths are spelled (an absolute one around a relative one).
+  winner.reset();
+  fs::remove_all(tmp / "new");
+  const fs::path cwd = fs::current_path();
+  fs::current_path(tmp.path);
+  {
+    train::DirectoriesOfThisRun run;
+    run.prepare(tmp / "new/run", "train.out_dir");
+    run.prepare("new/run/checkpoints", "checkpoint.dir");
+    train::RunLock out(tmp / "new/run", "train.out_dir");
+    train::RunLock checkpoints("new/run/checkpoints", "checkpoint.dir");
+    run.take_back_at_end();
+  }
+  fs::current_path(cwd);
+  EXPECT_FALSE(fs::exists(tmp / "new"));
 }
 
 // Rolling a run back to an earlier checkpoint of its directory while later ones remain would mix

@@ -25,16 +25,21 @@ void check_output_dir(const std::string& dir, const std::string& key);
 class DirectoriesOfThisRun {
  public:
   DirectoriesOfThisRun();
-  // Removes the created directories still empty, innermost first.
+  // Removes the created directories still empty, innermost first, once take_back_at_end() was
+  // called.
   ~DirectoriesOfThisRun();
   DirectoriesOfThisRun(const DirectoriesOfThisRun&) = delete;
   DirectoriesOfThisRun& operator=(const DirectoriesOfThisRun&) = delete;
 
   // prepare_output_dir(dir, key), remembering the directories it had to create.
   void prepare(const std::string& dir, const std::string& key);
+  // Call once this run holds the directories' run locks: until then the directories may be
+  // another run's, which created them at the same moment and won the lock.
+  void take_back_at_end() { armed_ = true; }
 
  private:
   std::vector<std::filesystem::path> created_;
+  bool armed_ = false;
 };
 
 }  // namespace shardtrain::train
