@@ -109,16 +109,7 @@ std::vector<std::string> carry_hf_metadata(const std::string& source_dir,
     exported[key] = value;
     carried.push_back("config.json:" + key);
   }
-  if (!carried.empty()) {
-    const fs::path tmp = export_config.string() + ".tmp";
-    {
-      std::ofstream out(tmp);
-      out << exported.dump(2) << "\n";
-      out.flush();
-      if (!out) throw Error("cannot write '" + tmp.string() + "'");
-    }
-    fs::rename(tmp, export_config);
-  }
+  if (!carried.empty()) write_text_atomically(export_config.string(), exported.dump(2) + "\n");
   for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                            "tokenizer.model", "generation_config.json"}) {
     const fs::path from = fs::path(source_dir) / name;

@@ -52,16 +52,6 @@ json decimal(float value) {
   return std::stod(text);
 }
 
-void write_text_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    out << text;
-    if (!out) throw ConfigError("cannot write '" + tmp + "' (check the directory is writable)");
-  }
-  std::filesystem::rename(tmp, path);
-}
-
 std::string config_path(const std::string& dir) {
   return (std::filesystem::path(dir) / kAdapterConfigFile).string();
 }
@@ -131,10 +121,6 @@ nn::LoraOptions read_peft_config(const std::string& dir, std::string* base_model
   json config;
   try {
     const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    // The parser takes a NUL for the end of its input: what follows one would go unread.
-    if (text.find('\0') != std::string::npos)
-      throw FormatError("holds a NUL byte at offset " + std::to_string(text.find('\0')) +
-                        ": not a JSON text file");
     config = parse_json_input(text);
   } catch (const std::exception& e) {
     throw FormatError("'" + path + "' is not valid JSON: " + e.what());

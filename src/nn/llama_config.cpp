@@ -23,16 +23,14 @@ void LlamaConfig::validate() const {
     fail(
         "vocab_size, hidden_size, intermediate_size, num_layers, num_heads and num_kv_heads "
         "must all be positive");
-  // Far past any model that exists, and small enough that no product of them (a weight's
-  // elements, a step's bytes) can wrap around int64 and read as a small or negative size.
   const std::pair<const char*, std::pair<int64_t, int64_t>> limits[] = {
-      {"vocab_size", {vocab_size, int64_t{1} << 32}},
-      {"hidden_size", {hidden_size, int64_t{1} << 20}},
-      {"intermediate_size", {intermediate_size, int64_t{1} << 22}},
-      {"num_layers", {num_layers, int64_t{1} << 16}},
-      {"num_heads", {num_heads, int64_t{1} << 16}},
-      {"num_kv_heads", {num_kv_heads, int64_t{1} << 16}},
-      {"max_seq_len", {max_seq_len, int64_t{1} << 24}}};
+      {"vocab_size", {vocab_size, kMaxVocabSize}},
+      {"hidden_size", {hidden_size, kMaxHiddenSize}},
+      {"intermediate_size", {intermediate_size, kMaxIntermediateSize}},
+      {"num_layers", {num_layers, kMaxLayers}},
+      {"num_heads", {num_heads, kMaxHeads}},
+      {"num_kv_heads", {num_kv_heads, kMaxHeads}},
+      {"max_seq_len", {max_seq_len, kMaxSeqLen}}};
   for (const auto& [name, value_and_limit] : limits)
     if (value_and_limit.first > value_and_limit.second)
       fail(std::string(name) + " = " + std::to_string(value_and_limit.first) +
@@ -195,10 +193,6 @@ LlamaConfig LlamaConfig::from_hf_json(const std::string& path) {
   try {
     // Parsed whole: text after the object is an error too (a file cut and pasted together).
     const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    // The parser takes a NUL for the end of its input: what follows one would go unread.
-    if (text.find('\0') != std::string::npos)
-      throw FormatError("'" + path + "' holds a NUL byte at offset " +
-                        std::to_string(text.find('\0')) + ": not a JSON text file");
     j = parse_json_input(text);
   } catch (const std::exception& e) {
     throw FormatError("'" + path + "' is not valid JSON: " + e.what());

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "shardtrain/autograd/grad_mode.h"
+#include "shardtrain/core/files.h"
 #include "shardtrain/dist/env.h"
 #include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/io/hf_model.h"
@@ -185,6 +186,23 @@ bool writes_ranges(Runtime& rt) {
 // True on every rank when `value` is the same on every rank.
 bool ranks_agree(dist::ProcessGroup& group, int64_t value) {
   return !group.differs_between_ranks({static_cast<uint64_t>(value)})[0];
+}
+
+// The checkpoints of `dir`, newest first, checked to be the same list on every rank (a collective
+// for the count, one for the steps): the ranks then take the same collective steps through them.
+std::vector<io::CheckpointEntry> checkpoints_every_rank_sees(dist::ProcessGroup& world,
+                                                             const std::string& dir) {
+  std::vector<io::CheckpointEntry> entries = io::list_checkpoints(dir);
+  const std::string not_shared =
+      concat("train.resume: the ranks see different checkpoints in '", dir,
+             "'; the checkpoint directory must be on a file system "
+             "every rank shares");
+  ST_CHECK(ranks_agree(world, static_cast<int64_t>(entries.size())), not_shared);
+  std::vector<uint64_t> steps;
+  for (const io::CheckpointEntry& e : entries) steps.push_back(static_cast<uint64_t>(e.step));
+  if (!steps.empty())  // the same on every rank, checked above
+    for (bool differs : world.differs_between_ranks(steps)) ST_CHECK(!differs, not_shared);
+  return entries;
 }
 
 // A frozen-base identity in words; `from_hf` is the directory of the run it belongs to.
@@ -551,8 +569,7 @@ std::optional<ResumePoint> Checkpointing::resume() {
     refuse_fresh_run_over_checkpoints(config_);
     return std::nullopt;
   }
-  auto load = [&](const std::string& path, int64_t step) {
-    refuse_later_checkpoints(step, path);
+  auto load = [&](const std::string& path) {
     io::TrainingState state = load_checkpoint(runtime_, path);
     log_(concat("resumed from ", path, " (step ", state.step, ", saved by ", state.world_size,
                 " rank(s), sharding ", state.sharding, ")"));
@@ -575,18 +592,20 @@ std::optional<ResumePoint> Checkpointing::resume() {
     std::string problem = io::verify_checkpoint(world, mode);
     if (!problem.empty())
       throw FormatError(concat("train.resume: cannot resume from '", mode, "': ", problem));
-    return load(mode, io::CheckpointReader(mode).state().step);
+    refuse_later_checkpoints(io::CheckpointReader(mode).state().step, mode);
+    return load(mode);
   }
   const std::string dir = mode == "auto" ? dir_ : mode;
-  std::vector<io::CheckpointEntry> candidates = io::list_checkpoints(dir);
-  ST_CHECK(ranks_agree(world, static_cast<int64_t>(candidates.size())),
-           "train.resume: the ranks see different checkpoints in '", dir,
-           "'; the checkpoint directory must be on a file system every rank shares");
+  // Searching this run's own checkpoint directory, every later checkpoint there was refused on
+  // the way down: only another directory needs refuse_later_checkpoints' look at this one.
+  const bool searches_own_dir = mode == "auto" || fs::equivalent(dir, dir_, ec);
+  const std::vector<io::CheckpointEntry> candidates = checkpoints_every_rank_sees(world, dir);
   for (const io::CheckpointEntry& c : candidates) {
-    ST_CHECK(ranks_agree(world, c.step), "train.resume: the ranks see different checkpoints in '",
-             dir, "'; the checkpoint directory must be on a file system every rank shares");
     const std::string problem = resumable_problem(c.path);
-    if (problem.empty()) return load(c.path, c.step);
+    if (problem.empty()) {
+      if (!searches_own_dir) refuse_later_checkpoints(c.step, c.path);
+      return load(c.path);
+    }
     log_(concat("refusing checkpoint ", c.path, ": ", problem,
                 "; falling back to the previous one"));
   }
@@ -617,17 +636,9 @@ std::string Checkpointing::resumable_problem(const std::string& path) {
 // past the resumed step (the abandoned steps of a run rolled back to an earlier checkpoint) would
 // outlive this run's saves, and a later resume=auto would continue it instead of this run.
 void Checkpointing::refuse_later_checkpoints(int64_t step, const std::string& resumed) {
-  dist::ProcessGroup& world = runtime_.dist().world();
-  const std::vector<io::CheckpointEntry> entries = io::list_checkpoints(dir_);
-  const std::string not_shared =
-      concat("train.resume: the ranks see different checkpoints in '", dir_,
-             "'; the checkpoint directory must be on a file system "
-             "every rank shares");
-  ST_CHECK(ranks_agree(world, static_cast<int64_t>(entries.size())), not_shared);
   std::vector<std::string> later;
-  for (const io::CheckpointEntry& c : entries) {  // newest first
-    ST_CHECK(ranks_agree(world, c.step), not_shared);
-    if (c.step <= step) break;
+  for (const io::CheckpointEntry& c : checkpoints_every_rank_sees(runtime_.dist().world(), dir_)) {
+    if (c.step <= step) break;  // newest first
     if (resumable_problem(c.path).empty()) later.push_back(fs::path(c.path).filename().string());
   }
   if (later.empty()) return;
@@ -717,22 +728,11 @@ void open_metrics(std::ofstream& out, const std::string& path, int64_t resumed_s
       if (step <= resumed_step && !eval_at_resumed_step) kept.push_back(line);
     }
   }
-  // The kept lines go to a new file that replaces the old one whole: a failed write (a full
-  // disk, a kill) leaves the earlier record as it was.
-  const std::string temporary = path + ".tmp";
-  {
-    std::ofstream rewritten(temporary, std::ios::trunc);
-    for (const std::string& line : kept) rewritten << line << "\n";
-    rewritten.close();
-    if (!rewritten.good()) {
-      const int err = errno;
-      fs::remove(temporary, ec);
-      throw Error(concat("cannot write ", temporary, " (", std::strerror(err),
-                         "); train.out_dir must be a writable directory with free space"));
-    }
-  }
-  fs::rename(temporary, path, ec);
-  ST_CHECK(!ec, "cannot replace ", path, " with ", temporary, " (", ec.message(), ")");
+  // The kept lines replace the old file whole: a failed write (a full disk, a kill) leaves the
+  // earlier record as it was.
+  std::string text;
+  for (const std::string& line : kept) text += line + "\n";
+  write_text_atomically(path, text, "train.out_dir must be a writable directory with free space");
   out.open(path, std::ios::app);
   check();
 }

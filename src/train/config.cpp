@@ -23,6 +23,7 @@
 #include "shardtrain/core/error.h"
 #include "shardtrain/core/suggest.h"
 #include "shardtrain/core/units.h"
+#include "shardtrain/nn/llama.h"
 
 namespace shardtrain::train {
 namespace {
@@ -386,27 +387,27 @@ const std::vector<Key>& schema() {
           .help("Hugging Face model dir (config.json gives the model, safetensors the weights)"),
       Key("model.vocab_size", &C::model, &ModelConfig::vocab_size)
           .at_least(1)
-          .at_most(static_cast<double>(1ll << 32))
+          .at_most(static_cast<double>(nn::LlamaConfig::kMaxVocabSize))
           .help("vocabulary size"),
       Key("model.hidden_size", &C::model, &ModelConfig::hidden_size)
           .at_least(1)
-          .at_most(static_cast<double>(1ll << 20))
+          .at_most(static_cast<double>(nn::LlamaConfig::kMaxHiddenSize))
           .help("model width"),
       Key("model.intermediate_size", &C::model, &ModelConfig::intermediate_size)
           .at_least(1)
-          .at_most(static_cast<double>(1ll << 22))
+          .at_most(static_cast<double>(nn::LlamaConfig::kMaxIntermediateSize))
           .help("SwiGLU MLP width"),
       Key("model.num_layers", &C::model, &ModelConfig::num_layers)
           .at_least(1)
-          .at_most(static_cast<double>(1ll << 16))
+          .at_most(static_cast<double>(nn::LlamaConfig::kMaxLayers))
           .help("transformer blocks"),
       Key("model.num_heads", &C::model, &ModelConfig::num_heads)
           .at_least(1)
-          .at_most(static_cast<double>(1ll << 16))
+          .at_most(static_cast<double>(nn::LlamaConfig::kMaxHeads))
           .help("attention heads"),
       Key("model.num_kv_heads", &C::model, &ModelConfig::num_kv_heads)
           .at_least(0)
-          .at_most(static_cast<double>(1ll << 16))
+          .at_most(static_cast<double>(nn::LlamaConfig::kMaxHeads))
           .help("key/value heads for grouped-query attention; 0 = num_heads"),
       Key("model.rms_norm_eps", &C::model, &ModelConfig::rms_norm_eps)
           .above(0)
@@ -439,7 +440,7 @@ const std::vector<Key>& schema() {
           .help("share the input embedding with the output projection"),
       Key("model.max_seq_len", &C::model, &ModelConfig::max_seq_len)
           .at_least(1)
-          .at_most(static_cast<double>(1ll << 24))
+          .at_most(static_cast<double>(nn::LlamaConfig::kMaxSeqLen))
           .help("longest sequence the model supports (with model.from_hf: the longer of this "
                 "and config.json's max_position_embeddings)"),
       Key("model.init_std", &C::model, &ModelConfig::init_std)
@@ -460,7 +461,7 @@ const std::vector<Key>& schema() {
       Key("train.steps", &C::train, &TrainConfig::steps).at_least(1).help("optimizer steps"),
       Key("train.seq_len", &C::train, &TrainConfig::seq_len)
           .at_least(1)
-          .at_most(static_cast<double>(1ll << 24))
+          .at_most(static_cast<double>(nn::LlamaConfig::kMaxSeqLen))
           .help("tokens per sequence"),
       Key("train.micro_batch", &C::train, &TrainConfig::micro_batch)
           .at_least(1)

@@ -19,6 +19,7 @@
 #ifdef SHARDTRAIN_HAVE_CUDA
 #include "shardtrain/backend/cuda.h"
 #endif
+#include "shardtrain/core/files.h"
 #include "shardtrain/core/units.h"
 #include "shardtrain/data/corpus.h"
 #include "shardtrain/data/sampler.h"
@@ -184,6 +185,27 @@ TrainSummary run_training(const Config& requested) {
 }
 
 namespace {
+
+// Writes the trained model in the Hugging Face layout to `dir` (a LoRA model merged).
+void export_model(const Config& config, Runtime& rt, const std::string& dir, Progress& progress) {
+  if (config.lora.enabled) {
+    io::save_merged_hf_model(rt.model(), dir);
+  } else if (rt.sharded() == nullptr) {
+    io::save_hf_model(rt.model(), dir);
+  } else {
+    // Every rank gathers the weights one unit at a time and rank 0 streams them into the files:
+    // no rank ever holds the full model.
+    io::save_hf_model(*rt.sharded(), dir);
+  }
+  // A model fine-tuned from released weights keeps their token ids and tokenizer.
+  if (!config.model.from_hf.empty() && rt.dist().rank() == 0) {
+    const std::vector<std::string> carried = io::carry_hf_metadata(config.model.from_hf, dir);
+    if (!carried.empty())
+      progress.message("carried " + std::to_string(carried.size()) + " field(s) and file(s) of " +
+                       config.model.from_hf + " (token ids, tokenizer) into the export");
+  }
+  progress.message("exported the model to " + dir);
+}
 
 TrainSummary train_with(const Config& config) {
   const TrainConfig& t = config.train;
@@ -387,22 +409,10 @@ TrainSummary train_with(const Config& config) {
   summary.first_step = first_step;
   // Written once the run is sure to go ahead, whole or not at all (a temporary file renamed over
   // it): a refused or failed run keeps the earlier run's record.
-  if (leader) {
-    const std::string path = t.out_dir + "/config.yaml", temporary = path + ".tmp";
-    std::ofstream out(temporary);
-    out << config.to_yaml();
-    out.close();
-    const int err = errno;
-    std::error_code ec;
-    if (out.good()) std::filesystem::rename(temporary, path, ec);
-    if (!out.good() || ec) {
-      std::filesystem::remove(temporary, ec);
-      throw Error(concat("cannot write ", path, " (",
-                         out.good() ? ec.message() : std::strerror(err),
-                         "): the run's resolved config must be kept with its results; free space "
-                         "(or raise the file-size limit), or choose another train.out_dir"));
-    }
-  }
+  if (leader)
+    write_text_atomically(t.out_dir + "/config.yaml", config.to_yaml(),
+                          "the run's resolved config must be kept with its results; free space "
+                          "(or raise the file-size limit), or choose another train.out_dir");
   if (first_step == t.steps && first_step > 0)
     progress.message("the checkpoint is at step " + std::to_string(first_step) +
                      " = train.steps: nothing left to train");
@@ -543,44 +553,26 @@ TrainSummary train_with(const Config& config) {
           "write the merged model to " +
           t.out_dir + "/export");
   }
-  if (exports) try {
-      summary.export_dir = t.out_dir + "/export";
-      if (config.lora.enabled) {
-        io::save_merged_hf_model(rt.model(), summary.export_dir);
-      } else if (rt.sharded() == nullptr) {
-        io::save_hf_model(rt.model(), summary.export_dir);
-      } else {
-        // Every rank gathers the weights one unit at a time and rank 0 streams them into the
-        // files: no rank ever holds the full model.
-        io::save_hf_model(*rt.sharded(), summary.export_dir);
-      }
-      // A model fine-tuned from released weights keeps their token ids and tokenizer.
-      if (!config.model.from_hf.empty() && rt.dist().rank() == 0) {
-        const std::vector<std::string> carried =
-            io::carry_hf_metadata(config.model.from_hf, summary.export_dir);
-        if (!carried.empty())
-          progress.message("carried " + std::to_string(carried.size()) +
-                           " field(s) and file(s) of " + config.model.from_hf +
-                           " (token ids, tokenizer) into the export");
-      }
-      progress.message("exported the model to " + summary.export_dir);
-    } catch (const std::exception& e) {
-      // The trained weights are safe only in a checkpoint of the last step (and a LoRA run's
-      // adapters in the adapter saved before the export): say where they are.
-      const bool kept =
-          !summary.last_checkpoint.empty() && checkpoints.last_saved_step() == t.steps;
-      const std::string where =
-          kept ? "\nThe trained weights are in " + summary.last_checkpoint +
-                     ": fix the cause and run again with train.resume=" + summary.last_checkpoint +
-                     ", which exports without training again"
-          : config.lora.enabled
-              ? "\nThe trained adapter was saved to " + adapter_dir +
-                    " before the export; the merged model can be written again from it"
-              : "\nThe run saved no checkpoint of its last step (checkpoint.every_steps is 0), so "
-                "its trained weights are lost: set checkpoint.every_steps or "
-                "checkpoint.every_minutes to keep them";
-      throw Error(std::string(e.what()) + where);
-    }
+  if (!exports) return summary;
+  summary.export_dir = t.out_dir + "/export";
+  try {
+    export_model(config, rt, summary.export_dir, progress);
+  } catch (const std::exception& e) {
+    // The trained weights are safe only in a checkpoint of the last step (and a LoRA run's
+    // adapters in the adapter saved before the export): say where they are.
+    const bool kept = !summary.last_checkpoint.empty() && checkpoints.last_saved_step() == t.steps;
+    const std::string where =
+        kept ? "\nThe trained weights are in " + summary.last_checkpoint +
+                   ": fix the cause and run again with train.resume=" + summary.last_checkpoint +
+                   ", which exports without training again"
+        : config.lora.enabled
+            ? "\nThe trained adapter was saved to " + adapter_dir +
+                  " before the export; the merged model can be written again from it"
+            : "\nThe run saved no checkpoint of its last step (checkpoint.every_steps is 0), so "
+              "its trained weights are lost: set checkpoint.every_steps or "
+              "checkpoint.every_minutes to keep them";
+    throw Error(std::string(e.what()) + where);
+  }
   return summary;
 }
 

@@ -10,4 +10,11 @@ namespace shardtrain {
 // path passes: the caller's open reports it in its own words.
 void check_regular_file(const std::string& path, const std::string& what);
 
+// Writes `text` to `path` whole or not at all: into `<path>.tmp`, renamed over `path` once
+// complete, so a failed write (a full disk, a file-size limit, a kill) leaves the earlier file as
+// it was. Throws Error "cannot write <path> (<the system's reason>)", followed by ": <advice>"
+// when advice is given; the temporary file is removed.
+void write_text_atomically(const std::string& path, const std::string& text,
+                           const std::string& advice = "");
+
 }  // namespace shardtrain

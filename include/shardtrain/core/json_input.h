@@ -9,8 +9,9 @@ namespace shardtrain {
 
 inline constexpr int kMaxJsonDepth = 64;
 
-// nlohmann::json::parse of `text`; throws nlohmann::json::parse_error for malformed text and
-// FormatError for nesting deeper than kMaxJsonDepth.
+// nlohmann::json::parse of `text`; throws nlohmann::json::parse_error for malformed text, and
+// FormatError for a NUL byte (the parser would take it for the end of the input and never read
+// what follows) or nesting deeper than kMaxJsonDepth.
 nlohmann::json parse_json_input(std::string_view text);
 
 }  // namespace shardtrain

@@ -28,6 +28,16 @@ struct LlamaConfig {
   int64_t max_seq_len = 2048;
   float init_std = 0.02f;
 
+  // Upper bounds on the sizes, far past any model that exists and small enough that no product
+  // of them (a weight's elements, a step's bytes) wraps around int64. validate() checks them;
+  // the run config's model keys have the same bounds.
+  static constexpr int64_t kMaxVocabSize = int64_t{1} << 32;
+  static constexpr int64_t kMaxHiddenSize = int64_t{1} << 20;
+  static constexpr int64_t kMaxIntermediateSize = int64_t{1} << 22;
+  static constexpr int64_t kMaxLayers = int64_t{1} << 16;
+  static constexpr int64_t kMaxHeads = int64_t{1} << 16;
+  static constexpr int64_t kMaxSeqLen = int64_t{1} << 24;
+
   int64_t head_dim() const { return hidden_size / num_heads; }
   RopeParams rope_params() const { return RopeParams{rope_theta, rope_scaling}; }
   // Checks the shape is consistent (heads divide hidden, kv heads divide heads, ...) and the
