@@ -240,9 +240,13 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   const int64_t T = in.micro_batch * in.seq_len;
 
   // ---- sharding ------------------------------------------------------------------------------
-  const bool fsdp = in.world_size > 1 && in.sharding != "no_shard" && !in.lora;
+  // Every run over several ranks goes through fsdp::ShardedModel; no_shard is its one-shard
+  // case: each rank holds every unit whole, keeps it "gathered" (in the parameter dtype) from
+  // its forward to its backward as grad_op_shard does, and all-reduces the flat gradients. In
+  // fp32 the gathered unit is the master itself (no copy).
+  const bool fsdp = in.world_size > 1 && !in.lora;
   int64_t shards = 1;
-  if (fsdp) {
+  if (fsdp && in.sharding != "no_shard") {
     shards = in.world_size;
     if (in.sharding == "hybrid_shard")
       shards = in.ranks_per_node > 0 ? in.ranks_per_node : std::min(in.world_size, 8);
@@ -250,7 +254,10 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   auto shard_of = [&](const UnitBytes& u) { return ceil_div(u.trainable_elems, shards); };
   // fp32 master, gradient and one optimizer-state tensor per rank, per unit.
   auto per_rank_fp32 = [&](const UnitBytes& u) { return fsdp ? r64(4 * shard_of(u)) : u.master; };
-  auto gathered = [&](const UnitBytes& u) { return r64(pe * shards * shard_of(u)); };
+  const bool gathered_is_master = shards == 1 && pe == 4;
+  auto gathered = [&](const UnitBytes& u) {
+    return gathered_is_master ? 0 : r64(pe * shards * shard_of(u));
+  };
 
   MemoryPrediction p;
   p.total_parameters = L * mb.layer_elems + mb.root_elems;
@@ -353,7 +360,14 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
 
   // ---- the moments of a step -----------------------------------------------------------------
   // Gradients already present while later micro-batches run (accumulation).
-  const int64_t acc_grads = in.micro_batches_per_step > 1 ? p.gradient_bytes : 0;
+  // Without dist.sync_every_microbatch every unit accumulates its unsharded gradient (fp32,
+  // padded) until the last micro-batch reduces it.
+  auto unsharded_fp32 = [&](const UnitBytes& u) { return r64(4 * shards * shard_of(u)); };
+  const bool accumulates_unsharded = fsdp && !in.sync_every_microbatch;
+  const int64_t acc_grads = in.micro_batches_per_step <= 1 ? 0
+                            : accumulates_unsharded
+                                ? L * unsharded_fp32(mb.layer) + unsharded_fp32(mb.root)
+                                : p.gradient_bytes;
   const int64_t layer_grad = fsdp ? r64(4 * shard_of(mb.layer)) : mb.layer.master;
   const int64_t root_grad = fsdp ? r64(4 * shard_of(mb.root)) : mb.root.master;
   const bool mixed = pe != 4 && !fsdp;
@@ -362,15 +376,36 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   const int64_t unit_copy = fsdp ? gathered(mb.layer) : (mixed ? mb.layer.compute_copy : 0);
   const int64_t root_copy = fsdp ? gathered(mb.root) : (mixed ? mb.root.compute_copy : 0);
   const int64_t head_copy = mixed ? r64(pe * V * H) : 0;
-  const bool all_gathered = fsdp && in.sharding == "grad_op_shard";
+  const bool all_gathered = fsdp && (in.sharding == "grad_op_shard" || in.sharding == "no_shard");
   const int64_t in_flight_units = fsdp ? (in.prefetch ? 2 : 1) : 1;
   // FSDP's reduce-scatter of a unit: when the unit's backward ends, its gradients (compute
   // dtype) are concatenated into a flat buffer (reduce dtype) that is reduce-scattered into a
   // shard. One reduction stays in flight while the next unit's backward runs.
   auto flat = [&](const UnitBytes& u) { return r64(shards * shard_of(u) * rb); };
   auto reduce_out = [&](const UnitBytes& u) { return shards > 1 ? r64(shard_of(u) * rb) : 0; };
-  const int64_t in_flight_reduce = fsdp ? flat(mb.layer) + reduce_out(mb.layer) : 0;
-  const int64_t layer_flatten = fsdp ? r64(mb.layer.trainable_elems * pe) + flat(mb.layer) : 0;
+  // With one shard the reduction's output is the flat buffer itself (all-reduced in place).
+  // Accumulating unsharded gradients, a unit's flat buffer is its accumulator (counted in
+  // acc_grads, released when its reduction completes): only the reduction's output is extra.
+  const bool unsharded_acc = accumulates_unsharded && in.micro_batches_per_step > 1;
+  auto in_flight = [&](const UnitBytes& u) {
+    if (unsharded_acc) return reduce_out(u);
+    return shards > 1 ? flat(u) + reduce_out(u) : flat(u);
+  };
+  const int64_t in_flight_reduce = fsdp ? in_flight(mb.layer) : 0;
+  // Completing the reduction in flight, when the next unit launches its own: the reduced
+  // gradients (the output; with one shard the flat buffer) are copied into the unit's fp32
+  // gradients (new ones unless earlier micro-batches left some) beside the next unit's flat.
+  auto completing = [&](const UnitBytes& done, int64_t done_grad, const UnitBytes& next) {
+    if (unsharded_acc) return reduce_out(done) + done_grad;
+    return (shards > 1 ? reduce_out(done) : flat(done)) + (acc_grads > 0 ? 0 : done_grad) +
+           flat(next);
+  };
+  // A unit's gradients (parameter dtype) beside their flat copy: in the reduce dtype, or the
+  // fp32 one added into the accumulator.
+  const int64_t layer_flatten =
+      fsdp ? r64(mb.layer.trainable_elems * pe) +
+                 (unsharded_acc ? unsharded_fp32(mb.layer) : flat(mb.layer))
+           : 0;
   const int64_t pending_head = fsdp && mb.head_grad > 0 ? r64(pe * V * H) : 0;
 
   std::vector<Moment> moments;
@@ -415,11 +450,6 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   const int64_t layer_ops =
       std::max(2 * a.M + a.X, a.plain ? a.P + 2 * a.X + 2 * a.KV : 3 * a.X + 2 * a.KV) +
       dequantized;
-  auto layer_transient = [&](int64_t i) {
-    if (!fsdp) return layer_ops;
-    int64_t previous = i < L - 1 ? in_flight_reduce : 0;
-    return std::max(layer_ops, layer_flatten) + previous + pending_head;
-  };
   for (int64_t i = L - 1; i >= 0; --i) {
     Moment m{"backward of layer " + std::to_string(i)};
     int64_t below = 0, here = saved;
@@ -436,22 +466,35 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
       if (strategy == "offload_checkpoint" && i > 0) here += a.X;
     }
     m.activations = inputs + below + here;
-    m.workspace = layer_transient(i);
-    if (fsdp) {
-      // Sharded gradients appear unit by unit; the root unit's only after the embedding.
-      m.gradients = acc_grads > 0 ? acc_grads : (L - 1 - i) * layer_grad;
-    } else {
+    if (!fsdp) {
+      m.workspace = layer_ops;
       // The head's, the finished layers' and the largest weight gradient of this layer.
       m.gradients =
           (acc_grads > 0 ? acc_grads : root_grad - mb.embed_grad + (L - 1 - i) * layer_grad) +
           mb.layer.largest_grad;
+      if (mixed) m.copies = (keeps_layers ? i + 1 : 1) * unit_copy;
+      moments.push_back(m);
+      continue;
     }
-    if (fsdp) {
-      m.copies = root_copy + (all_gathered ? i + 1 : in_flight_units) * unit_copy;
-    } else if (mixed) {
-      m.copies = (keeps_layers ? i + 1 : 1) * unit_copy;
-    }
+    // FSDP: sharded gradients appear unit by unit, as each reduction completes: the layers above
+    // i but the one whose reduction is still in flight. The root unit's come last.
+    const int64_t previous = i < L - 1 ? in_flight_reduce : 0;
+    m.gradients = acc_grads > 0 ? acc_grads : std::max<int64_t>(0, L - 2 - i) * layer_grad;
+    // The unit's weight gradients are produced in the parameter dtype as its ops run, the
+    // largest of them beside the ops' transients.
+    m.workspace = layer_ops + r64(mb.layer.largest_grad / 4 * pe) + previous + pending_head;
+    m.copies = root_copy + (all_gathered ? i + 1 : in_flight_units) * unit_copy;
     moments.push_back(m);
+    // When the unit's backward ends it is resharded (its gathered copy freed) and its gradients
+    // are flattened and reduced; the gradient flowing to the layer below is alive meanwhile.
+    Moment r = m;
+    r.name = "gradient reduction of layer " + std::to_string(i);
+    r.activations = inputs + below;
+    r.workspace = a.X + pending_head +
+                  std::max(layer_flatten + previous,
+                           i < L - 1 ? completing(mb.layer, layer_grad, mb.layer) : 0);
+    r.copies = root_copy + (all_gathered ? i : in_flight_units - 1) * unit_copy;
+    moments.push_back(r);
   }
   {
     Moment m{"backward of the embedding"};
@@ -460,16 +503,28 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
     m.workspace =
         r64(T * H * e) +
         (mb.embed_grad > 0 || c.tie_embeddings ? mb.head_grad + (e != 4 ? r64(e * V * H) : 0) : 0);
-    m.gradients =
-        acc_grads > 0 ? acc_grads : (fsdp ? L * layer_grad : p.gradient_bytes - mb.embed_grad);
+    m.gradients = acc_grads > 0 ? acc_grads
+                                : (fsdp ? (L - 1) * layer_grad : p.gradient_bytes - mb.embed_grad);
     // FSDP: the head's pending gradient, then the root unit's reduce-scatter (its gradients in
     // the compute dtype and their flat copy in the reduce dtype).
     if (fsdp) {
       m.copies = root_copy;
       m.workspace =
-          std::max(m.workspace + pending_head, r64(mb.root.trainable_elems * pe) + flat(mb.root)) +
-          in_flight_reduce;
+          std::max(std::max(m.workspace + pending_head,
+                            r64(mb.root.trainable_elems * pe) +
+                                (unsharded_acc ? unsharded_fp32(mb.root) : flat(mb.root))) +
+                       in_flight_reduce,
+                   completing(mb.layer, layer_grad, mb.root));
     }
+    moments.push_back(m);
+  }
+  if (fsdp) {
+    // The root unit's reduction completes last: every gradient exists beside its output.
+    Moment m{"end of backward"};
+    m.gradients = p.gradient_bytes;
+    m.workspace = unsharded_acc ? reduce_out(mb.root) + unsharded_fp32(mb.root)
+                  : shards > 1  ? reduce_out(mb.root)
+                                : flat(mb.root);
     moments.push_back(m);
   }
   {
