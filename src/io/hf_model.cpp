@@ -90,7 +90,7 @@ std::string hf_weights_fingerprint(const std::string& dir) {
 }
 
 std::vector<std::string> carry_hf_metadata(const std::string& source_dir,
-                                           const std::string& export_dir) {
+                                           const std::string& export_dir, int64_t trained_seq_len) {
   namespace fs = std::filesystem;
   using nlohmann::json;
   std::vector<std::string> carried;
@@ -104,10 +104,23 @@ std::vector<std::string> carry_hf_metadata(const std::string& source_dir,
   const fs::path source_config = fs::path(source_dir) / "config.json";
   const fs::path export_config = fs::path(export_dir) / "config.json";
   json source = read_json(source_config), exported = read_json(export_config);
+  // Not carried: what the exported weights no longer are (quantized), and Transformers 5's
+  // rope_parameters, which the written rope_theta and rope_scaling state already (a copy could
+  // only repeat them, or contradict them where the run changed the RoPE).
   for (const auto& [key, value] : source.items()) {
-    if (exported.contains(key) || key == "quantization_config") continue;
+    if (exported.contains(key) || key == "quantization_config" || key == "rope_parameters")
+      continue;
     exported[key] = value;
     carried.push_back("config.json:" + key);
+  }
+  // The source's reach, or the longest sequences the run trained on when they are longer.
+  const auto reach = source.find("max_position_embeddings");
+  if (reach != source.end() && reach->is_number_integer()) {
+    const int64_t positions = std::max(reach->get<int64_t>(), trained_seq_len);
+    if (exported.value("max_position_embeddings", int64_t{0}) != positions) {
+      exported["max_position_embeddings"] = positions;
+      carried.push_back("config.json:max_position_embeddings");
+    }
   }
   if (!carried.empty()) write_text_atomically(export_config.string(), exported.dump(2) + "\n");
   for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

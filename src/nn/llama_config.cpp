@@ -142,19 +142,69 @@ class HfConfigReader {
       throw error(key + " = true is not supported (" + why + ")");
   }
 
-  // rope_scaling: null or {"rope_type": "default"} is plain RoPE; "llama3" (older files say
-  // "type") is Llama-3 frequency scaling; anything else is refused.
-  std::optional<Llama3RopeScaling> rope_scaling() const {
-    const json* rs = find(j_, "rope_scaling");
-    if (rs == nullptr) return std::nullopt;
-    if (!rs->is_object())
-      throw error("rope_scaling = " + rs->dump() +
+  // The rotary embedding's base and scaling. Transformers before version 5 write them as
+  // top-level rope_theta and rope_scaling; version 5 writes one object, rope_parameters, that
+  // holds rope_theta and the scaling's fields. Either form is read; a file with both must say
+  // the same thing in each.
+  struct Rope {
+    float theta = 10000.0f;
+    std::optional<Llama3RopeScaling> scaling;
+  };
+  Rope rope() const {
+    const json* top_theta = find(j_, "rope_theta");
+    const json* legacy = find(j_, "rope_scaling");
+    if (const json* factor = find(j_, "partial_rotary_factor"))
+      if (number("partial_rotary_factor", *factor) != 1.0)
+        throw error("partial_rotary_factor = " + factor->dump() +
+                    " is not supported: the rotary embedding turns every dimension of a head");
+    Rope legacy_rope;
+    if (top_theta != nullptr)
+      legacy_rope.theta = static_cast<float>(number("rope_theta", *top_theta));
+    if (legacy != nullptr) legacy_rope.scaling = scaling_from(*legacy, "rope_scaling", false);
+    const json* params = find(j_, "rope_parameters");
+    if (params == nullptr) return legacy_rope;
+
+    if (!params->is_object())
+      throw error("rope_parameters = " + params->dump() +
                   " has the wrong type: expected an object or null");
-    const char* type_key = find(*rs, "rope_type") != nullptr ? "rope_type" : "type";
-    const json* type = find(*rs, type_key);
-    if (type == nullptr)
-      throw error("rope_scaling has no rope_type (nor type): cannot tell which scaling it means");
-    const std::string field = std::string("rope_scaling.") + type_key;
+    if (find(*params, "rope_type") == nullptr && find(*params, "rope_theta") == nullptr &&
+        !params->empty() && params->begin()->is_object())
+      throw error("rope_parameters holds one set per attention type (" + params->begin().key() +
+                  ", ...): per-layer RoPE is not supported, a Llama has one set");
+    Rope rope;
+    if (const json* theta = find(*params, "rope_theta"))
+      rope.theta = static_cast<float>(number("rope_parameters.rope_theta", *theta));
+    if (const json* factor = find(*params, "partial_rotary_factor"))
+      if (number("rope_parameters.partial_rotary_factor", *factor) != 1.0)
+        throw error("rope_parameters.partial_rotary_factor = " + factor->dump() +
+                    " is not supported: the rotary embedding turns every dimension of a head");
+    rope.scaling = scaling_from(*params, "rope_parameters", true);
+    if (top_theta != nullptr && legacy_rope.theta != rope.theta)
+      throw error("rope_theta = " + top_theta->dump() + " and rope_parameters.rope_theta = " +
+                  (find(*params, "rope_theta") ? find(*params, "rope_theta")->dump()
+                                               : std::string("(absent: 10000)")) +
+                  " disagree: keep one of them (Transformers 5 reads rope_parameters)");
+    if (legacy != nullptr && legacy_rope.scaling != rope.scaling)
+      throw error(
+          "rope_scaling and rope_parameters describe different RoPE scaling: keep one "
+          "of them (Transformers 5 reads rope_parameters)");
+    return rope;
+  }
+
+  // The scaling named by an object's rope_type (older files say "type"): "default" is plain
+  // RoPE, "llama3" Llama-3 frequency scaling, anything else is refused. rope_parameters may
+  // leave the type out for plain RoPE; rope_scaling must name it.
+  std::optional<Llama3RopeScaling> scaling_from(const json& rs, const std::string& name,
+                                                bool type_may_be_absent) const {
+    if (!rs.is_object())
+      throw error(name + " = " + rs.dump() + " has the wrong type: expected an object or null");
+    const char* type_key = find(rs, "rope_type") != nullptr ? "rope_type" : "type";
+    const json* type = find(rs, type_key);
+    if (type == nullptr) {
+      if (type_may_be_absent && find(rs, "factor") == nullptr) return std::nullopt;
+      throw error(name + " has no rope_type (nor type): cannot tell which scaling it means");
+    }
+    const std::string field = name + "." + type_key;
     const std::string rope_type = string(field, *type);
     if (rope_type == "default") return std::nullopt;
     if (rope_type != "llama3")
@@ -162,19 +212,18 @@ class HfConfigReader {
                   " is not supported: only \"llama3\" RoPE scaling (Llama-3.1 and 3.2) is "
                   "implemented");
     auto required = [&](const std::string& key) -> const json& {
-      const json* v = find(*rs, key);
-      if (v == nullptr)
-        throw error("rope_scaling has no field '" + key + "' (llama3 scaling needs it)");
+      const json* v = find(rs, key);
+      if (v == nullptr) throw error(name + " has no field '" + key + "' (llama3 scaling needs it)");
       return *v;
     };
     Llama3RopeScaling s;
-    s.factor = number("rope_scaling.factor", required("factor"));
-    s.low_freq_factor = number("rope_scaling.low_freq_factor", required("low_freq_factor"));
-    s.high_freq_factor = number("rope_scaling.high_freq_factor", required("high_freq_factor"));
-    s.original_max_position_embeddings = integer("rope_scaling.original_max_position_embeddings",
+    s.factor = number(name + ".factor", required("factor"));
+    s.low_freq_factor = number(name + ".low_freq_factor", required("low_freq_factor"));
+    s.high_freq_factor = number(name + ".high_freq_factor", required("high_freq_factor"));
+    s.original_max_position_embeddings = integer(name + ".original_max_position_embeddings",
                                                  required("original_max_position_embeddings"));
     const std::string problem = llama3_rope_scaling_problem(s);
-    if (!problem.empty()) throw error("rope_scaling: " + problem);
+    if (!problem.empty()) throw error(name + ": " + problem);
     return s;
   }
 
@@ -216,8 +265,9 @@ LlamaConfig LlamaConfig::from_hf_json(const std::string& path) {
   c.num_heads = r.integer("num_attention_heads");
   c.num_kv_heads = r.integer_or("num_key_value_heads", c.num_heads);
   c.rms_norm_eps = r.number_or("rms_norm_eps", 1e-6f);
-  c.rope_theta = r.number_or("rope_theta", 10000.0f);
-  c.rope_scaling = r.rope_scaling();
+  const auto rope = r.rope();
+  c.rope_theta = rope.theta;
+  c.rope_scaling = rope.scaling;
   c.tie_embeddings = r.boolean_or("tie_word_embeddings", false);
   c.max_seq_len = r.integer_or("max_position_embeddings", 2048);
   c.init_std = r.number_or("initializer_range", 0.02f);

@@ -199,7 +199,8 @@ void export_model(const Config& config, Runtime& rt, const std::string& dir, Pro
   }
   // A model fine-tuned from released weights keeps their token ids and tokenizer.
   if (!config.model.from_hf.empty() && rt.dist().rank() == 0) {
-    const std::vector<std::string> carried = io::carry_hf_metadata(config.model.from_hf, dir);
+    const std::vector<std::string> carried =
+        io::carry_hf_metadata(config.model.from_hf, dir, config.train.seq_len);
     if (!carried.empty())
       progress.message("carried " + std::to_string(carried.size()) + " field(s) and file(s) of " +
                        config.model.from_hf + " (token ids, tokenizer) into the export");

@@ -95,6 +95,82 @@ TEST(HfConfig, ReadsLlama3RopeScaling) {
   EXPECT_EQ(read(dir, j).hidden_size, 32);
 }
 
+// Transformers 5 writes rope_theta and the scaling inside one object, rope_parameters.
+json in_transformers5_form(json j) {
+  json params = j.contains("rope_scaling") && !j["rope_scaling"].is_null()
+                    ? j["rope_scaling"]
+                    : json{{"rope_type", "default"}};
+  params["rope_theta"] = j.value("rope_theta", 10000.0);
+  j.erase("rope_scaling");
+  j.erase("rope_theta");
+  j["rope_parameters"] = params;
+  return j;
+}
+
+TEST(HfConfig, ReadsTransformers5RopeParameters) {
+  TempDir dir("hf-config");
+  const nn::LlamaConfig legacy = read(dir, small_llama3());
+  const json v5 = in_transformers5_form(small_llama3());
+  nn::LlamaConfig c = read(dir, v5);
+  EXPECT_EQ(c.rope_params(), legacy.rope_params());
+  EXPECT_EQ(c.rope_theta, 500000.0f);
+
+  // Plain RoPE with another base: the base is not the default 10000.
+  json plain = small_llama3();
+  plain.erase("rope_scaling");
+  plain["rope_theta"] = 250000.0;
+  c = read(dir, in_transformers5_form(plain));
+  EXPECT_EQ(c.rope_theta, 250000.0f);
+  EXPECT_FALSE(c.rope_scaling.has_value());
+  // rope_type may be left out for plain RoPE.
+  json untyped = in_transformers5_form(plain);
+  untyped["rope_parameters"].erase("rope_type");
+  EXPECT_EQ(read(dir, untyped).rope_theta, 250000.0f);
+
+  // Both forms in one file: read when they agree.
+  json both = v5;
+  both["rope_theta"] = 500000.0;
+  both["rope_scaling"] = small_llama3()["rope_scaling"];
+  EXPECT_EQ(read(dir, both).rope_params(), legacy.rope_params());
+}
+
+TEST(HfConfig, RefusesTransformers5RopeParametersItCannotFollow) {
+  json j = in_transformers5_form(small_llama3());
+  for (const char* type : {"linear", "dynamic", "yarn", "longrope"}) {
+    j["rope_parameters"]["rope_type"] = type;
+    expect_refused(j, {"rope_parameters.rope_type = \"" + std::string(type) + "\"",
+                       "only \"llama3\" RoPE scaling"});
+  }
+  j = in_transformers5_form(small_llama3());
+  j["rope_parameters"].erase("high_freq_factor");
+  expect_refused(j, {"rope_parameters has no field 'high_freq_factor'"});
+  j = in_transformers5_form(small_llama3());
+  j["rope_parameters"].erase("rope_type");
+  expect_refused(j, {"rope_parameters has no rope_type"});
+  j = in_transformers5_form(small_llama3());
+  j["rope_parameters"] = 500000.0;
+  expect_refused(j, {"rope_parameters = 500000.0 has the wrong type"});
+  // One set per attention type (hybrid models).
+  j = in_transformers5_form(small_llama3());
+  j["rope_parameters"] = {{"full_attention", j["rope_parameters"]}};
+  expect_refused(j, {"rope_parameters holds one set per attention type (full_attention",
+                     "per-layer RoPE is not supported"});
+  // Both forms, saying different things.
+  j = in_transformers5_form(small_llama3());
+  j["rope_theta"] = 10000.0;
+  expect_refused(j, {"rope_theta = 10000.0 and rope_parameters.rope_theta = 500000.0 disagree"});
+  j = in_transformers5_form(small_llama3());
+  j["rope_scaling"] = {{"rope_type", "default"}};
+  expect_refused(j, {"rope_scaling and rope_parameters describe different RoPE scaling"});
+  // Rotating part of each head.
+  j = in_transformers5_form(small_llama3());
+  j["rope_parameters"]["partial_rotary_factor"] = 0.5;
+  expect_refused(j, {"rope_parameters.partial_rotary_factor = 0.5 is not supported"});
+  j = small_llama3();
+  j["partial_rotary_factor"] = 0.5;
+  expect_refused(j, {"partial_rotary_factor = 0.5 is not supported"});
+}
+
 TEST(HfConfig, RefusesRopeScalingItDoesNotImplement) {
   for (const char* type : {"linear", "dynamic", "yarn", "longrope"}) {
     json j = small_llama3();
@@ -348,20 +424,41 @@ TEST(HfConfig, IntegerWeightsAreRefusedFingerprintsAndMetadataCarry) {
   source["bos_token_id"] = 128000;
   source["eos_token_id"] = {128001, 128009};
   source["quantization_config"] = {{"load_in_4bit", true}};
+  // Transformers 5's form of the RoPE settings is not copied next to the written rope_theta.
+  source["rope_parameters"] = {{"rope_theta", c.rope_theta}, {"rope_type", "default"}};
   dir.write("a/config.json", source.dump());
   dir.write("a/tokenizer.json", "{\"version\": \"1.0\"}");
   io::save_hf_model(model, dir.str("export"));
-  const std::vector<std::string> carried = io::carry_hf_metadata(dir.str("a"), dir.str("export"));
+  const std::vector<std::string> carried =
+      io::carry_hf_metadata(dir.str("a"), dir.str("export"), 128);
   EXPECT_EQ(carried, (std::vector<std::string>{"config.json:bos_token_id",
                                                "config.json:eos_token_id", "tokenizer.json"}));
   const json exported = json::parse(testing::read_file_bytes(dir.str("export/config.json")));
   EXPECT_EQ(exported["bos_token_id"], 128000);
   EXPECT_EQ(exported["eos_token_id"], json({128001, 128009}));
   EXPECT_FALSE(exported.contains("quantization_config"));
+  EXPECT_FALSE(exported.contains("rope_parameters"));
   EXPECT_EQ(testing::read_file_bytes(dir.str("export/tokenizer.json")), "{\"version\": \"1.0\"}");
   // Floats are written as the shortest decimal that reads back as the same fp32 value.
   EXPECT_NE(testing::read_file_bytes(dir.str("export/config.json")).find("\"rms_norm_eps\": 1e-05"),
             std::string::npos);
+  // The source's max_position_embeddings stays, not the longer limit the training model was
+  // built with; sequences longer than the source's, when trained on, replace it.
+  EXPECT_EQ(exported["max_position_embeddings"], 131072);
+  source["max_position_embeddings"] = 64;
+  dir.write("a/config.json", source.dump());
+  nn::LlamaConfig longer = c;
+  longer.max_seq_len = 2048;
+  nn::LlamaModel built_longer(longer, Device::cpu());
+  built_longer.init_weights(7);
+  for (int64_t trained : {32, 256}) {
+    io::save_hf_model(built_longer, dir.str("export"));
+    io::carry_hf_metadata(dir.str("a"), dir.str("export"), trained);
+    const json written = json::parse(testing::read_file_bytes(dir.str("export/config.json")));
+    EXPECT_EQ(written["max_position_embeddings"], std::max<int64_t>(64, trained));
+  }
+  io::save_hf_model(model, dir.str("export"));
+  io::carry_hf_metadata(dir.str("a"), dir.str("export"), 128);
   // The exported model still loads.
   nn::LlamaModel again(nn::LlamaConfig::from_hf_json(dir.str("export/config.json")), Device::cpu());
   io::load_hf_weights(again, dir.str("export"));

@@ -30,9 +30,12 @@ std::string hf_weights_fingerprint(const std::string& dir);
 // does not write (bos/eos/pad token ids, ...; not quantization_config, which described the
 // source's storage) join the exported config.json, and the tokenizer and generation files
 // (tokenizer.json, tokenizer_config.json, special_tokens_map.json, tokenizer.model,
-// generation_config.json) are copied as they are. Returns the names carried over.
+// generation_config.json) are copied as they are. max_position_embeddings stays the source's
+// unless the run trained on longer sequences (`trained_seq_len`): the model built for training
+// may allow more (model.max_seq_len), which says nothing about what the weights learned.
+// Returns the names carried over.
 std::vector<std::string> carry_hf_metadata(const std::string& source_dir,
-                                           const std::string& export_dir);
+                                           const std::string& export_dir, int64_t trained_seq_len);
 
 // Writes config.json and the weights (in the parameters' dtype, fp32 for training; split into
 // shard files past `max_shard_bytes`, see ShardedSafetensorsWriter) into `dir`.
