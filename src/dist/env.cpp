@@ -23,6 +23,34 @@ std::optional<int> env_int(const char* name) {
   return static_cast<int>(value);
 }
 
+}  // namespace
+
+std::optional<int> slurm_tasks_on_node(const std::string& tasks_per_node, int node_id) {
+  // "2(x3),1": entries separated by commas, each a count with an optional repeat "(xK)".
+  if (node_id < 0) return std::nullopt;
+  size_t at = 0;
+  int64_t first_node = 0;
+  while (at < tasks_per_node.size()) {
+    size_t end = tasks_per_node.find(',', at);
+    if (end == std::string::npos) end = tasks_per_node.size();
+    const std::string entry = tasks_per_node.substr(at, end - at);
+    int count = 0, repeat = 1, used = 0;
+    if (std::sscanf(entry.c_str(), "%d%n", &count, &used) != 1 || count < 1) return std::nullopt;
+    if (static_cast<size_t>(used) != entry.size()) {
+      int more = 0;
+      if (std::sscanf(entry.c_str() + used, "(x%d)%n", &repeat, &more) != 1 || repeat < 1 ||
+          static_cast<size_t>(used + more) != entry.size())
+        return std::nullopt;
+    }
+    if (node_id < first_node + repeat) return count;
+    first_node += repeat;
+    at = end + 1;
+  }
+  return std::nullopt;
+}
+
+namespace {
+
 int world_rank_now() {
   int r = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &r);
@@ -70,7 +98,12 @@ LaunchInfo detect_launch() {
   } else if (env_int("SLURM_PROCID") && env_int("SLURM_STEP_NUM_TASKS")) {
     // The step's variables, which srun sets for its tasks: the batch script's own shell has
     // SLURM_NTASKS of the whole allocation too, and a process it starts directly is one rank.
-    std::optional<int> local_size = env_int("SLURM_STEP_TASKS_PER_NODE");
+    // SLURM_STEP_TASKS_PER_NODE lists every node's count ("3,2", "2(x3)"): this node's is the
+    // entry of SLURM_NODEID, not the first.
+    std::optional<int> local_size;
+    const char* per_node = std::getenv("SLURM_STEP_TASKS_PER_NODE");
+    const std::optional<int> node = env_int("SLURM_NODEID");
+    if (per_node != nullptr) local_size = slurm_tasks_on_node(per_node, node.value_or(0));
     if (!local_size) local_size = env_int("SLURM_NTASKS_PER_NODE");
     fill("slurm", env_int("SLURM_PROCID"), env_int("SLURM_STEP_NUM_TASKS"),
          env_int("SLURM_LOCALID"), local_size);

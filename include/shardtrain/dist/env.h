@@ -15,6 +15,7 @@
 //   self        this rank alone (a LocalProcessGroup)
 #pragma once
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "shardtrain/core/device.h"
@@ -38,6 +39,11 @@ struct LaunchInfo {
   bool launched() const { return launcher != "none"; }
 };
 LaunchInfo detect_launch();
+
+// The tasks Slurm starts on node `node_id` (SLURM_NODEID) by its per-node list, as in
+// SLURM_STEP_TASKS_PER_NODE: "4" (one node), "3,2" (one entry per node), "2(x3),1" (a count
+// repeated for several nodes). Empty when the list is malformed or too short.
+std::optional<int> slurm_tasks_on_node(const std::string& tasks_per_node, int node_id);
 
 struct DistOptions {
   // auto: NCCL for CUDA devices when the build has it, MPI otherwise; mpi; nccl.
