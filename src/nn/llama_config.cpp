@@ -16,13 +16,27 @@
 
 namespace shardtrain::nn {
 
-void LlamaConfig::validate() const {
-  auto fail = [](const std::string& what) { throw ConfigError("model: " + what); };
+void LlamaConfig::validate(FieldNames names) const {
+  auto fail = [names](const std::string& what) {
+    throw ConfigError((names == FieldNames::RunConfig ? "model: " : "") + what);
+  };
+  // A field's name where the values came from.
+  auto field = [names](const std::string& name) -> std::string {
+    if (names == FieldNames::RunConfig) return name;
+    static const std::pair<const char*, const char*> hf[] = {
+        {"num_layers", "num_hidden_layers"},
+        {"num_heads", "num_attention_heads"},
+        {"num_kv_heads", "num_key_value_heads"},
+        {"max_seq_len", "max_position_embeddings"}};
+    for (const auto& [ours, theirs] : hf)
+      if (name == ours) return theirs;
+    return name;
+  };
   if (vocab_size <= 0 || hidden_size <= 0 || intermediate_size <= 0 || num_layers <= 0 ||
       num_heads <= 0 || num_kv_heads <= 0)
-    fail(
-        "vocab_size, hidden_size, intermediate_size, num_layers, num_heads and num_kv_heads "
-        "must all be positive");
+    fail(field("vocab_size") + ", " + field("hidden_size") + ", " + field("intermediate_size") +
+         ", " + field("num_layers") + ", " + field("num_heads") + " and " + field("num_kv_heads") +
+         " must all be positive");
   const std::pair<const char*, std::pair<int64_t, int64_t>> limits[] = {
       {"vocab_size", {vocab_size, kMaxVocabSize}},
       {"hidden_size", {hidden_size, kMaxHiddenSize}},
@@ -33,17 +47,17 @@ void LlamaConfig::validate() const {
       {"max_seq_len", {max_seq_len, kMaxSeqLen}}};
   for (const auto& [name, value_and_limit] : limits)
     if (value_and_limit.first > value_and_limit.second)
-      fail(std::string(name) + " = " + std::to_string(value_and_limit.first) +
+      fail(field(name) + " = " + std::to_string(value_and_limit.first) +
            " is larger than this runtime allows (" + std::to_string(value_and_limit.second) +
            "): no model is that large; check the value");
   if (hidden_size % num_heads != 0)
-    fail("hidden_size " + std::to_string(hidden_size) + " is not divisible by num_heads " +
-         std::to_string(num_heads));
+    fail("hidden_size " + std::to_string(hidden_size) + " is not divisible by " +
+         field("num_heads") + " " + std::to_string(num_heads));
   if (num_heads % num_kv_heads != 0)
-    fail("num_heads " + std::to_string(num_heads) + " is not a multiple of num_kv_heads " +
-         std::to_string(num_kv_heads));
+    fail(field("num_heads") + " " + std::to_string(num_heads) + " is not a multiple of " +
+         field("num_kv_heads") + " " + std::to_string(num_kv_heads));
   if (head_dim() % 2 != 0)
-    fail("head dimension hidden_size/num_heads = " + std::to_string(head_dim()) +
+    fail("head dimension hidden_size/" + field("num_heads") + " = " + std::to_string(head_dim()) +
          " must be even for rotary embeddings");
   if (!(rms_norm_eps > 0)) fail("rms_norm_eps must be positive");
   if (!(rope_theta > 0)) fail("rope_theta must be positive");
@@ -280,7 +294,7 @@ LlamaConfig LlamaConfig::from_hf_json(const std::string& path) {
                   " does not give hidden_size = " + std::to_string(c.hidden_size) +
                   ": head_dim * num_attention_heads != hidden_size is not supported");
   try {
-    c.validate();
+    c.validate(FieldNames::HfConfigJson);
   } catch (const ConfigError& e) {
     throw ConfigError("'" + path + "' describes a model this runtime cannot build: " + e.what());
   }

@@ -239,7 +239,7 @@ TEST(HfConfig, RefusesSizesNoModelHasAndAFifo) {
   TempDir dir("hf-config");
   expect_error<ConfigError>(
       [&] { read(dir, j); },
-      {"num_layers = 1099511627776 is larger than this runtime allows (65536)"});
+      {"num_hidden_layers = 1099511627776 is larger than this runtime allows (65536)"});
   j = small_llama3();
   j["num_attention_heads"] = 4;
   j["head_dim"] = (int64_t{1} << 62) + 8;  // x 4 heads = 2^64 + 32: wraps around to hidden_size
@@ -473,7 +473,18 @@ TEST(HfConfig, AShapeTheModelCannotTakeNamesTheFile) {
   j["num_key_value_heads"] = 1;
   const std::string path = write_config(dir, j);
   expect_error<Error>([&] { nn::LlamaConfig::from_hf_json(path); },
-                      {"'" + path + "'", "not divisible by num_heads 3"});
+                      {"'" + path + "'", "not divisible by num_attention_heads 3"});
+  // Fields are named as config.json names them, not as the run config's model section does.
+  j = small_llama3();
+  j["num_hidden_layers"] = 2000000;
+  write_config(dir, j);
+  expect_error<Error>([&] { nn::LlamaConfig::from_hf_json(path); },
+                      {"'" + path + "'", "num_hidden_layers = 2000000 is larger than"});
+  j = small_llama3();
+  j["num_key_value_heads"] = 3;
+  write_config(dir, j);
+  expect_error<Error>([&] { nn::LlamaConfig::from_hf_json(path); },
+                      {"num_attention_heads 2 is not a multiple of num_key_value_heads 3"});
 }
 
 // ---- the run config against config.json ----------------------------------------------------

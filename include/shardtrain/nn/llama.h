@@ -41,8 +41,10 @@ struct LlamaConfig {
   int64_t head_dim() const { return hidden_size / num_heads; }
   RopeParams rope_params() const { return RopeParams{rope_theta, rope_scaling}; }
   // Checks the shape is consistent (heads divide hidden, kv heads divide heads, ...) and the
-  // RoPE scaling usable.
-  void validate() const;
+  // RoPE scaling usable. Errors name the fields as the run config's model section does, or as
+  // a Hugging Face config.json does (num_hidden_layers, num_attention_heads, ...).
+  enum class FieldNames { RunConfig, HfConfigJson };
+  void validate(FieldNames names = FieldNames::RunConfig) const;
   // Reads a Hugging Face config.json (LlamaConfig fields). Rejects what this implementation
   // does not compute (model_type other than llama, hidden_act other than silu, attention or MLP
   // biases, rope_scaling other than llama3) and non-integer values of integer fields; every
