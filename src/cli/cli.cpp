@@ -154,6 +154,11 @@ int main(int argc, char** argv) {
   // writer turns into a message naming the file; the default SIGXFSZ would kill the process
   // without a word and leave its temporary files behind.
   std::signal(SIGXFSZ, SIG_IGN);
+  // Output piped into `tee` or `head`: when the reader goes first (Ctrl-C reaches the whole
+  // pipeline, `head` has its lines), the default SIGPIPE would kill the run before its stop
+  // checkpoint. Ignored, the write fails instead, and the progress lines go nowhere while the
+  // run stops or finishes as it would have.
+  std::signal(SIGPIPE, SIG_IGN);
   std::signal(SIGBUS, on_bus_error);
   std::vector<std::string> args;
   for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);

@@ -1,13 +1,16 @@
 #include "shardtrain/train/plan.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 
 #include "shardtrain/core/error.h"
@@ -280,12 +283,44 @@ bool strategy_on_every_layer(const Config& c) {
 }
 }  // namespace
 
+// The keys the recipe's steps set, in the order they first appear.
+std::vector<std::string> keys_the_recipe_sets() {
+  std::vector<std::string> keys = {"precision.param_dtype"};  // follows precision.compute
+  for (const RecipeStep& step : recipe_steps()) {
+    std::istringstream words(step.change);
+    std::string word;
+    while (words >> word) {
+      const std::string key = word.substr(0, word.find('='));
+      if (std::find(keys.begin(), keys.end(), key) == keys.end()) keys.push_back(key);
+    }
+  }
+  return keys;
+}
+
 Config apply_recipe(const Config& config, int64_t device_bytes, int world_size, std::string* why) {
   ST_CHECK_AS(ConfigError, strategy_on_every_layer(config), "recipe: auto picks an activation ",
               "strategy for every layer (the memory model predicts no subset), but "
               "activation.layers is '",
               config.activation.layers,
               "': remove activation.layers, or choose the strategy yourself with recipe: manual");
+  // A key the run config sets away from its default is a request the recipe would overrule
+  // without a word (bf16 asked for, fp32 trained).
+  {
+    std::map<std::string, std::string> value, default_value;
+    for (const auto& [path, text] : config.key_values()) value[path] = text;
+    for (const auto& [path, text] : Config().key_values()) default_value[path] = text;
+    std::vector<std::string> set;
+    const std::vector<std::string> keys = keys_the_recipe_sets();
+    for (const std::string& key : keys)
+      if (value.at(key) != default_value.at(key)) set.push_back(key + "=" + value.at(key));
+    if (!set.empty())
+      throw ConfigError("recipe: auto chooses " + fmt::format("{}", fmt::join(keys, ", ")) +
+                        " itself, but the run config sets " +
+                        fmt::format("{}", fmt::join(set, ", ")) +
+                        ": remove them to let the recipe choose, or keep them with recipe: "
+                        "manual (the default; `shardtrain plan` shows what each recipe step "
+                        "would set)");
+  }
   Plan plan = make_plan(config, device_bytes, world_size);
   if (plan.first_fit < 0)
     throw ConfigError("recipe: auto: " + plan.verdict() + "\n" + plan.table());

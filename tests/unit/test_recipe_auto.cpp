@@ -244,3 +244,28 @@ TEST(HostMemory, APredictionPastTheMachinesMemoryFailsBeforeTheFirstStep) {
   }
   std::filesystem::remove(text);
 }
+
+// A key the recipe chooses, set by the run config, is refused by name rather than overruled
+// (bf16 and per_layer asked for, fp32 and no checkpointing trained).
+TEST(RecipeAuto, KeysTheRecipeChoosesAreRefusedWhenSet) {
+  std::string out = out_dir("chosen-keys");
+  train::Config c = tiny(out, "1GiB");
+  c.precision.compute = "bf16";
+  c.activation.strategy = "per_layer";
+  c.optim.offload = "cpu";
+  try {
+    train::run_training(c);
+    FAIL() << "recipe: auto overruled precision.compute, activation.strategy and optim.offload";
+  } catch (const ConfigError& e) {
+    const std::string m = e.what();
+    for (const char* part : {"recipe: auto chooses precision.param_dtype, precision.compute",
+                             "the run config sets precision.compute=bf16, "
+                             "activation.strategy=per_layer, optim.offload=cpu",
+                             "recipe: manual"})
+      EXPECT_NE(m.find(part), std::string::npos) << m;
+  }
+  // Left at their defaults, the recipe chooses them.
+  c = tiny(out, "1GiB");
+  EXPECT_EQ(train::run_training(c).steps, 2);
+  std::filesystem::remove_all(out);
+}

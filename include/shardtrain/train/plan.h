@@ -80,7 +80,8 @@ void measure_plan(Plan& plan, int64_t warmup_steps = 1, int64_t measured_steps =
 // activation.strategy, dist.sharding and optim.offload. When `why` is given it receives one line
 // naming the row, its predicted peak and its cost. The result has recipe: manual (the choice is
 // made, and its config.yaml reproduces it). Throws ConfigError containing the plan table when no
-// row fits.
+// row fits, and ConfigError naming them when `config` sets any of the keys the recipe sets away
+// from its default (a request the recipe would overrule).
 Config apply_recipe(const Config& config, int64_t device_bytes, int world_size,
                     std::string* why = nullptr);
 
