@@ -91,6 +91,18 @@ Command bench_command() {
                    report.rows.size());
       return 1;
     }
+    // Nothing measured (every combination out of memory or unsupported) is no result either.
+    int ran = 0;
+    for (const train::BenchRow& r : report.rows) ran += r.status == train::BenchStatus::Ok;
+    if (ran == 0) {
+      std::fprintf(stderr,
+                   "bench: none of the %zu combinations ran (out of memory or unsupported, see "
+                   "the table): nothing was measured; give the device more room "
+                   "(train.device_memory), a smaller train.micro_batch, or other --strategies "
+                   "and --precisions\n",
+                   report.rows.size());
+      return 1;
+    }
     return 0;
   };
   return c;

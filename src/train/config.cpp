@@ -1296,6 +1296,13 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
   if (!in) throw ConfigError("cannot open config file '" + path + "' for reading");
   std::stringstream text;
   text << in.rdbuf();
+  // An empty file would train every default (a 133k-parameter model on the built-in corpus)
+  // where the user meant a run of their own: a file cut short, or the wrong one.
+  const YAML::Node root = load_yaml(text.str(), path);
+  if (!root.IsDefined() || root.IsNull())
+    throw ConfigError("config file '" + path +
+                      "' holds no settings (it is empty or only comments): a run config names "
+                      "at least its model and data; start from configs/tiny.yaml");
   Parsed parsed = parse_tree(text.str(), overrides, path);
   if (!parsed.keys_given.count("train.out_dir"))
     parsed.config.train.out_dir = "runs/" + fs::path(path).stem().string();

@@ -28,11 +28,17 @@ void Progress::update(int64_t step, const std::string& text) {
     int filled = total_ > 0 ? static_cast<int>(width * step / total_) : width;
     std::string bar(static_cast<size_t>(filled), '#');
     bar += std::string(static_cast<size_t>(width - filled), '.');
-    fmt::print(stderr, "\r\033[K{} [{}] {}/{} {} eta {}", label_, bar, step, total_, text,
-               eta_text);
+    // fputs, not fmt::print: a reader that went away (a closed pipe) must not end the run,
+    // and fmt::print throws on a failed write where fputs only returns EOF.
+    std::fputs(
+        fmt::format("\r\033[K{} [{}] {}/{} {} eta {}", label_, bar, step, total_, text, eta_text)
+            .c_str(),
+        stderr);
     open_line_ = true;
   } else {
-    fmt::print(stderr, "{} step {}/{} {} eta {}\n", label_, step, total_, text, eta_text);
+    std::fputs(
+        fmt::format("{} step {}/{} {} eta {}\n", label_, step, total_, text, eta_text).c_str(),
+        stderr);
   }
   std::fflush(stderr);
 }

@@ -367,6 +367,14 @@ TEST(Bench, OutOfMemoryIsReportedAndTheRunGoesOn) {
   EXPECT_EQ(j["rows"][0]["status"], "oom");
   EXPECT_EQ(j["rows"][0]["oom_requested_bytes"].get<int64_t>(),
             std::stoll(csv[0]["oom_requested_bytes"]));
+
+  // With no combination that ran, nothing was measured: the exit status says so.
+  code = cli::run({"bench", "--config", (dir / "tiny.yaml").string(), "--set",
+                   "train.device_memory=" + std::to_string(capacity), "--strategies", "none",
+                   "--precisions", "fp32", "--warmup", "0", "--steps", "1", "--out",
+                   (dir / "out2").string()});
+  EXPECT_EQ(code, 1);
+  EXPECT_EQ(read_csv(dir / "out2" / "bench.csv").at(0)["status"], "oom");
   fs::remove_all(dir);
 }
 

@@ -578,8 +578,15 @@ TEST(Config, LoadConfigDerivesOutDirFromTheFileName) {
   EXPECT_EQ(c.effective_checkpoint_dir(), "runs/my-run/checkpoints");
   c = load_config(dir.write("b.yaml", "train:\n  out_dir: /tmp/elsewhere\n"));
   EXPECT_EQ(c.train.out_dir, "/tmp/elsewhere");
-  c = load_config(dir.write("c.yaml", ""), {"train.out_dir=o"});
+  c = load_config(dir.write("c.yaml", "train:\n  steps: 2\n"), {"train.out_dir=o"});
   EXPECT_EQ(c.train.out_dir, "o");
+  // A file with no settings at all (empty, or comments only) is refused: every default would
+  // train where a run of the user's own was meant.
+  for (const char* text : {"", "# just a comment\n", "\n\n"}) {
+    const std::string empty = dir.write("empty.yaml", text);
+    EXPECT_CONTAINS(error_of([&] { load_config(empty); }),
+                    "config file '" + empty + "' holds no settings (it is empty or only comments)");
+  }
   // A bad key in a file names the file.
   std::string path = dir.write("bad.yaml", "model:\n  hiden_size: 8\n");
   EXPECT_CONTAINS(error_of([&] { load_config(path); }),
