@@ -152,7 +152,9 @@ step() {
 # nvidia-smi when it is installed; otherwise the driver's device files.
 gpu_present() {
   if command -v nvidia-smi >/dev/null 2>&1; then
-    nvidia-smi -L 2>/dev/null | grep -q '^GPU '
+    # grep reads all of it: with -q it could quit first and, under pipefail, nvidia-smi's
+    # SIGPIPE would read as "no GPU".
+    nvidia-smi -L 2>/dev/null | grep '^GPU ' >/dev/null
   else
     [[ -e /dev/nvidia0 ]] || [[ -n "$(ls -A /proc/driver/nvidia/gpus 2>/dev/null)" ]]
   fi

@@ -14,11 +14,12 @@ packages=(
   libboost-dev libboost-iostreams-dev
   libgtest-dev
   gnuplot-nox
+  xz-utils
 )
 
 missing=()
 for package in "${packages[@]}"; do
-  if ! dpkg -s "$package" 2>/dev/null | grep -q '^Status: install ok installed'; then
+  if ! dpkg -s "$package" 2>/dev/null | grep '^Status: install ok installed' >/dev/null; then
     missing+=("$package")
   fi
 done
@@ -30,6 +31,11 @@ fi
 echo "install-deps: installing ${missing[*]}"
 sudo=()
 if [[ $(id -u) -ne 0 ]]; then
+  if ! command -v sudo >/dev/null 2>&1; then
+    echo "install-deps: ${missing[*]} must be installed, which needs root, and sudo is not" \
+      "installed: run this script as root (su -c 'bash $0') or install sudo first" >&2
+    exit 1
+  fi
   sudo=(sudo)
 fi
 "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update

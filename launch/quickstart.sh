@@ -19,6 +19,9 @@ cmake --build build -j "$(nproc)" --target shardtrain_bin
 gpu=""
 if command -v nvidia-smi >/dev/null 2>&1; then
   gpu="$(nvidia-smi -L 2>/dev/null | grep '^GPU' | head -n 1 || true)"
+elif [[ -e /dev/nvidia0 || -n "$(ls -A /proc/driver/nvidia/gpus 2>/dev/null)" ]]; then
+  # A container with the driver's device files but without nvidia-smi.
+  gpu="an NVIDIA GPU (/dev/nvidia0)"
 fi
 cuda_build=no
 if grep -q '^SHARDTRAIN_BUILT_WITH_CUDA:INTERNAL=ON$' build/CMakeCache.txt 2>/dev/null; then

@@ -18,6 +18,12 @@ Command config_command() {
   c.flags.push_back(Flag("keys", "", "list every key with its type, default and help"));
   c.run = [](const Args& args) {
     if (args.has("keys")) {
+      // The key list is the schema's, the same for every config: a --config or --set given
+      // with it would be read by nothing (a typo in them would pass unnoticed).
+      if (args.has("config") || args.has("set"))
+        throw UsageError(
+            "--keys lists every key of the schema and reads no config: give it alone, or drop "
+            "--keys to resolve --config and --set");
       std::cout << train::describe_config_keys();
       return 0;
     }
