@@ -22,7 +22,9 @@
 #   bundle/bench/      tests/bench/*.py: the PyTorch SDPA reference and the attention comparison
 #   bundle/gpu-verify.sh   launch/gpu-verify.sh: every GPU check and measurement, by phase
 #   bundle/env.sh      source it: sets LD_LIBRARY_PATH (and expands compressed files once); finds
-#                      the CUDA libraries in the CUDA toolkit or in PyTorch's nvidia-* wheels
+#                      the CUDA libraries in the CUDA toolkit or in PyTorch's nvidia-* wheels.
+#                      Source it where the bundle's programs run (a job script, a subshell): every
+#                      program started there loads bundle/lib's copies (libstdc++, libssl, ...)
 #   bundle/run-tests.sh  runs every test executable and prints a summary; exit 1 on failure
 #   bundle/link-build-paths.sh  makes the build machine's paths the tests were compiled with
 #                      (test data, configs, the CLI binary) point into the bundle where missing
