@@ -186,6 +186,21 @@ TrainSummary run_training(const Config& requested) {
 
 namespace {
 
+// The bytes of a Hugging Face directory's weight files (what loading it reads).
+int64_t safetensors_bytes(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  int64_t total = 0;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    // model.safetensors, or the shards model-00001-of-0000N.safetensors.
+    const std::string name = entry.path().filename().string();
+    if (entry.path().extension() != ".safetensors" || name.rfind("model", 0) != 0) continue;
+    const auto size = entry.file_size(ec);
+    if (!ec) total += static_cast<int64_t>(size);
+  }
+  return total;
+}
+
 // Writes the trained model in the Hugging Face layout to `dir` (a LoRA model merged).
 void export_model(const Config& config, Runtime& rt, const std::string& dir, Progress& progress) {
   if (config.lora.enabled) {
@@ -290,7 +305,22 @@ TrainSummary train_with(const Config& config) {
   int64_t global_batch = t.sequences_per_step(world);
   int64_t accumulation = global_batch / (t.micro_batch * world);  // micro-batches per rank
 
+  // Released weights take a while to read (and, for QLoRA, to quantize): minutes for billions
+  // of parameters, which would otherwise pass without a word.
+  const bool loads_weights = !config.model.from_hf.empty();
+  const bool tells = leader && t.progress != "none";
+  const auto load_start = std::chrono::steady_clock::now();
+  if (loads_weights && tells)
+    std::fprintf(
+        stderr, "loading the model from %s (%s of safetensors)%s ...\n",
+        config.model.from_hf.c_str(), format_bytes(safetensors_bytes(config.model.from_hf)).c_str(),
+        config.lora.enabled && config.lora.quantize_base == "nf4" ? ", quantizing the base to NF4"
+                                                                  : "");
   Runtime rt(config);
+  if (loads_weights && tells)
+    std::fprintf(
+        stderr, "loaded the model in %.1f s\n",
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
   const int rank = rt.dist().rank();
   check_same_data_on_every_rank(data, config.data.path, rt.dist().world());
   ST_CHECK(rt.dist().world_size() == world, "the launcher reported ", world,
