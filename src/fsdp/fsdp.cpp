@@ -256,6 +256,15 @@ void ShardedModel::start_gather(Unit& u) {
   const int64_t bytes = u.layout.padded * static_cast<int64_t>(dtype_size(options_.param_dtype));
   u.gathered->data = DataPtr(static_cast<size_t>(bytes), device_, MemoryCategory::Parameters);
   Tensor flat = gathered_flat(u);
+  if (shard_group_->size() == 1) {
+    // One shard (no_shard): the gather is a cast of this rank's own replica, straight into the
+    // gathered buffer; a compute-dtype copy of the shard for a collective to read would be a
+    // second copy of the whole unit.
+    flat.copy_from(u.shard);
+    u.gather_work = dist::completed_work();
+    u.state = Unit::State::Gathering;
+    return;
+  }
   Tensor input = u.shard;
   if (options_.param_dtype != DType::F32) {
     CategoryScope scope(MemoryCategory::Parameters);
@@ -412,9 +421,11 @@ Tensor ShardedModel::run_unit(Unit& u, const nn::TensorFn& inner, const Tensor& 
       return Tensor();
     });
     // The root stays gathered: its head runs first in backward, its embedding last.
-    if (options_.strategy != ShardingStrategy::GradOpShard &&
-        options_.strategy != ShardingStrategy::NoShard && !u.is_root)
-      free_gathered(u);
+    // grad_op_shard keeps every unit until its backward (one gather per step); the others free
+    // it and gather again for the backward. no_shard's "gather" is the cast of its own replica
+    // to the compute dtype (in fp32 there is nothing to free), so no copy of the whole model
+    // waits for the backward: its memory is one process's, as plain data parallelism's is.
+    if (options_.strategy != ShardingStrategy::GradOpShard && !u.is_root) free_gathered(u);
   } else {
     // No backward will come (evaluation): reshard now.
     if (u.awaiting_backward) {

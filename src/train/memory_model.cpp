@@ -241,9 +241,9 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
 
   // ---- sharding ------------------------------------------------------------------------------
   // Every run over several ranks goes through fsdp::ShardedModel; no_shard is its one-shard
-  // case: each rank holds every unit whole, keeps it "gathered" (in the parameter dtype) from
-  // its forward to its backward as grad_op_shard does, and all-reduces the flat gradients. In
-  // fp32 the gathered unit is the master itself (no copy).
+  // case: each rank holds every unit whole, "gathers" it (casts it to the parameter dtype)
+  // around its forward and again for its backward as full_shard does, and all-reduces the flat
+  // gradients. In fp32 the gathered unit is the master itself (no copy).
   const bool fsdp = in.world_size > 1 && !in.lora;
   int64_t shards = 1;
   if (fsdp && in.sharding != "no_shard") {
@@ -376,7 +376,7 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   const int64_t unit_copy = fsdp ? gathered(mb.layer) : (mixed ? mb.layer.compute_copy : 0);
   const int64_t root_copy = fsdp ? gathered(mb.root) : (mixed ? mb.root.compute_copy : 0);
   const int64_t head_copy = mixed ? r64(pe * V * H) : 0;
-  const bool all_gathered = fsdp && (in.sharding == "grad_op_shard" || in.sharding == "no_shard");
+  const bool all_gathered = fsdp && in.sharding == "grad_op_shard";
   const int64_t in_flight_units = fsdp ? (in.prefetch ? 2 : 1) : 1;
   // FSDP's reduce-scatter of a unit: when the unit's backward ends, its gradients (compute
   // dtype) are concatenated into a flat buffer (reduce dtype) that is reduce-scattered into a

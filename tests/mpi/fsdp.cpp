@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <map>
 
 #include "shardtrain/activation/strategy.h"
 #include "shardtrain/amp/mixed_precision.h"
@@ -340,6 +341,42 @@ TEST(FsdpMixedPrecision, Bf16ComputeMatchesSingleProcessCasts) {
           << name << " reduced in " << dtype_name(reduce);
     });
   }
+}
+
+// no_shard in 16 bits casts each unit around its forward and again for its backward, as
+// full_shard gathers it: no compute-dtype copy of the whole model waits for the backward (plain
+// data parallelism's memory is one process's). grad_op_shard keeps every unit; both compute the
+// same gradients.
+TEST(FsdpMixedPrecision, NoShardFreesEachUnitsCopyAfterItsForward) {
+  dist::DistEnv env;
+  const int rank = env.rank();
+  nn::LlamaConfig cfg = test::tiny_config(3);
+  std::vector<MicroBatch> all =
+      test::make_micro_batches(env.world_size(), 2, 8, cfg.vocab_size, 17);
+  const MicroBatch& mine = all[static_cast<size_t>(rank)];
+  std::map<ShardingStrategy, NamedValues> grads;
+  for (ShardingStrategy strategy : {ShardingStrategy::NoShard, ShardingStrategy::GradOpShard}) {
+    nn::LlamaModel model(cfg, Device::cpu());
+    model.init_weights(kInitSeed);
+    FsdpOptions options;
+    options.strategy = strategy;
+    options.param_dtype = DType::BF16;
+    ShardedModel sharded(model, env, options);
+    Tensor loss = model.loss_sum(mine.ids, mine.targets);
+    // The root unit (embeddings, head) stays for its backward; the layers' copies do not.
+    EXPECT_EQ(sharded.num_gathered_units(),
+              strategy == ShardingStrategy::NoShard ? 1 : cfg.num_layers + 1)
+        << sharding_strategy_name(strategy);
+    autograd::backward(loss);
+    EXPECT_EQ(sharded.num_gathered_units(), 0) << sharding_strategy_name(strategy);
+    sharded.for_each_full_gradient([&](const std::string& name, const Tensor& full) {
+      grads[strategy][name] = full.to_float_vector();
+    });
+  }
+  ASSERT_EQ(grads[ShardingStrategy::NoShard].size(), grads[ShardingStrategy::GradOpShard].size());
+  for (const auto& [name, g] : grads[ShardingStrategy::NoShard])
+    EXPECT_LT(test::max_relative_error(g, grads[ShardingStrategy::GradOpShard].at(name)), 1e-6)
+        << name;
 }
 
 // ---- loading and errors -----------------------------------------------------------------------
