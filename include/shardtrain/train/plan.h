@@ -5,7 +5,8 @@
 //   1. fp32 eager                 precision.compute=fp32, activation.strategy=none, plain
 //                                 attention, replicated (no_shard) over the ranks
 //   2. bf16                       precision.compute=bf16 (fp32 master weights stay)
-//   3. fused attention            activation.attention=fused (no S x S probabilities)
+//   3. fused kernels              activation.attention=fused (no S x S probabilities) and
+//                                 activation.loss_chunk_tokens (the logits a chunk at a time)
 //   4. per_layer checkpointing    activation.strategy=per_layer
 //   5. offload_checkpoint         activation.strategy=offload_checkpoint
 //   6. full_shard over N ranks    dist.sharding=full_shard
