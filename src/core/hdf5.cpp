@@ -4,6 +4,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <tuple>
 
 #include "shardtrain/core/error.h"
 
@@ -84,8 +85,13 @@ bool has_hdf5_signature(const std::string& path) {
   std::error_code ec;
   if (!std::filesystem::is_regular_file(path, ec)) return false;
   std::ifstream in(path, std::ios::binary);
-  char head[8] = {};
-  return in.read(head, sizeof head) && std::memcmp(head, kSignature, sizeof head) == 0;
+  // At the start of the file, or after a user block: at 512, 1024, 2048, ... bytes.
+  for (std::streamoff at = 0;; at = at == 0 ? 512 : 2 * at) {
+    char head[8] = {};
+    in.seekg(at);
+    if (!in.read(head, sizeof head)) return false;
+    if (std::memcmp(head, kSignature, sizeof head) == 0) return true;
+  }
 }
 
 void silence_library_errors() {
@@ -325,6 +331,11 @@ std::optional<std::vector<Dataset::RawBlock>> Dataset::raw_blocks() const {
   Handle type_id = datatype(checked(H5Dget_type(id()), where_ + ": cannot read the element type"));
   if (H5Tget_order(type_id.get()) != H5T_ORDER_LE) return std::nullopt;
   const auto element = static_cast<int64_t>(H5Tget_size(type_id.get()));
+  // Raw bytes are the value only when every bit of the element is the integer's (HDF5 also
+  // describes, say, 16 significant bits at bit offset 16 of a 4-byte element).
+  if (H5Tget_precision(type_id.get()) != static_cast<size_t>(8 * element) ||
+      H5Tget_offset(type_id.get()) != 0)
+    return std::nullopt;
   Handle dcpl = plist(checked(H5Dget_create_plist(id()), where_ + ": cannot read its properties"));
   if (H5Pget_nfilters(dcpl.get()) != 0) return std::nullopt;
   const auto total = static_cast<int64_t>(dims_[0]);
@@ -337,6 +348,23 @@ std::optional<std::vector<Dataset::RawBlock>> Dataset::raw_blocks() const {
     return blocks;
   }
   if (layout != H5D_CHUNKED) return std::nullopt;
+  // Before HDF5 1.14.4, chunk addresses count from the end of the file's user block (a header
+  // of 512 bytes or more that some tools put before the HDF5 data); H5Dget_offset, above, has
+  // always counted from the start of the file.
+  int64_t chunk_base = 0;
+  {
+    unsigned major = 0, minor = 0, release = 0;
+    H5get_libversion(&major, &minor, &release);
+    if (std::make_tuple(major, minor, release) < std::make_tuple(1u, 14u, 4u)) {
+      Handle file(checked(H5Iget_file_id(id()), where_ + ": cannot find its file"), H5Fclose);
+      Handle fcpl = plist(
+          checked(H5Fget_create_plist(file.get()), where_ + ": cannot read its file's properties"));
+      hsize_t user_block = 0;
+      checked_status(H5Pget_userblock(fcpl.get(), &user_block),
+                     where_ + ": cannot read its file's user block size");
+      chunk_base = static_cast<int64_t>(user_block);
+    }
+  }
   Handle space = dataspace(checked(H5Dget_space(id()), where_ + ": cannot read the dataspace"));
   hsize_t count = 0;
   checked_status(H5Dget_num_chunks(id(), space.get(), &count), where_ + ": cannot count chunks");
@@ -352,7 +380,7 @@ std::optional<std::vector<Dataset::RawBlock>> Dataset::raw_blocks() const {
     const int64_t in_chunk = static_cast<int64_t>(bytes) / element;
     const int64_t used = std::min(in_chunk, total - first);
     if (used <= 0) continue;
-    blocks.push_back({first, used, static_cast<int64_t>(address)});
+    blocks.push_back({first, used, chunk_base + static_cast<int64_t>(address)});
   }
   std::sort(blocks.begin(), blocks.end(),
             [](const RawBlock& a, const RawBlock& b) { return a.first_element < b.first_element; });
@@ -363,7 +391,35 @@ std::optional<std::vector<Dataset::RawBlock>> Dataset::raw_blocks() const {
     next += b.num_elements;
   }
   if (next != total) return std::nullopt;
+  if (!raw_bytes_match(blocks, element)) return std::nullopt;
   return blocks;
+}
+
+bool Dataset::raw_bytes_match(const std::vector<RawBlock>& blocks, int64_t element) const {
+  // The addresses come from HDF5's own bookkeeping, whose meaning has changed between versions
+  // (the user block, above): read the first and last element of the first and last block both
+  // ways before anyone trusts the raw bytes.
+  if (blocks.empty() || (element != 2 && element != 4)) return blocks.empty();
+  std::ifstream file(file_name(), std::ios::binary);
+  if (!file) return false;
+  const hid_t mem_type = element == 2 ? H5T_NATIVE_UINT16 : H5T_NATIVE_UINT32;
+  for (const RawBlock* b : {&blocks.front(), &blocks.back()}) {
+    for (int64_t at : {int64_t{0}, b->num_elements - 1}) {
+      uint32_t via_hdf5 = 0, raw = 0;
+      read_range(&via_hdf5, mem_type, static_cast<hsize_t>(b->first_element + at), 1);
+      file.seekg(b->file_offset + at * element);
+      if (!file.read(reinterpret_cast<char*>(&raw), element)) return false;
+      if (element == 2) {
+        uint16_t hdf5_value = 0, raw_value = 0;
+        std::memcpy(&hdf5_value, &via_hdf5, 2);
+        std::memcpy(&raw_value, &raw, 2);
+        if (hdf5_value != raw_value) return false;
+      } else if (via_hdf5 != raw) {
+        return false;
+      }
+    }
+  }
+  return true;
 }
 
 std::string Dataset::file_name() const {

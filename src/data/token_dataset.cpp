@@ -126,15 +126,16 @@ TokenDataset::FileStamp TokenDataset::stamp_of(const std::string& path) {
 
 std::string TokenDataset::changed_on_disk() const {
   if (!memory_mapped() || opened_.size < 0) return "";
-  const FileStamp now = stamp_of(source_);
+  const FileStamp now = stamp_of(mapped_path_);
   if (now.size < 0 || now.device != opened_.device || now.inode != opened_.inode) return "";
   if (now.size == opened_.size && now.modified_ns == opened_.modified_ns) return "";
-  return concat("was written over in place (", opened_.size, " bytes when opened, ", now.size,
+  return concat(mapped_path_ != source_ ? "holds its tokens in '" + mapped_path_ + "', which " : "",
+                "was written over in place (", opened_.size, " bytes when opened, ", now.size,
                 " now)");
 }
 
 TokenDataset TokenDataset::open(const std::string& path) {
-  const FileStamp opened = stamp_of(path);  // before reading: a change while validating counts
+  FileStamp opened = stamp_of(path);  // before reading: a change while validating counts
   h5::File file = h5::File::open(path);
   if (!file.has(kTokensName))
     throw FormatError(concat(path,
@@ -142,6 +143,10 @@ TokenDataset TokenDataset::open(const std::string& path) {
                              "uint32 dataset 'tokens' with attributes 'vocab_size' and "
                              "'tokenizer' (`shardtrain prepare-data` writes one)"));
   h5::Dataset ds = file.open_dataset(kTokensName);
+  // Reached through an external link, the tokens are in another file: that one is mapped, and
+  // watched for changes.
+  const std::string held_in = ds.file_name();
+  if (held_in != path) opened = stamp_of(held_in);
   if (ds.rank() != 1)
     throw FormatError(
         concat(path, ": dataset 'tokens' has rank ", ds.rank(), ", expected a 1-D token stream"));
@@ -162,6 +167,7 @@ TokenDataset TokenDataset::open(const std::string& path) {
   TokenDataset out;
   out.source_ = path;
   out.opened_ = opened;
+  out.mapped_path_ = held_in;
   out.vocab_size_ = owner("vocab_size").read_int64_attribute("vocab_size");
   if (out.vocab_size_ < 1 || out.vocab_size_ > kMaxVocab)
     throw FormatError(concat(path, ": vocab_size ", out.vocab_size_, " is outside [1, 2^32]"));

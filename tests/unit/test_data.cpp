@@ -249,6 +249,74 @@ TEST_F(DataTest, EveryStorageLayoutReadsTheSameTokens) {
   EXPECT_FALSE(load_token_source("builtin").memory_mapped());
 }
 
+// Files from other tools: HDF5 data after a user block (h5jam; the chunk addresses HDF5 before
+// 1.14.4 reports leave it out), tokens reached through an external link (the target is what is
+// mapped and watched), and an integer type that uses only some of its element's bits (HDF5
+// decodes it; raw bytes would not).
+TEST_F(DataTest, UserBlocksExternalLinksAndPartialBitsReadTheRightTokens) {
+  constexpr hsize_t kChunk = 700;
+  std::vector<uint32_t> tokens(5 * kChunk + 123);
+  SplitMix64 rng(5);
+  for (uint32_t& t : tokens) t = static_cast<uint32_t>(rng.below(60000));
+  auto write = [&](const std::string& p, hid_t file_type, bool chunked, hsize_t user_block) {
+    h5::Handle fcpl(H5Pcreate(H5P_FILE_CREATE), H5Pclose);
+    if (user_block > 0) {
+      ASSERT_GE(H5Pset_userblock(fcpl.get(), user_block), 0);
+    }
+    h5::Handle file(H5Fcreate(p.c_str(), H5F_ACC_TRUNC, fcpl.get(), H5P_DEFAULT), H5Fclose);
+    ASSERT_GE(file.get(), 0);
+    hsize_t dims = tokens.size();
+    h5::Handle space(H5Screate_simple(1, &dims, nullptr), H5Sclose);
+    h5::Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+    if (chunked) {
+      ASSERT_GE(H5Pset_chunk(dcpl.get(), 1, &kChunk), 0);
+    }
+    hid_t id = H5Dcreate2(file.get(), "tokens", file_type, space.get(), H5P_DEFAULT, dcpl.get(),
+                          H5P_DEFAULT);
+    ASSERT_GE(id, 0);
+    h5::Dataset ds(h5::Handle(id, H5Dclose), p + ":/tokens");
+    ds.write(tokens.data(), H5T_NATIVE_UINT32);
+    ds.write_int64_attribute("vocab_size", 60000);
+    ds.write_string_attribute("tokenizer", "test");
+  };
+  auto expect_tokens = [&](const std::string& p, bool mapped) {
+    SCOPED_TRACE(p);
+    TokenDataset ds = TokenDataset::open(p);
+    EXPECT_EQ(ds.memory_mapped(), mapped);
+    EXPECT_EQ(ds.tokens(), tokens);
+  };
+  write(path("ub_chunked.h5"), H5T_STD_U16LE, true, 512);
+  expect_tokens(path("ub_chunked.h5"), true);
+  write(path("ub_contiguous.h5"), H5T_STD_U16LE, false, 1024);
+  expect_tokens(path("ub_contiguous.h5"), true);
+
+  h5::Handle partial(H5Tcopy(H5T_STD_U32LE), H5Tclose);
+  ASSERT_GE(H5Tset_precision(partial.get(), 16), 0);
+  ASSERT_GE(H5Tset_offset(partial.get(), 16), 0);
+  write(path("partial_bits.h5"), partial.get(), true, 0);
+  expect_tokens(path("partial_bits.h5"), false);
+
+  {
+    h5::Handle file(H5Fcreate(path("link.h5").c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT),
+                    H5Fclose);
+    ASSERT_GE(H5Lcreate_external(path("ub_chunked.h5").c_str(), "/tokens", file.get(), "tokens",
+                                 H5P_DEFAULT, H5P_DEFAULT),
+              0);
+  }
+  expect_tokens(path("link.h5"), true);
+  TokenDataset linked = TokenDataset::open(path("link.h5"));
+  EXPECT_EQ(linked.changed_on_disk(), "");
+  {
+    std::ofstream(path("ub_chunked.h5"),
+                  std::ios::in | std::ios::out | std::ios::binary | std::ios::app)
+        << "x";
+  }
+  EXPECT_NE(linked.changed_on_disk().find("holds its tokens in '" + path("ub_chunked.h5") +
+                                          "', which was written over in place"),
+            std::string::npos)
+      << linked.changed_on_disk();
+}
+
 TEST_F(DataTest, TokenAtOrAboveVocabSize) {
   const std::string p = path("oov.h5");
   {

@@ -20,8 +20,9 @@ void silence_library_errors();
 // e.g. "truncated file: eof = ..."), then clears the stack. For exception messages.
 std::string take_error_message();
 
-// Whether the file at `path` begins with HDF5's 8-byte signature (as every file this program
-// writes does: none has a user block). False for a file that cannot be read.
+// Whether the file at `path` holds HDF5's 8-byte signature where HDF5 looks for it: at its
+// start (every file this program writes), or after a user block of 512, 1024, 2048, ... bytes
+// (`h5jam`). False for a file that cannot be read.
 bool has_hdf5_signature(const std::string& path);
 
 // One HDF5 identifier and the function that closes it.
@@ -109,7 +110,9 @@ class Dataset : public Object {
   // Where a 1-D dataset's elements lie in its file, for reading them without HDF5 (mapped into
   // memory): one block per chunk, or one for a contiguous dataset, in element order. nullopt when
   // they cannot be read as raw bytes: filtered (compressed) chunks, another layout, elements
-  // not little-endian. A chunk past the end of the data (the last, partly used) is cut to it.
+  // not little-endian or not using every bit, or addresses whose bytes do not read as HDF5
+  // reads them (checked on a few elements). A chunk past the end of the data (the last, partly
+  // used) is cut to it.
   struct RawBlock {
     int64_t first_element = 0;
     int64_t num_elements = 0;
@@ -129,6 +132,9 @@ class Dataset : public Object {
   void append(const void* data, hid_t mem_type, hsize_t count);
 
  private:
+  // Whether raw_blocks' addresses hold what HDF5 reads for a few elements.
+  bool raw_bytes_match(const std::vector<RawBlock>& blocks, int64_t element) const;
+
   std::vector<hsize_t> dims_;
 };
 

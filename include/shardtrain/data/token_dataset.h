@@ -91,7 +91,8 @@ class TokenDataset {
     int64_t size = -1, modified_ns = 0;
   };
   static FileStamp stamp_of(const std::string& path);
-  FileStamp opened_;  // of the file open() mapped
+  FileStamp opened_;         // of the file open() mapped
+  std::string mapped_path_;  // that file: source_, or the target of an external link
   std::string source_;
   int64_t vocab_size_ = 0;
   std::string tokenizer_;
