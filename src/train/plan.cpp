@@ -263,6 +263,8 @@ void measure_plan(Plan& plan, int64_t warmup_steps, int64_t measured_steps) {
       if (c.optim.offload == "cpu" && m.host_optimizer_peak == 0 &&
           m.at_peak[static_cast<size_t>(MemoryCategory::OptimizerState)] > 0)
         r.measure_note = "optimizer state stayed on the device: this build ignores optim.offload";
+      else if (world == 1 && r.input.world_size > 1)
+        r.measure_note = "one process: no all-reduce buffers";
     } else {
       r.measure_note = std::string(bench_status_name(m.status)) + ": " + m.message;
       // Keep the table readable: the first line of the message only.
