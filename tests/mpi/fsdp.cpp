@@ -165,11 +165,14 @@ TEST_P(FsdpMatchesSingleProcess, LossGradientsAndOneStep) {
   // more than the comparison's floor itself.
   optim::AdamW opt(sharded.optimizer_params(), {});
   opt.step(kLr);
+  size_t updated = 0;
   sharded.for_each_full_parameter([&](const std::string& name, const Tensor& full) {
     EXPECT_LT(test::max_relative_error(full.to_float_vector(), ref.params_after_step.at(name)),
               1e-4)
         << name;
+    ++updated;
   });
+  EXPECT_EQ(updated, ref.params_after_step.size());
   // Evaluation (no graph) sees the updated shards.
   double eval = env.world().all_reduce_host(eval_loss_sum(model, mine), dist::ReduceOp::Sum) /
                 static_cast<double>(tokens);
@@ -336,10 +339,13 @@ TEST(FsdpMixedPrecision, Bf16ComputeMatchesSingleProcessCasts) {
     // bf16 gradients reduced in fp32 differ from the single process only in summation order;
     // reduced in bf16 they are rounded once more (8 significant bits).
     double tolerance = reduce == DType::F32 ? 1e-5 : 1e-2;
+    size_t compared = 0;
     sharded.for_each_full_gradient([&](const std::string& name, const Tensor& full) {
       EXPECT_LT(test::max_relative_error(full.to_float_vector(), ref_grads.at(name)), tolerance)
           << name << " reduced in " << dtype_name(reduce);
+      ++compared;
     });
+    EXPECT_EQ(compared, ref_grads.size()) << "reduced in " << dtype_name(reduce);
   }
 }
 
@@ -373,7 +379,9 @@ TEST(FsdpMixedPrecision, NoShardFreesEachUnitsCopyAfterItsForward) {
       grads[strategy][name] = full.to_float_vector();
     });
   }
-  ASSERT_EQ(grads[ShardingStrategy::NoShard].size(), grads[ShardingStrategy::GradOpShard].size());
+  const size_t parameters = nn::LlamaModel(cfg, Device::cpu()).named_parameters().size();
+  ASSERT_EQ(grads[ShardingStrategy::NoShard].size(), parameters);
+  ASSERT_EQ(grads[ShardingStrategy::GradOpShard].size(), parameters);
   for (const auto& [name, g] : grads[ShardingStrategy::NoShard])
     EXPECT_LT(test::max_relative_error(g, grads[ShardingStrategy::GradOpShard].at(name)), 1e-6)
         << name;
@@ -398,12 +406,15 @@ TEST(FsdpState, LoadFullParametersRoundTrips) {
   for (auto& [name, slot] : source.named_parameters()) slots[name] = slot;
   sharded.load_full_parameters(
       [&](const std::string& name) { return slots.at(name)->to(DType::BF16); });
+  size_t loaded = 0;
   sharded.for_each_full_parameter([&](const std::string& name, const Tensor& full) {
     std::vector<float> got = full.to_float_vector(), want = expected.at(name);
+    ++loaded;
     ASSERT_EQ(got.size(), want.size());
     for (size_t i = 0; i < got.size(); ++i)
       ASSERT_EQ(got[i], round_to(DType::BF16, want[i])) << name << "[" << i << "]";
   });
+  EXPECT_EQ(loaded, expected.size());
   EXPECT_THROW(sharded.load_full_parameters([](const std::string&) { return zeros({3}); }),
                ShapeError);
 }

@@ -78,6 +78,7 @@ TEST(LossCurves, HalfPrecisionTracksFp32) {
   const int64_t steps = 300;
   const std::string batch = "train.micro_batch=8";
   std::vector<double> fp32 = run({batch}, steps);
+  ASSERT_EQ(fp32.size(), static_cast<size_t>(steps));
   auto moving_average = [](const std::vector<double>& v, size_t i) {
     size_t from = i >= 9 ? i - 9 : 0;
     double sum = 0;
@@ -87,6 +88,8 @@ TEST(LossCurves, HalfPrecisionTracksFp32) {
   for (auto [precision, mean_tol] : {std::pair{"bf16", 0.04}, {"fp16", 0.025}}) {
     std::vector<double> curve = run({batch, std::string("precision.compute=") + precision}, steps);
     ASSERT_EQ(curve.size(), fp32.size());
+    // A run that ignored precision.compute would track fp32 exactly.
+    EXPECT_NE(curve, fp32) << precision << " trained exactly as fp32 did";
     double gap = 0, worst_average = 0;
     for (size_t i = 0; i < curve.size(); ++i) {
       worst_average =

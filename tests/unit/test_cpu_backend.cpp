@@ -472,7 +472,8 @@ TEST(CpuBackend, RmsNormForwardAndBackward) {
       Tensor dw = random({H}, DType::F32, 15);
       Vec dw_ref = values(dw);
       cpu().rmsnorm_backward(dy, x, w, rstd, dx, dw);
-      if (H > 100) continue;  // finite differences only on the small shape
+      // Finite differences on the small shape; the wide one: RmsNormBackwardOnWideRows.
+      if (H > 100) continue;
       const Vec dx_ref = numerical_gradient(
           [&](const Vec& xs) { return dot(vdy, rmsnorm_reference(xs, vw, eps)); }, vx);
       const Vec dw_num = numerical_gradient(
@@ -485,29 +486,32 @@ TEST(CpuBackend, RmsNormForwardAndBackward) {
 }
 
 TEST(CpuBackend, RmsNormBackwardOnWideRows) {
-  // Rows wider than one chunk: compare with the analytic gradient (validated above).
+  // Rows wider than one chunk, in every dtype: compare with the analytic gradient (validated by
+  // finite differences above) of the inputs as rounded to that dtype.
   const int64_t N = 3, H = 1500;
   const double eps = 1e-5;
-  Tensor x = random({N, H}, DType::F32, 16), w = random({H}, DType::F32, 17),
-         dy = random({N, H}, DType::F32, 18);
-  const Vec vx = values(x), vw = values(w), vdy = values(dy);
-  Vec rs;
-  rmsnorm_reference(vx, vw, eps, &rs);
-  Vec dx_ref(vx.size()), dw_ref(H, 0.0);
-  for (int64_t r = 0; r < N; ++r) {
-    double s = 0;
-    for (int64_t j = 0; j < H; ++j) s += vdy[r * H + j] * vw[j] * vx[r * H + j];
-    for (int64_t j = 0; j < H; ++j) {
-      dx_ref[r * H + j] = rs[r] * vw[j] * vdy[r * H + j] -
-                          vx[r * H + j] * rs[r] * rs[r] * rs[r] * s / static_cast<double>(H);
-      dw_ref[j] += vdy[r * H + j] * vx[r * H + j] * rs[r];
+  for (DType t : kFloatTypes) {
+    SCOPED_TRACE(dtype_name(t));
+    Tensor x = random({N, H}, t, 16), w = random({H}, t, 17), dy = random({N, H}, t, 18);
+    const Vec vx = values(x), vw = values(w), vdy = values(dy);
+    Vec rs;
+    rmsnorm_reference(vx, vw, eps, &rs);
+    Vec dx_ref(vx.size()), dw_ref(H, 0.0);
+    for (int64_t r = 0; r < N; ++r) {
+      double s = 0;
+      for (int64_t j = 0; j < H; ++j) s += vdy[r * H + j] * vw[j] * vx[r * H + j];
+      for (int64_t j = 0; j < H; ++j) {
+        dx_ref[r * H + j] = rs[r] * vw[j] * vdy[r * H + j] -
+                            vx[r * H + j] * rs[r] * rs[r] * rs[r] * s / static_cast<double>(H);
+        dw_ref[j] += vdy[r * H + j] * vx[r * H + j] * rs[r];
+      }
     }
+    Tensor y = empty({N, H}, t), rstd = empty({N}), dx = empty({N, H}, t), dw = zeros({H});
+    cpu().rmsnorm_forward(x, w, static_cast<float>(eps), y, rstd);
+    cpu().rmsnorm_backward(dy, x, w, rstd, dx, dw);
+    expect_close(dx, dx_ref, t == DType::F32 ? 1e-5 : tol_for(t) * 2, "rmsnorm dx wide");
+    expect_close(dw, dw_ref, 1e-5, "rmsnorm dw wide");
   }
-  Tensor y = empty({N, H}), rstd = empty({N}), dx = empty({N, H}), dw = zeros({H});
-  cpu().rmsnorm_forward(x, w, static_cast<float>(eps), y, rstd);
-  cpu().rmsnorm_backward(dy, x, w, rstd, dx, dw);
-  expect_close(dx, dx_ref, 1e-5, "rmsnorm dx wide");
-  expect_close(dw, dw_ref, 1e-5, "rmsnorm dw wide");
 }
 
 // ---- rope -----------------------------------------------------------------------------------
