@@ -17,8 +17,11 @@ Command check_command() {
   c.description =
       "Loads a Hugging Face-layout model, runs forward and backward on --batch and one AdamW\n"
       "step with the hyper-parameters in --expected's metadata, under the configuration given\n"
-      "by --config/--set (activation strategy, precision, sharding, micro-batches), and prints\n"
-      "the error of every tensor. Exits 0 when every tensor is within tolerance, 4 when any is\n"
+      "by --config/--set (activation strategy, precision, sharding, micro-batches; the model\n"
+      "is --model's, whatever the config's model section says), and prints the error of every\n"
+      "tensor (an element passes within atol + rtol x |reference|; '+' marks an atol widened\n"
+      "element by element, for the AdamW step's tensors). Exits 0 when every tensor is within "
+      "tolerance, 4 when any is\n"
       "beyond it, and 1 when the inputs are unusable (a reference missing tensors, shapes that\n"
       "do not fit the model, hyper-parameters out of range).";
   c.flags = {

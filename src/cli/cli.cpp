@@ -2,10 +2,13 @@
 
 #include <unistd.h>
 #include <algorithm>
+#include <chrono>
 
 #include <csignal>
+#include <cstdio>
 #include <iostream>
 #include <new>
+#include <thread>
 
 #include "shardtrain/cli/command.h"
 #include "shardtrain/core/suggest.h"
@@ -68,6 +71,20 @@ bool asks_for_help(const std::vector<std::string>& args) {
   return false;
 }
 
+// Under mpirun one failing rank must end the whole job: the others may be blocked in a
+// collective it will never join. Every rank usually fails alike (a refused configuration), and
+// rank 0, unwinding, takes back the directories the run created: the other ranks give it a
+// moment before they end the job, so that an abort from one of them does not kill rank 0
+// half-way (a refused run would leave its empty directories). Rank 0 ends the job at once.
+[[noreturn]] void end_job(const std::string& message, int exit_code) {
+  const int rank = dist::job_rank();
+  if (rank == 0) dist::abort_job(message, exit_code);
+  std::fprintf(stderr, "rank %d: %s\n", rank, message.c_str());
+  std::fflush(stderr);
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  dist::abort_job("ending the job", exit_code);
+}
+
 }  // namespace
 
 int run(const std::vector<std::string>& args) {
@@ -107,9 +124,7 @@ int run(const std::vector<std::string>& args) {
     std::cerr << "error: " << e.what() << "\n" << hint << "\n";
     return 2;
   } catch (const Error& e) {
-    // Under mpirun one failing rank must end the whole job: the others may be blocked in a
-    // collective it will never join.
-    if (dist::job_world_size() > 1) dist::abort_job(std::string("error: ") + e.what(), 1);
+    if (dist::job_world_size() > 1) end_job(std::string("error: ") + e.what(), 1);
     std::cerr << "error: " << e.what() << "\n";
     return 1;
   } catch (const std::bad_alloc&) {
@@ -119,11 +134,11 @@ int run(const std::vector<std::string>& args) {
         "error: out of host memory (the C++ runtime could not allocate): the configuration "
         "needs more memory than this machine has; `shardtrain plan --config ...` predicts what it "
         "needs and which scale-up recipe step fits";
-    if (dist::job_world_size() > 1) dist::abort_job(message, 1);
+    if (dist::job_world_size() > 1) end_job(message, 1);
     std::cerr << message << "\n";
     return 1;
   } catch (const std::exception& e) {
-    if (dist::job_world_size() > 1) dist::abort_job(std::string("internal error: ") + e.what(), 3);
+    if (dist::job_world_size() > 1) end_job(std::string("internal error: ") + e.what(), 3);
     std::cerr << "internal error: " << e.what() << "\n";
     return 3;
   } catch (...) {

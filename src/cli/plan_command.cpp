@@ -2,6 +2,8 @@
 #include <fmt/format.h>
 #include <algorithm>
 #include <cstdio>
+#include <functional>
+#include <iostream>
 #include <string>
 
 #include "shardtrain/cli/command.h"
@@ -63,7 +65,10 @@ Command plan_command() {
     if (args.has("measure")) {
       long long steps = args.get_int("measure-steps");
       if (steps < 1) throw UsageError("--measure-steps must be at least 1");
-      train::measure_plan(plan, 1, steps);
+      // Rank 0 says what it is measuring: a row can take a while.
+      std::function<void(const std::string&)> log;
+      if (dist::job_rank() == 0) log = [](const std::string& line) { std::cerr << line << "\n"; };
+      train::measure_plan(plan, 1, steps, log);
     }
     if (dist::job_rank() != 0) return 0;  // under mpirun rank 0 prints
     const train::RecipeRow& first = plan.rows.front();

@@ -181,7 +181,9 @@ std::string Plan::table() const {
         // say so where the reader compares the two.
         const bool over = r.fits && r.measured_peak > device_bytes;
         out += " " + format_bytes(r.measured_peak) + (over ? " (over the capacity)" : "") + " | " +
-               fmt::format("{:+.1f}%", 100.0 * err) +
+               // Below 0.05 % in size, "0.0%" rather than "-0.0%" or "+0.0%".
+               (std::fabs(100.0 * err) < 0.05 ? std::string("0.0%")
+                                              : fmt::format("{:+.1f}%", 100.0 * err)) +
                (r.measure_note.empty() ? "" : " (" + r.measure_note + ")") + " |";
       } else {
         out += " " + (r.measure_note.empty() ? std::string("-") : r.measure_note) + " | - |";
@@ -212,7 +214,8 @@ std::string Plan::verdict() const {
          (note.empty() ? "" : "\nnote: " + note);
 }
 
-void measure_plan(Plan& plan, int64_t warmup_steps, int64_t measured_steps) {
+void measure_plan(Plan& plan, int64_t warmup_steps, int64_t measured_steps,
+                  const std::function<void(const std::string&)>& log) {
   // Under mpirun every rank measures (the rows of this world size train across the ranks) and
   // the table shows the largest peak over ranks.
   const int world = dist::job_world_size();
@@ -247,6 +250,10 @@ void measure_plan(Plan& plan, int64_t warmup_steps, int64_t measured_steps) {
                                                             : "too big for this machine's memory";
       continue;
     }
+    const std::string row = "#" + std::to_string(&r - plan.rows.data() + 1) + " " + r.name;
+    if (log)
+      log("plan: measuring " + row + " (" + std::to_string(warmup_steps) + " + " +
+          std::to_string(measured_steps) + " steps) ...");
     BenchRow m = measure_config(c, warmup_steps, measured_steps);
     if (env) {
       std::vector<int64_t> v = {m.ok() ? 0 : 1, m.peak_bytes};
@@ -265,6 +272,9 @@ void measure_plan(Plan& plan, int64_t warmup_steps, int64_t measured_steps) {
         r.measure_note = "optimizer state stayed on the device: this build ignores optim.offload";
       else if (world == 1 && r.input.world_size > 1)
         r.measure_note = "one process: no all-reduce buffers";
+      if (log)
+        log("plan: " + row + ": peak " + format_bytes(r.measured_peak) + " (predicted " +
+            format_bytes(r.predicted.peak) + ")");
     } else {
       r.measure_note = std::string(bench_status_name(m.status)) + ": " + m.message;
       // Keep the table readable: the first line of the message only.

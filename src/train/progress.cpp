@@ -16,11 +16,17 @@ Progress::Progress(std::string mode, int64_t total_steps, std::string label)
   quiet_ = mode == "none";
 }
 
+void Progress::start_at(int64_t step) {
+  first_step_ = step;
+  start_ = std::chrono::steady_clock::now();
+}
+
 void Progress::update(int64_t step, const std::string& text) {
   if (quiet_) return;
   double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  const int64_t done = step - first_step_;
   double eta =
-      step > 0 ? elapsed / static_cast<double>(step) * static_cast<double>(total_ - step) : 0;
+      done > 0 ? elapsed / static_cast<double>(done) * static_cast<double>(total_ - step) : 0;
   const std::string eta_text =
       fmt::format("{:02d}:{:02d}", static_cast<int>(eta) / 60, static_cast<int>(eta) % 60);
   if (bar_) {

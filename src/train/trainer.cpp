@@ -376,7 +376,9 @@ TrainSummary train_with(const Config& config) {
   progress.message("shardtrain: " + std::to_string(num_parameters) + " parameters on " + ranks +
                    rt.device().str() + trainable + ", " + std::to_string(global_batch) + " x " +
                    std::to_string(t.seq_len) + " tokens per step (" + std::to_string(accumulation) +
-                   " micro-batches), data " + data.source() + " (" + std::to_string(data.size()) +
+                   (accumulation == 1 ? " micro-batch" : " micro-batches") +
+                   (world > 1 ? " a rank), data " : "), data ") + data.source() + " (" +
+                   std::to_string(data.size()) +
                    (data.memory_mapped() ? " tokens, memory-mapped)" : " tokens, in memory)"));
   // The fused attention's CUDA-core kernels made an fp32 llama-125m step take 1.5 s on an H100
   // where bf16 on tensor cores takes 53 ms (docs/benchmarks.md): worth a word at the start.
@@ -499,6 +501,7 @@ TrainSummary train_with(const Config& config) {
 
   constexpr int kMaxNonFiniteLosses = 3;
   int non_finite_losses = 0;
+  progress.start_at(first_step);
   for (int64_t step = first_step; step < t.steps; ++step) {
     // This rank's share of the global batch: rows [rank * per_rank, (rank + 1) * per_rank).
     const int64_t per_rank = accumulation * t.micro_batch;

@@ -24,7 +24,8 @@ struct CheckOptions {
 struct TensorError {
   std::string name;
   double max_abs = 0, max_rel = 0, rel_l2 = 0, tolerance_rtol = 0, tolerance_atol = 0;
-  bool normwise = false;  // judged by rel_l2 (half precision) instead of elementwise
+  bool normwise = false;      // judged by rel_l2 (half precision) instead of elementwise
+  bool widened_atol = false;  // atol widened element by element (the AdamW step's tensors)
   int64_t numel = 0;
   bool ok = false;
 };

@@ -16,6 +16,7 @@
 // over PCIe and over the links per step. docs/recipe.md has the formulas and worked examples.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -72,7 +73,9 @@ Plan make_plan(const Config& config, int64_t device_bytes, int world_size);
 // step; under mpirun every rank must call this, rows of the job's world size train across the
 // ranks and the peak is the largest over ranks. Other rows get a note saying why they were not
 // measured.
-void measure_plan(Plan& plan, int64_t warmup_steps = 1, int64_t measured_steps = 2);
+// `log` (optional) receives a line as each row starts and ends.
+void measure_plan(Plan& plan, int64_t warmup_steps = 1, int64_t measured_steps = 2,
+                  const std::function<void(const std::string&)>& log = {});
 
 // `recipe: auto`: the configuration of the first recipe row that fits `device_bytes` per rank
 // on `world_size` ranks. Keys the recipe does not own (model, data, batch shape, optimizer

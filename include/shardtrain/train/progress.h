@@ -10,6 +10,9 @@ class Progress {
  public:
   // mode: auto (bar when stderr is a terminal) | bar | lines | none
   Progress(std::string mode, int64_t total_steps, std::string label);
+  // The step training starts from (a resumed run's checkpoint step), from now: the time left is
+  // estimated from the steps this process has run, not from the run's whole step count.
+  void start_at(int64_t step);
   // Called after each step; `text` is the status (loss, tokens/s, memory).
   void update(int64_t step, const std::string& text);
   // A line that must not be overwritten by the bar (evaluations, checkpoints).
@@ -18,7 +21,7 @@ class Progress {
 
  private:
   bool bar_ = false, quiet_ = false, open_line_ = false;
-  int64_t total_;
+  int64_t total_, first_step_ = 0;
   std::string label_;
   std::chrono::steady_clock::time_point start_;
 };
