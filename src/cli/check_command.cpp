@@ -19,11 +19,11 @@ Command check_command() {
       "step with the hyper-parameters in --expected's metadata, under the configuration given\n"
       "by --config/--set (activation strategy, precision, sharding, micro-batches; the model\n"
       "is --model's, whatever the config's model section says), and prints the error of every\n"
-      "tensor (an element passes within atol + rtol x |reference|; '+' marks an atol widened\n"
-      "element by element, for the AdamW step's tensors). Exits 0 when every tensor is within "
-      "tolerance, 4 when any is\n"
-      "beyond it, and 1 when the inputs are unusable (a reference missing tensors, shapes that\n"
-      "do not fit the model, hyper-parameters out of range).";
+      "tensor: an element passes within atol + rtol x |reference|, and '+' marks an atol\n"
+      "widened element by element (the AdamW step's tensors). Exits 0 when every tensor is\n"
+      "within tolerance, 4 when any is beyond it, and 1 when the inputs are unusable (a\n"
+      "reference missing tensors, shapes that do not fit the model, hyper-parameters out of\n"
+      "range).";
   c.flags = {
       Flag("model", "DIR", "model directory (config.json + model.safetensors)").mandatory(),
       Flag("batch", "FILE", "safetensors with input_ids and targets [batch, seq]").mandatory(),
