@@ -1,8 +1,12 @@
 #include "shardtrain/memory/allocator.h"
 
+#include <algorithm>
 #include <array>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
+#include <unordered_map>
+#include <vector>
 
 #include "shardtrain/core/error.h"
 #include "shardtrain/core/units.h"
@@ -19,19 +23,101 @@ size_t round_up(size_t bytes) {
 
 // Ordinary process memory, used both for the CPU device and for the host pool. On a machine with
 // a GPU the CUDA backend replaces the host pool's allocator with a pinned one.
+//
+// Large blocks are kept for reuse, by size class, as the CUDA caching allocator keeps device
+// blocks. The C library returns a block above its mmap threshold to the system when it is freed
+// and maps fresh pages for the next one, zeroed by the kernel one page fault at a time: a
+// training step frees and allocates the same activation sizes every step, and spent about half
+// its time there (configs/tiny.yaml on one CPU thread: 5.4k tokens/s without the cache, 10.0k
+// with it). The cache never makes the bytes held exceed the high-water mark of the bytes in use
+// (since the last empty_cache: a new configuration's) by more than an eighth plus 16 MiB: to
+// keep a freed block within that, other cached blocks go back to the system first.
 class SystemAllocator : public Allocator {
  public:
   explicit SystemAllocator(Device device) : device_(device) {}
+  ~SystemAllocator() override { release_cache(); }
   Device device() const override { return device_; }
+
+  void empty_cache() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    release_cache();
+    ledger_.set_reserved(reserved_bytes());
+  }
 
  protected:
   void* raw_allocate(size_t bytes) override {
-    return std::aligned_alloc(kAlignment, round_up(bytes == 0 ? 1 : bytes));
+    const size_t size = size_class(round_up(bytes == 0 ? 1 : bytes));
+    in_use_ += size;
+    high_water_ = std::max(high_water_, in_use_);
+    if (size >= kCachedFrom) {
+      auto it = cache_.find(size);
+      if (it != cache_.end() && !it->second.empty()) {
+        void* p = it->second.back();
+        it->second.pop_back();
+        cached_ -= size;
+        return p;
+      }
+    }
+    void* p = std::aligned_alloc(kAlignment, size);
+    if (p == nullptr && cached_ > 0) {  // the cache may be what stands in the way
+      release_cache();
+      p = std::aligned_alloc(kAlignment, size);
+    }
+    if (p == nullptr) in_use_ -= size;
+    return p;
   }
-  void raw_deallocate(void* ptr, size_t) override { std::free(ptr); }
+  void raw_deallocate(void* ptr, size_t bytes) override {
+    const size_t size = size_class(round_up(bytes == 0 ? 1 : bytes));
+    in_use_ -= size;
+    if (size < kCachedFrom) {
+      std::free(ptr);
+      return;
+    }
+    // Room is made by returning other cached blocks: the sizes freed now are those the next
+    // steps ask for (after a change of configuration, the old ones are not).
+    const size_t limit = high_water_ + high_water_ / 8 + kSlack;
+    for (auto it = cache_.begin(); it != cache_.end() && in_use_ + cached_ + size > limit;) {
+      while (!it->second.empty() && in_use_ + cached_ + size > limit) {
+        std::free(it->second.back());
+        it->second.pop_back();
+        cached_ -= it->first;
+      }
+      it = it->second.empty() ? cache_.erase(it) : std::next(it);
+    }
+    if (in_use_ + cached_ + size > limit) {
+      std::free(ptr);
+      return;
+    }
+    cache_[size].push_back(ptr);
+    cached_ += size;
+  }
+  int64_t reserved_bytes() const override { return static_cast<int64_t>(in_use_ + cached_); }
 
  private:
+  static constexpr size_t kCachedFrom = size_t{128} << 10;  // the C library's default threshold
+  static constexpr size_t kSlack = size_t{16} << 20;
+
+  // Blocks from 128 KiB up are rounded up to a sixteenth of their power of two (at most 6.25 %
+  // more), so that sizes that differ a little share blocks.
+  static size_t size_class(size_t bytes) {
+    if (bytes < kCachedFrom) return bytes;
+    size_t power = kCachedFrom;
+    while (power <= bytes / 2) power *= 2;
+    const size_t step = power / 16;
+    return (bytes + step - 1) / step * step;
+  }
+  void release_cache() {
+    for (auto& [size, blocks] : cache_)
+      for (void* p : blocks) std::free(p);
+    cache_.clear();
+    cached_ = 0;
+    high_water_ = in_use_;  // a new configuration starts here
+  }
+
   Device device_;
+  std::unordered_map<size_t, std::vector<void*>> cache_;  // free blocks by size class
+  size_t cached_ = 0, in_use_ = 0;
+  size_t high_water_ = 0;  // bytes in use at most, since the last empty_cache
 };
 
 struct Registry {

@@ -178,6 +178,9 @@ BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t meas
   row.strategy = config.activation.strategy;
   row.precision = config.precision.compute;
   try {
+    // Each combination starts with no CPU blocks cached by the one before (their sizes are not
+    // its own, and the cache's bound follows the bytes in use since it was emptied).
+    if (!training_device(config).is_cuda()) allocator_for(Device::cpu()).empty_cache();
     StepBatches batches(config);
     // Declared before the runtime, so the capacity is restored after the runtime is gone.
     CapacityGuard device_capacity(allocator_for(training_device(config)));

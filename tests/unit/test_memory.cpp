@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "shardtrain/core/error.h"
 #include "shardtrain/core/units.h"
@@ -227,6 +228,53 @@ TEST(Memory, BorrowedMemoryIsNeverCounted) {
   }
   EXPECT_EQ(cpu.stats().total_in_use, before.total_in_use);
   EXPECT_EQ(buffer[255], 1.0f);
+}
+
+}  // namespace
+}  // namespace shardtrain
+
+namespace shardtrain {
+namespace {
+
+// The CPU device keeps freed blocks of 128 KiB and more for the next request of their size
+// class, counted as reserved, never in use; it holds at most an eighth (plus 16 MiB) over the
+// in-use high-water mark, making room by returning other cached blocks; empty_cache returns them.
+TEST(Memory, TheCpuDeviceReusesLargeBlocksWithinItsBound) {
+  Allocator& cpu = allocator_for(Device::cpu());
+  cpu.empty_cache();
+  const MemoryStats start = cpu.stats();
+  EXPECT_EQ(start.reserved, start.total_in_use) << "nothing cached after empty_cache";
+  const int64_t big = int64_t{1} << 20;  // 4 MiB of fp32
+  void* first = nullptr;
+  {
+    Tensor t = alloc(big, DType::F32, kActs);
+    first = t.data_ptr();
+  }
+  EXPECT_EQ(cpu.stats().total_in_use, start.total_in_use);
+  EXPECT_GE(cpu.stats().reserved, start.reserved + 4 * big) << "the freed block stays cached";
+  {
+    // A request of a little less falls in the same size class and gets the same block.
+    Tensor t = alloc(big - 1000, DType::F32, kActs);
+    EXPECT_EQ(t.data_ptr(), first);
+  }
+  // Small blocks are left to the C library.
+  { Tensor small = alloc(1000, DType::F32, kActs); }
+  EXPECT_LT(cpu.stats().reserved - cpu.stats().total_in_use, 4 * big + 64 * 1024);
+
+  // 40 blocks of growing sizes (256 KiB to 11 MiB, 124 MiB in all), one at a time: what stays
+  // cached is bounded by the peak in use since empty_cache.
+  cpu.empty_cache();
+  cpu.reset_peak();
+  double elements = 65536;
+  for (int i = 1; i <= 40; ++i, elements *= 1.1)
+    Tensor t = alloc(static_cast<int64_t>(elements), DType::F32, kActs);
+  const MemoryStats s = cpu.stats();
+  EXPECT_LT(s.total_peak, start.total_in_use + (int64_t{12} << 20));
+  EXPECT_LE(s.reserved, s.total_peak + s.total_peak / 8 + (int64_t{16} << 20) + 64 * 1024)
+      << s.reserved - s.total_in_use << " bytes kept";
+  EXPECT_GE(s.reserved - s.total_in_use, 4 * big) << "the last block freed stays cached";
+  cpu.empty_cache();
+  EXPECT_EQ(cpu.stats().reserved, cpu.stats().total_in_use);
 }
 
 }  // namespace
