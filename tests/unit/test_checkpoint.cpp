@@ -1039,6 +1039,21 @@ TEST(CheckpointSignalHandlers, HangupStopsUnlessIgnoredAsUnderNohup) {
   train::clear_stop_request();
 }
 
+// The CLI's output piped into a reader that leaves early (`| head`, or a `| tee` that Ctrl-C
+// ended): the run does not die of SIGPIPE, nor of a failed write, and trains to its end.
+TEST(CheckpointSignalHandlers, AClosedOutputPipeDoesNotEndTheRun) {
+  TempDir tmp;
+  const std::string config = tmp / "run.yaml";
+  std::ofstream(config) << shardtrain::testing::kTinyRunYaml;
+  const std::string command =
+      "bash -c 'set -o pipefail; \"" + std::string(SHARDTRAIN_BINARY) + "\" train --config " +
+      config + " --set train.out_dir=" + (tmp / "run") +
+      " --set train.progress=lines --set train.log_every=1 2>&1 | head -n 1 >/dev/null; "
+      "echo \"exit status ${PIPESTATUS[0]}\"'";
+  EXPECT_EQ(run_command(command), "exit status 0\n");
+  EXPECT_EQ(step_losses(tmp / "run/metrics.jsonl").size(), 40u) << "the run stopped early";
+}
+
 // A stop signal during an evaluation (here 40,000 held-out sequences, seconds of work) abandons
 // it at the next batch rather than at its end: the step before it is saved and a resumed run
 // carries on. Both evaluations of a run: one inside the loop (train.eval_every) and the final one
