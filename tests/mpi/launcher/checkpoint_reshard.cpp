@@ -212,3 +212,22 @@ TEST(CheckpointSignals, Sigusr1ToMpirunStopsEveryRankWithACheckpoint) {
 }
 
 }  // namespace
+
+namespace {
+
+// A run every rank refuses at start (here LoRA, which trains on one rank) ends the job non-zero
+// and leaves no directory behind: rank 0 takes back what it created before another rank's abort
+// ends the job. (Which rank gets there first is a race: four jobs.)
+TEST(CheckpointDirectories, ARunRefusedOnEveryRankLeavesNoDirectories) {
+  TempDir tmp;
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    const std::string name = "refused" + std::to_string(attempt);
+    JobRun refused = train(tmp, 2, name, {"lora.enabled=true"});
+    EXPECT_NE(refused.exit_code, 0) << refused.output;
+    EXPECT_NE(refused.output.find("lora.enabled trains on one rank"), std::string::npos)
+        << refused.output;
+    EXPECT_FALSE(fs::exists(tmp / name)) << refused.output;
+  }
+}
+
+}  // namespace
