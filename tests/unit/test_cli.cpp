@@ -224,6 +224,12 @@ TEST(Cli, ConfigCommandPrintsTheResolvedConfig) {
   EXPECT_EQ(r.code, 0);
   EXPECT_CONTAINS(r.out, "optim.lr ");
   EXPECT_CONTAINS(r.out, "peak learning rate; > 0");
+  // --keys reads no config: one given with it (and any --set) would be ignored, so it is refused.
+  r = run({"config", "--keys", "--config", "/nonexistent/x.yaml"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "--keys lists every key of the schema and reads no config");
+  r = run({"config", "--keys", "--set", "train.steps=abc"});
+  EXPECT_EQ(r.code, 2);
 }
 
 TEST(Cli, PrepareDataWritesATokenDataset) {
