@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include "shardtrain/backend/attention.h"
 #ifdef SHARDTRAIN_HAVE_CUDA
@@ -236,11 +237,18 @@ TrainSummary train_with(const Config& config) {
   // Declared before the locks, so that the locks are released when it cleans up.
   DirectoriesOfThisRun created_dirs;
   // Only rank 0 takes back what the run created and left empty: the ranks share the directories.
+  // The other ranks give rank 0 a moment to create them: one that got there first would make
+  // rank 0 take them for an earlier run's and leave them behind when the run is refused.
   auto prepare = [&](const std::string& dir, const std::string& key) {
-    if (leader)
+    if (leader) {
       created_dirs.prepare(dir, key);
-    else
-      prepare_output_dir(dir, key);
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    std::error_code ec;
+    while (!std::filesystem::exists(dir, ec) && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    prepare_output_dir(dir, key);
   };
   prepare(t.out_dir, "train.out_dir");
   // Every run may save: a stop signal does, whatever checkpoint.every_* say.
