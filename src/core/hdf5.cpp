@@ -405,18 +405,12 @@ bool Dataset::raw_bytes_match(const std::vector<RawBlock>& blocks, int64_t eleme
   const hid_t mem_type = element == 2 ? H5T_NATIVE_UINT16 : H5T_NATIVE_UINT32;
   for (const RawBlock* b : {&blocks.front(), &blocks.back()}) {
     for (int64_t at : {int64_t{0}, b->num_elements - 1}) {
-      uint32_t via_hdf5 = 0, raw = 0;
-      read_range(&via_hdf5, mem_type, static_cast<hsize_t>(b->first_element + at), 1);
+      // Both little-endian (raw_blocks refused anything else): the element's first bytes.
+      char via_hdf5[4] = {}, raw[4] = {};
+      read_range(via_hdf5, mem_type, static_cast<hsize_t>(b->first_element + at), 1);
       file.seekg(b->file_offset + at * element);
-      if (!file.read(reinterpret_cast<char*>(&raw), element)) return false;
-      if (element == 2) {
-        uint16_t hdf5_value = 0, raw_value = 0;
-        std::memcpy(&hdf5_value, &via_hdf5, 2);
-        std::memcpy(&raw_value, &raw, 2);
-        if (hdf5_value != raw_value) return false;
-      } else if (via_hdf5 != raw) {
-        return false;
-      }
+      if (!file.read(raw, element)) return false;
+      if (std::memcmp(via_hdf5, raw, static_cast<size_t>(element)) != 0) return false;
     }
   }
   return true;

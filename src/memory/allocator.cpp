@@ -28,7 +28,7 @@ size_t round_up(size_t bytes) {
 // blocks. The C library returns a block above its mmap threshold to the system when it is freed
 // and maps fresh pages for the next one, zeroed by the kernel one page fault at a time: a
 // training step frees and allocates the same activation sizes every step, and spent about half
-// its time there (configs/tiny.yaml on one CPU thread: 5.4k tokens/s without the cache, 10.0k
+// its time there (configs/tiny.yaml on one CPU thread: 5.4k tokens/s without the cache, 10.2k
 // with it). The cache never makes the bytes held exceed the high-water mark of the bytes in use
 // (since the last empty_cache: a new configuration's) by more than an eighth plus 16 MiB: to
 // keep a freed block within that, other cached blocks go back to the system first.

@@ -165,12 +165,16 @@ class HfConfigReader {
     std::optional<Llama3RopeScaling> scaling;
   };
   Rope rope() const {
+    // Either form may say that only part of each head rotates, which this model does not do.
+    auto refuse_partial_rotation = [&](const json& object, const std::string& prefix) {
+      if (const json* factor = find(object, "partial_rotary_factor"))
+        if (number(prefix + "partial_rotary_factor", *factor) != 1.0)
+          throw error(prefix + "partial_rotary_factor = " + factor->dump() +
+                      " is not supported: the rotary embedding turns every dimension of a head");
+    };
     const json* top_theta = find(j_, "rope_theta");
     const json* legacy = find(j_, "rope_scaling");
-    if (const json* factor = find(j_, "partial_rotary_factor"))
-      if (number("partial_rotary_factor", *factor) != 1.0)
-        throw error("partial_rotary_factor = " + factor->dump() +
-                    " is not supported: the rotary embedding turns every dimension of a head");
+    refuse_partial_rotation(j_, "");
     Rope legacy_rope;
     if (top_theta != nullptr)
       legacy_rope.theta = static_cast<float>(number("rope_theta", *top_theta));
@@ -186,18 +190,16 @@ class HfConfigReader {
       throw error("rope_parameters holds one set per attention type (" + params->begin().key() +
                   ", ...): per-layer RoPE is not supported, a Llama has one set");
     Rope rope;
-    if (const json* theta = find(*params, "rope_theta"))
-      rope.theta = static_cast<float>(number("rope_parameters.rope_theta", *theta));
-    if (const json* factor = find(*params, "partial_rotary_factor"))
-      if (number("rope_parameters.partial_rotary_factor", *factor) != 1.0)
-        throw error("rope_parameters.partial_rotary_factor = " + factor->dump() +
-                    " is not supported: the rotary embedding turns every dimension of a head");
+    const json* params_theta = find(*params, "rope_theta");
+    if (params_theta != nullptr)
+      rope.theta = static_cast<float>(number("rope_parameters.rope_theta", *params_theta));
+    refuse_partial_rotation(*params, "rope_parameters.");
     rope.scaling = scaling_from(*params, "rope_parameters", true);
     if (top_theta != nullptr && legacy_rope.theta != rope.theta)
-      throw error("rope_theta = " + top_theta->dump() + " and rope_parameters.rope_theta = " +
-                  (find(*params, "rope_theta") ? find(*params, "rope_theta")->dump()
-                                               : std::string("(absent: 10000)")) +
-                  " disagree: keep one of them (Transformers 5 reads rope_parameters)");
+      throw error(
+          "rope_theta = " + top_theta->dump() + " and rope_parameters.rope_theta = " +
+          (params_theta != nullptr ? params_theta->dump() : std::string("(absent: 10000)")) +
+          " disagree: keep one of them (Transformers 5 reads rope_parameters)");
     if (legacy != nullptr && legacy_rope.scaling != rope.scaling)
       throw error(
           "rope_scaling and rope_parameters describe different RoPE scaling: keep one "

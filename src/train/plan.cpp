@@ -293,7 +293,6 @@ bool strategy_on_every_layer(const Config& c) {
     if (!c.activation.applies_to_layer(i, c.model.num_layers)) return false;
   return true;
 }
-}  // namespace
 
 // The keys the recipe's steps set, in the order they first appear.
 std::vector<std::string> keys_the_recipe_sets() {
@@ -308,6 +307,7 @@ std::vector<std::string> keys_the_recipe_sets() {
   }
   return keys;
 }
+}  // namespace
 
 Config apply_recipe(const Config& config, int64_t device_bytes, int world_size, std::string* why) {
   ST_CHECK_AS(ConfigError, strategy_on_every_layer(config), "recipe: auto picks an activation ",
