@@ -1,6 +1,5 @@
 #include "shardtrain/data/token_dataset.h"
 
-#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <cctype>
@@ -27,19 +26,6 @@ namespace {
 constexpr const char* kTokensName = "tokens";
 constexpr int64_t kMaxVocab = int64_t{1} << 32;
 constexpr hsize_t kChunkElements = 1 << 16;
-
-void fsync_path(const std::string& path, bool directory) {
-  int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
-  if (fd < 0) {
-    if (directory) return;  // best effort for the directory entry
-    throw ConfigError(concat("cannot reopen '", path, "' to sync it: ", std::strerror(errno)));
-  }
-  int status = ::fsync(fd);
-  int err = errno;
-  ::close(fd);
-  if (status != 0 && !directory)
-    throw ConfigError(concat("cannot sync '", path, "' to disk: ", std::strerror(err)));
-}
 
 }  // namespace
 
@@ -98,13 +84,9 @@ void TokenDatasetWriter::commit() {
   dataset_.reset();
   file_->close();
   file_.reset();
-  fsync_path(tmp_path_, false);
-  if (std::rename(tmp_path_.c_str(), path_.c_str()) != 0)
-    throw ConfigError(
-        concat("cannot rename '", tmp_path_, "' to '", path_, "': ", std::strerror(errno)));
+  sync_to_disk(tmp_path_, false);
+  rename_durably(tmp_path_, path_);
   committed_ = true;
-  std::string dir = std::filesystem::path(path_).parent_path().string();
-  fsync_path(dir.empty() ? "." : dir, true);
 }
 
 void write_token_dataset(const std::string& path, const std::vector<uint32_t>& tokens,

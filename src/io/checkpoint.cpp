@@ -2,9 +2,7 @@
 // publication, verification and reading (see include/shardtrain/io/checkpoint.h).
 #include "shardtrain/io/checkpoint.h"
 
-#include <fcntl.h>
 #include <hdf5.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -19,6 +17,7 @@
 #include <optional>
 #include <regex>
 
+#include "shardtrain/core/files.h"
 #include "shardtrain/core/hdf5.h"
 #include "shardtrain/core/word_hash.h"
 #include "shardtrain/memory/category.h"
@@ -391,19 +390,6 @@ RangeRecord record_from_json(const nlohmann::json& j, int rank, const std::strin
 std::string dir_of(const std::string& path) {
   fs::path parent = fs::path(path).parent_path();
   return parent.empty() ? std::string(".") : parent.string();
-}
-
-// Flushes a closed file (or a directory's entries) to stable storage.
-void sync_to_disk(const std::string& path, bool directory) {
-  int fd = ::open(path.c_str(), O_RDONLY | (directory ? O_DIRECTORY : 0));
-  if (fd < 0)
-    throw Error(concat("cannot open '", path, "' to sync it to disk: ", std::strerror(errno)));
-  int rc = ::fsync(fd);
-  int err = errno;
-  ::close(fd);
-  // Some file systems cannot sync directories (EINVAL): their renames are as durable as it gets.
-  if (rc != 0 && !(directory && err == EINVAL))
-    throw Error(concat("cannot sync '", path, "' to disk: ", std::strerror(err)));
 }
 
 // A checkpoint's main file, its checksum trailer checked before HDF5 reads a byte of it. Without

@@ -122,7 +122,7 @@ std::vector<std::string> carry_hf_metadata(const std::string& source_dir,
       carried.push_back("config.json:max_position_embeddings");
     }
   }
-  if (!carried.empty()) write_text_atomically(export_config.string(), exported.dump(2) + "\n");
+  if (!carried.empty()) write_file_atomically(export_config.string(), exported.dump(2) + "\n");
   for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                            "tokenizer.model", "generation_config.json"}) {
     const fs::path from = fs::path(source_dir) / name;

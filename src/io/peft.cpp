@@ -106,7 +106,7 @@ void save_peft_adapter(nn::LlamaModel& model, const std::string& dir,
   config["revision"] = nullptr;
   config["use_rslora"] = false;
   config["use_dora"] = false;
-  write_text_atomically(config_path(dir), config.dump(2) + "\n");
+  write_file_atomically(config_path(dir), config.dump(2) + "\n");
 }
 
 // ---- load ------------------------------------------------------------------------------------
@@ -273,7 +273,7 @@ void save_merged_hf_model(nn::LlamaModel& model, const std::string& dir, DType d
 
   create_output_dir(dir);
   save_sharded(dir, tensors, max_shard_bytes, {{"format", "pt"}});
-  write_text_atomically((std::filesystem::path(dir) / "config.json").string(),
+  write_file_atomically((std::filesystem::path(dir) / "config.json").string(),
                         model.config().to_hf_json() + "\n");
 }
 

@@ -1,8 +1,5 @@
 #include "shardtrain/io/safetensors.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <bit>
 #include <boost/iostreams/device/mapped_file.hpp>
@@ -66,80 +63,6 @@ class MappedFile {
 };
 
 namespace {
-
-// A file written under a temporary name and renamed into place only once complete and on disk,
-// so that a crash never leaves a half-written file under the final name.
-class AtomicFileWriter {
- public:
-  explicit AtomicFileWriter(std::string path)
-      : path_(std::move(path)), tmp_path_(concat(path_, ".tmp.", ::getpid())) {
-    fd_ = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0)
-      throw ConfigError(concat("cannot create '", tmp_path_, "' (to write '", path_,
-                               "'): ", std::strerror(errno)));
-  }
-  ~AtomicFileWriter() {
-    if (fd_ >= 0) ::close(fd_);
-    if (!committed_) ::unlink(tmp_path_.c_str());
-  }
-  AtomicFileWriter(const AtomicFileWriter&) = delete;
-  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
-
-  // Appends at the current position.
-  void write(const void* data, size_t bytes) {
-    const char* p = static_cast<const char*>(data);
-    while (bytes > 0) {
-      ssize_t n = ::write(fd_, p, std::min<size_t>(bytes, size_t{1} << 30));
-      if (n < 0 && errno == EINTR) continue;
-      if (n == 0) errno = ENOSPC;  // no progress and no error: nothing more fits
-      if (n <= 0) fail("write");
-      p += n;
-      bytes -= static_cast<size_t>(n);
-    }
-  }
-
-  // Writes at byte `offset` of the file, leaving the current position alone (parts of a file
-  // may arrive in any order; a gap is filled by a later write).
-  void write_at(int64_t offset, const void* data, size_t bytes) {
-    const char* p = static_cast<const char*>(data);
-    while (bytes > 0) {
-      ssize_t n = ::pwrite(fd_, p, std::min<size_t>(bytes, size_t{1} << 30), offset);
-      if (n < 0 && errno == EINTR) continue;
-      if (n == 0) errno = ENOSPC;  // no progress and no error: nothing more fits
-      if (n <= 0) fail("write");
-      p += n;
-      offset += n;
-      bytes -= static_cast<size_t>(n);
-    }
-  }
-
-  void commit() {
-    if (::fsync(fd_) != 0) fail("fsync");
-    int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0) fail("close");
-    if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) fail("rename");
-    committed_ = true;
-    // Make the rename itself durable.
-    fs::path dir = fs::path(path_).parent_path();
-    int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd >= 0) {
-      ::fsync(dfd);
-      ::close(dfd);
-    }
-  }
-
- private:
-  [[noreturn]] void fail(const char* what) {
-    throw ConfigError(
-        concat("cannot write '", path_, "': ", what, " failed: ", std::strerror(errno)));
-  }
-
-  std::string path_;
-  std::string tmp_path_;
-  int fd_ = -1;
-  bool committed_ = false;
-};
 
 constexpr std::pair<DType, const char*> kDTypeNames[] = {
     {DType::F32, "F32"}, {DType::BF16, "BF16"}, {DType::F16, "F16"},
@@ -604,12 +527,6 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
                       const std::map<std::string, std::string>& metadata) {
   SafetensorsWriter out(path, declare(tensors, path), metadata);
   for (const auto* entry : in_name_order(tensors)) out.write(entry->first, entry->second);
-  out.commit();
-}
-
-void write_file_atomically(const std::string& path, std::string_view bytes) {
-  AtomicFileWriter out(path);
-  out.write(bytes.data(), bytes.size());
   out.commit();
 }
 

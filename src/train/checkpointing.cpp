@@ -732,7 +732,7 @@ void open_metrics(std::ofstream& out, const std::string& path, int64_t resumed_s
   // earlier record as it was.
   std::string text;
   for (const std::string& line : kept) text += line + "\n";
-  write_text_atomically(path, text, "train.out_dir must be a writable directory with free space");
+  write_file_atomically(path, text, "train.out_dir must be a writable directory with free space");
   out.open(path, std::ios::app);
   check();
 }

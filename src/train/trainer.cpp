@@ -30,6 +30,7 @@
 #include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/io/hf_model.h"
 #include "shardtrain/io/peft.h"
+#include "shardtrain/io/safetensors.h"
 #include "shardtrain/memory/host_capacity.h"
 #include "shardtrain/nn/lora.h"
 #include "shardtrain/train/checkpointing.h"
@@ -187,18 +188,12 @@ TrainSummary run_training(const Config& requested) {
 
 namespace {
 
-// The bytes of a Hugging Face directory's weight files (what loading it reads).
+// The bytes of the tensors a Hugging Face directory's checkpoint holds (what loading it reads),
+// found the way loading finds them: the index, or model.safetensors.
 int64_t safetensors_bytes(const std::string& dir) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
+  const SafetensorsCheckpoint checkpoint = SafetensorsCheckpoint::open(dir);
   int64_t total = 0;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    // model.safetensors, or the shards model-00001-of-0000N.safetensors.
-    const std::string name = entry.path().filename().string();
-    if (entry.path().extension() != ".safetensors" || name.rfind("model", 0) != 0) continue;
-    const auto size = entry.file_size(ec);
-    if (!ec) total += static_cast<int64_t>(size);
-  }
+  for (const std::string& name : checkpoint.names()) total += checkpoint.info(name).nbytes();
   return total;
 }
 
@@ -451,7 +446,7 @@ TrainSummary train_with(const Config& config) {
   // Written once the run is sure to go ahead, whole or not at all (a temporary file renamed over
   // it): a refused or failed run keeps the earlier run's record.
   if (leader)
-    write_text_atomically(t.out_dir + "/config.yaml", config.to_yaml(),
+    write_file_atomically(t.out_dir + "/config.yaml", config.to_yaml(),
                           "the run's resolved config must be kept with its results; free space "
                           "(or raise the file-size limit), or choose another train.out_dir");
   if (first_step == t.steps && first_step > 0)

@@ -479,6 +479,37 @@ TEST(CudaKernels, MixedDtypesRoundOnceAsTheCpuBackendDoes) {
   }
 }
 
+TEST(CudaKernels, Nf4DequantizeIsBitwiseTheCpuBackends) {
+  REQUIRE_CUDA();
+  // Random codes and block scales (any byte is a valid code pair or absmax index), so every
+  // codebook entry and every dynamic-map entry is met. n not a multiple of the block (64) or of
+  // the absmax group (64 x 256) leaves partial last blocks and groups.
+  for (int64_t n : {int64_t{256} * 1000, int64_t{999}, int64_t{70000}, int64_t{1}}) {
+    const int64_t blocks = (n + 63) / 64, groups = (blocks + 255) / 256;
+    Generator gen(37 + static_cast<uint64_t>(n));
+    Tensor codes = rand_uniform({(n + 1) / 2}, gen, 0.0f, 255.99f).to(DType::U8);
+    Tensor absmax_q = rand_uniform({blocks}, gen, 0.0f, 255.99f).to(DType::U8);
+    Tensor absmax_scale = rand_uniform({groups}, gen, 0.01f, 2.0f);
+    const float offset = 0.03125f;
+    const Tensor g_absmax_q = absmax_q.to(cuda0()), g_absmax_scale = absmax_scale.to(cuda0());
+    // Codes at an even address take the vector kernel, at an odd one the scalar kernel.
+    Tensor padded = empty({codes.numel() + 1}, DType::U8, cuda0());
+    Tensor odd_codes = padded.slice_rows(1, codes.numel());
+    odd_codes.copy_from(codes);
+    for (const Tensor& g_codes : {codes.to(cuda0()), odd_codes}) {
+      for (DType t : kFloatTypes) {
+        Tensor want = empty({n}, t);
+        cpu().nf4_dequantize(codes, absmax_q, absmax_scale, offset, want);
+        Tensor got = empty({n}, t, cuda0());
+        gpu().nf4_dequantize(g_codes, g_absmax_q, g_absmax_scale, offset, got);
+        testing::expect_bitwise_equal(
+            got, want,
+            label(g_codes.data_ptr() == odd_codes.data_ptr() ? "nf4 odd address" : "nf4", t, {n}));
+      }
+    }
+  }
+}
+
 TEST(CudaKernels, Reductions) {
   REQUIRE_CUDA();
   for (DType t : kFloatTypes) {

@@ -219,29 +219,6 @@ TEST(Nf4, OddSizesAndSafetensorsRoundTrip) {
                             {"broken.safetensors", "layer.weight.nf4.absmax'"});
 }
 
-TEST(Nf4, CudaKernelMatchesCpuBitwise) {
-  if (!cuda_backend_available()) GTEST_SKIP() << "no usable GPU";
-  Generator gen(37);
-  for (const Shape& shape : {Shape{256, 1000}, Shape{27, 37}, Shape{70000}}) {
-    nn::Nf4Tensor q = nn::Nf4Tensor::quantize(randn(shape, gen));
-    nn::Nf4Tensor g = q;
-    g.codes = q.codes.to(Device::cuda());
-    g.absmax_q = q.absmax_q.to(Device::cuda());
-    g.absmax_scale = q.absmax_scale.to(Device::cuda());
-    for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
-      SCOPED_TRACE(shape_str(shape) + " " + std::string(dtype_name(dtype)));
-      EXPECT_TRUE(bitwise_equal(g.dequantize(dtype).to_float_vector(),
-                                q.dequantize(dtype).to_float_vector()));
-    }
-    // Codes at an odd address take the scalar kernel.
-    Tensor padded = zeros({q.codes.numel() + 1}, DType::U8, Device::cuda());
-    Tensor shifted = padded.slice_rows(1, q.codes.numel());
-    shifted.copy_from(q.codes);
-    g.codes = shifted;
-    EXPECT_TRUE(bitwise_equal(g.dequantize().to_float_vector(), q.dequantize().to_float_vector()));
-  }
-}
-
 // ---- Nf4Linear ----------------------------------------------------------------------------------
 
 TEST(Nf4Linear, ForwardAndBackwardEqualLinearWithDequantizedWeight) {

@@ -1,7 +1,13 @@
-// Input files are opened only once they are known to be regular files: opening a FIFO blocks
-// until some writer appears (a hang that no message explains), and a device reads without end.
+// Files as this project reads and writes them. Input files are opened only once they are known
+// to be regular files: opening a FIFO blocks until some writer appears (a hang that no message
+// explains), and a device reads without end. Output files are written whole or not at all: under
+// a temporary name, synced, then renamed over the final name, so a crash, a full disk or a kill
+// leaves the earlier file as it was.
 #pragma once
+#include <cstddef>
+#include <cstdint>
 #include <string>
+#include <string_view>
 
 namespace shardtrain {
 
@@ -10,11 +16,49 @@ namespace shardtrain {
 // path passes: the caller's open reports it in its own words.
 void check_regular_file(const std::string& path, const std::string& what);
 
-// Writes `text` to `path` whole or not at all: into `<path>.tmp`, renamed over `path` once
-// complete, so a failed write (a full disk, a file-size limit, a kill) leaves the earlier file as
-// it was. Throws Error "cannot write <path> (<the system's reason>)", followed by ": <advice>"
-// when advice is given; the temporary file is removed.
-void write_text_atomically(const std::string& path, const std::string& text,
+// Flushes a closed file (or, with `directory`, a directory's entries) to stable storage. Some
+// file systems cannot sync directories (EINVAL): their renames are as durable as they get.
+// Throws Error naming the path and the system's reason.
+void sync_to_disk(const std::string& path, bool directory);
+
+// Renames `from` over `to`, then syncs the directory holding `to` so the rename itself survives
+// a power loss. Throws Error naming both paths.
+void rename_durably(const std::string& from, const std::string& to);
+
+// A file written under `<path>.tmp.<pid>` and renamed over `path` by commit() once complete and
+// on disk. Dropped without commit(), it removes the temporary file and leaves `path` untouched.
+// Every failure throws Error "cannot write <path> (<the system's reason>)", followed by
+// ": <advice>" when advice is given.
+class AtomicFileWriter {
+ public:
+  explicit AtomicFileWriter(std::string path, std::string advice = "");
+  ~AtomicFileWriter();
+  AtomicFileWriter(const AtomicFileWriter&) = delete;
+  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
+
+  // Appends at the current position.
+  void write(const void* data, size_t bytes);
+  // Writes at byte `offset`, leaving the current position alone: parts of a file may arrive in
+  // any order, and a gap is filled by a later write.
+  void write_at(int64_t offset, const void* data, size_t bytes);
+  // fsync, close, rename over the final path, sync the directory.
+  void commit();
+
+  const std::string& path() const { return path_; }
+  const std::string& temporary_path() const { return tmp_path_; }
+
+ private:
+  [[noreturn]] void fail(int err) const;
+
+  std::string path_;
+  std::string tmp_path_;
+  std::string advice_;
+  int fd_ = -1;
+  bool committed_ = false;
+};
+
+// Writes `bytes` (a whole file: text or binary) to `path` through an AtomicFileWriter.
+void write_file_atomically(const std::string& path, std::string_view bytes,
                            const std::string& advice = "");
 
 }  // namespace shardtrain

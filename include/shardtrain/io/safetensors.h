@@ -171,10 +171,6 @@ class ShardedSafetensorsWriter {
   bool committed_ = false;
 };
 
-// Writes `bytes` to `path` the way every file here is written: under `path.tmp.<pid>`, fsynced,
-// then renamed over `path` (and the directory synced). Throws ConfigError when that fails.
-void write_file_atomically(const std::string& path, std::string_view bytes);
-
 // Writes a checkpoint into directory `dir` (created if missing) in the layout described for
 // ShardedSafetensorsWriter, from tensors already in memory. Returns the file names written
 // (index last).
