@@ -178,12 +178,16 @@ BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t meas
   row.strategy = config.activation.strategy;
   row.precision = config.precision.compute;
   try {
-    // Each combination starts with no CPU blocks cached by the one before (their sizes are not
-    // its own, and the cache's bound follows the bytes in use since it was emptied).
-    if (!training_device(config).is_cuda()) allocator_for(Device::cpu()).empty_cache();
+    // Each combination starts with nothing cached by the one before, on the device and in
+    // (pinned) host memory: their block sizes are not its own, a GPU cache full of them would
+    // be split or given back mid-measurement, and the CPU cache's bound follows the bytes in
+    // use since it was emptied.
+    const Device device = training_device(config);
+    allocator_for(device).empty_cache();
+    if (device.is_cuda()) allocator_for(Device::host()).empty_cache();
     StepBatches batches(config);
     // Declared before the runtime, so the capacity is restored after the runtime is gone.
-    CapacityGuard device_capacity(allocator_for(training_device(config)));
+    CapacityGuard device_capacity(allocator_for(device));
     Runtime rt(config);
     optim::LrSchedule schedule = lr_schedule(config);
     int64_t step = 0;

@@ -196,14 +196,17 @@ TEST(HostMemory, APredictionPastTheMachinesMemoryFailsBeforeTheFirstStep) {
     train::run_training(config);
     ADD_FAILURE() << "a " << format_bytes(p.peak) << " run started on " << format_bytes(host.bytes);
   } catch (const OutOfMemoryError& e) {
-    const std::string expected = "out of host memory before the first step: this run needs about " +
-                                 format_bytes(p.peak) + " of host memory per rank (a peak of " +
-                                 format_bytes(p.peak) + " on the cpu device at " + p.peak_moment +
-                                 "), more than the " + format_bytes(host.bytes) + " of " +
-                                 host.source + ": lower train.micro_batch";
+    // The peak in use, and the freed blocks the CPU allocator may keep on top of it.
+    const int64_t cached = p.peak / 8 + (16 << 20);
+    const std::string expected =
+        "out of host memory before the first step: this run needs about " +
+        format_bytes(p.peak + cached) + " of host memory per rank (a peak of " +
+        format_bytes(p.peak) + " on the cpu device at " + p.peak_moment + " + up to " +
+        format_bytes(cached) + " of freed blocks kept for reuse), more than the " +
+        format_bytes(host.bytes) + " of " + host.source + ": lower train.micro_batch";
     EXPECT_NE(std::string(e.what()).find(expected), std::string::npos)
         << e.what() << "\nexpected: " << expected;
-    EXPECT_EQ(e.requested_bytes(), p.peak);
+    EXPECT_EQ(e.requested_bytes(), p.peak + cached);
   }
   EXPECT_FALSE(std::filesystem::exists(out)) << "the check came after the run began";
   // With a device capacity set, the device's advice (the recipe, optimizer offload, which moves
