@@ -1196,18 +1196,26 @@ Config Config::parse(const std::string& yaml_text, const std::vector<std::string
   return parse_tree(yaml_text, overrides, source).config;
 }
 
+std::map<std::string, std::string> Config::values_away_from_defaults() const {
+  const std::vector<std::pair<std::string, std::string>> values = key_values();
+  const std::vector<std::pair<std::string, std::string>> defaults = Config().key_values();
+  std::map<std::string, std::string> out;
+  for (size_t i = 0; i < values.size(); ++i)  // both in schema order
+    if (values[i].second != defaults[i].second) out.insert(values[i]);
+  return out;
+}
+
 std::vector<std::string> Config::unused_settings() const {
-  const Config defaults;
-  std::map<std::string, std::string> value, default_value;
-  for (const auto& [path, text] : key_values()) value[path] = text;
-  for (const auto& [path, text] : defaults.key_values()) default_value[path] = text;
+  const std::map<std::string, std::string> changed = values_away_from_defaults();
   std::vector<std::string> out;
   // `keys` are not read when `unused` holds; `because` says why and how to make them count.
   auto rule = [&](bool unused, const std::vector<std::string>& keys, const std::string& because) {
     if (!unused) return;
-    for (const std::string& key : keys)
-      if (value.at(key) != default_value.at(key))
-        out.push_back(key + " = " + value.at(key) + " has no effect: " + because);
+    for (const std::string& key : keys) {
+      if (find_key(key) == nullptr) throw std::logic_error("unused_settings: no key " + key);
+      if (auto it = changed.find(key); it != changed.end())
+        out.push_back(key + " = " + it->second + " has no effect: " + because);
+    }
   };
   rule(optim.name == "sgd", {"optim.beta1", "optim.beta2", "optim.eps"},
        "it is an AdamW setting and optim.name is sgd");

@@ -318,13 +318,11 @@ Config apply_recipe(const Config& config, int64_t device_bytes, int world_size, 
   // A key the run config sets away from its default is a request the recipe would overrule
   // without a word (bf16 asked for, fp32 trained).
   {
-    std::map<std::string, std::string> value, default_value;
-    for (const auto& [path, text] : config.key_values()) value[path] = text;
-    for (const auto& [path, text] : Config().key_values()) default_value[path] = text;
+    const std::map<std::string, std::string> changed = config.values_away_from_defaults();
     std::vector<std::string> set;
     const std::vector<std::string> keys = keys_the_recipe_sets();
     for (const std::string& key : keys)
-      if (value.at(key) != default_value.at(key)) set.push_back(key + "=" + value.at(key));
+      if (auto it = changed.find(key); it != changed.end()) set.push_back(key + "=" + it->second);
     if (!set.empty())
       throw ConfigError("recipe: auto chooses " + fmt::format("{}", fmt::join(keys, ", ")) +
                         " itself, but the run config sets " +

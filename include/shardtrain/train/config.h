@@ -12,6 +12,7 @@
 // takes effect; the `effective_*` helpers give the derived value.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -238,6 +239,8 @@ struct Config {
   // Every key's full path and its value as YAML text, in to_yaml's order
   // ({"model.rope_scaling.factor", "8"}, {"lora.target_modules", "[q_proj, v_proj]"}).
   std::vector<std::pair<std::string, std::string>> key_values() const;
+  // The keys whose value differs from the default, with that value as YAML text.
+  std::map<std::string, std::string> values_away_from_defaults() const;
 
   // Keys set away from their defaults that this configuration never reads (optim.beta1 with
   // optim.name=sgd, lora.r with lora.enabled=false), one line each naming the key and what would
