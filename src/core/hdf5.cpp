@@ -189,8 +189,8 @@ int64_t Object::read_int64_attribute(const std::string& name) const {
   Handle type = datatype(H5Aget_type(attr.get()));
   TypeInfo info = describe_type(type.get());
   if (info.type_class != H5T_INTEGER)
-    throw FormatError(
-        concat(where_, ": attribute '", name, "' is a ", info.describe(), ", expected an integer"));
+    throw FormatError(concat(where_, ": attribute '", name, "' is of type ", info.describe(),
+                             ", expected an integer"));
   int64_t value = 0;
   checked_status(H5Aread(attr.get(), H5T_NATIVE_INT64, &value),
                  concat(where_, ": cannot read attribute '", name, "'"));
@@ -202,8 +202,8 @@ double Object::read_double_attribute(const std::string& name) const {
   Handle type = datatype(H5Aget_type(attr.get()));
   TypeInfo info = describe_type(type.get());
   if (info.type_class != H5T_INTEGER && info.type_class != H5T_FLOAT)
-    throw FormatError(
-        concat(where_, ": attribute '", name, "' is a ", info.describe(), ", expected a number"));
+    throw FormatError(concat(where_, ": attribute '", name, "' is of type ", info.describe(),
+                             ", expected a number"));
   double value = 0;
   checked_status(H5Aread(attr.get(), H5T_NATIVE_DOUBLE, &value),
                  concat(where_, ": cannot read attribute '", name, "'"));
@@ -214,7 +214,7 @@ std::string Object::read_string_attribute(const std::string& name) const {
   Handle attr = open_attribute(name);
   Handle type = datatype(H5Aget_type(attr.get()));
   if (H5Tget_class(type.get()) != H5T_STRING)
-    throw FormatError(concat(where_, ": attribute '", name, "' is a ",
+    throw FormatError(concat(where_, ": attribute '", name, "' is of type ",
                              describe_type(type.get()).describe(), ", expected a string"));
   const std::string what = concat(where_, ": cannot read attribute '", name, "'");
   if (H5Tis_variable_str(type.get()) > 0) {

@@ -122,8 +122,8 @@ TokenDataset TokenDataset::open(const std::string& path) {
   if (!file.has(kTokensName))
     throw FormatError(concat(path,
                              ": no dataset 'tokens'; a token dataset holds a 1-D uint16 or "
-                             "uint32 dataset 'tokens' with attributes 'vocab_size' and "
-                             "'tokenizer' (`shardtrain prepare-data` writes one)"));
+                             "uint32 dataset 'tokens' with an attribute 'vocab_size' "
+                             "(`shardtrain prepare-data` writes one)"));
   h5::Dataset ds = file.open_dataset(kTokensName);
   // Reached through an external link, the tokens are in another file: that one is mapped, and
   // watched for changes.
@@ -138,22 +138,27 @@ TokenDataset TokenDataset::open(const std::string& path) {
                              " elements, expected uint16 or uint32"));
 
   // Attributes belong on the dataset; the file's root is accepted too, as other writers do that.
-  auto owner = [&](const char* name) -> const h5::Object& {
-    if (ds.has_attribute(name)) return ds;
-    if (file.has_attribute(name)) return file;
-    throw FormatError(concat(path, ": dataset 'tokens' has no attribute '", name, "' (",
-                             std::string(name) == "vocab_size" ? "the vocabulary size, int64"
-                                                               : "the tokenizer name, string",
-                             ")"));
+  auto owner = [&](const char* name) -> const h5::Object* {
+    if (ds.has_attribute(name)) return &ds;
+    if (file.has_attribute(name)) return &file;
+    return nullptr;
   };
   TokenDataset out;
   out.source_ = path;
   out.opened_ = opened;
   out.mapped_path_ = held_in;
-  out.vocab_size_ = owner("vocab_size").read_int64_attribute("vocab_size");
+  const h5::Object* vocab_size = owner("vocab_size");
+  if (vocab_size == nullptr)
+    throw FormatError(concat(path,
+                             ": dataset 'tokens' has no attribute 'vocab_size' (the vocabulary "
+                             "size, an integer): add it, or write the file with `shardtrain "
+                             "prepare-data`"));
+  out.vocab_size_ = vocab_size->read_int64_attribute("vocab_size");
   if (out.vocab_size_ < 1 || out.vocab_size_ > kMaxVocab)
     throw FormatError(concat(path, ": vocab_size ", out.vocab_size_, " is outside [1, 2^32]"));
-  out.tokenizer_ = owner("tokenizer").read_string_attribute("tokenizer");
+  // What made the tokens, for the reader: optional (other writers may not record it).
+  if (const h5::Object* tokenizer = owner("tokenizer"))
+    out.tokenizer_ = tokenizer->read_string_attribute("tokenizer");
 
   if (ds.num_elements() == 0) throw FormatError(concat(path, ": dataset 'tokens' holds no tokens"));
   ds.check_stored_here();

@@ -234,14 +234,16 @@ TrainSummary train_with(const Config& config) {
   const int world = dist::job_world_size();
   const bool leader = dist::job_rank() == 0;
   check_host_memory(config, world);
-  // Declared before the locks, so that the locks are released when it cleans up.
-  DirectoriesOfThisRun created_dirs;
+  // Declared before the locks, so that the locks are released when they clean up; the
+  // checkpoint directory's after train.out_dir's, so that it goes first (it may lie inside).
+  DirectoriesOfThisRun created_out_dirs, created_checkpoint_dirs;
   // Only rank 0 takes back what the run created and left empty: the ranks share the directories.
   // The other ranks give rank 0 a moment to create them: one that got there first would make
   // rank 0 take them for an earlier run's and leave them behind when the run is refused.
-  auto prepare = [&](const std::string& dir, const std::string& key) {
+  auto prepare = [&](DirectoriesOfThisRun& created, const std::string& dir,
+                     const std::string& key) {
     if (leader) {
-      created_dirs.prepare(dir, key);
+      created.prepare(dir, key);
       return;
     }
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
@@ -250,25 +252,29 @@ TrainSummary train_with(const Config& config) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     prepare_output_dir(dir, key);
   };
-  prepare(t.out_dir, "train.out_dir");
-  // Every run may save: a stop signal does, whatever checkpoint.every_* say.
-  const std::string checkpoint_dir = config.effective_checkpoint_dir();
-  prepare(checkpoint_dir, config.checkpoint.dir.empty()
-                              ? "checkpoint.dir (default: under train.out_dir)"
-                              : "checkpoint.dir");
-  // One run at a time in a directory; rank 0 holds the locks for the job. The checkpoint
-  // directory has its own, default or not: another run may name it as its checkpoint.dir.
+  // One run at a time in a directory; rank 0 holds the locks for the job. Only a run that holds
+  // a directory takes back those it created for it: one refused because another run holds it
+  // (two started at once on a new directory) leaves them, and the lock file in them, to that
+  // run. A run refused later (a checkpoint.dir that cannot be created) takes them back.
   std::optional<RunLock> out_lock, checkpoint_lock;
+  prepare(created_out_dirs, t.out_dir, "train.out_dir");
   if (leader) {
     out_lock.emplace(t.out_dir, "train.out_dir");
+    created_out_dirs.take_back_at_end();
+  }
+  // Every run may save: a stop signal does, whatever checkpoint.every_* say. The checkpoint
+  // directory has its own lock, default or not: another run may name it as its checkpoint.dir.
+  const std::string checkpoint_dir = config.effective_checkpoint_dir();
+  prepare(created_checkpoint_dirs, checkpoint_dir,
+          config.checkpoint.dir.empty() ? "checkpoint.dir (default: under train.out_dir)"
+                                        : "checkpoint.dir");
+  if (leader) {
     // A checkpoint.dir that is train.out_dir itself is locked already: a second flock from this
     // process would refuse the run as "in use".
     std::error_code ec;
     if (!std::filesystem::equivalent(checkpoint_dir, t.out_dir, ec))
       checkpoint_lock.emplace(checkpoint_dir, "checkpoint.dir");
-    // Only a run that holds the directories takes back those it created: one refused because
-    // another run holds them (two started at once on a new directory) leaves them to that run.
-    created_dirs.take_back_at_end();
+    created_checkpoint_dirs.take_back_at_end();
     for (const RunLock* lock :
          {out_lock ? &*out_lock : nullptr, checkpoint_lock ? &*checkpoint_lock : nullptr})
       if (lock != nullptr && !lock->unlocked_reason().empty())

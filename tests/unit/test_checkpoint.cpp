@@ -654,6 +654,15 @@ TEST(CheckpointResume, ARefusedRunLeavesNoEmptyExportDirectory) {
     EXPECT_FALSE(fs::exists(tmp / "ckpt")) << dir;
     EXPECT_FALSE(fs::exists(tmp / "run")) << dir;
   }
+  // A checkpoint.dir that cannot be created (a file in its path) refuses the run after
+  // train.out_dir was made: that goes too.
+  const std::string file = tmp.write("a-file", "x");
+  expect_error<ConfigError>(
+      [&] {
+        train::run_training(tiny_config(tmp / "run/nested", {"checkpoint.dir=" + file + "/ck"}));
+      },
+      {"checkpoint.dir = '" + file + "/ck': cannot create the directory"});
+  EXPECT_FALSE(fs::exists(tmp / "run"));
   expect_error<ConfigError>(
       [&] {
         train::run_training(tiny_config(tmp / "lora", {"model.vocab_size=100", "lora.enabled=true",

@@ -183,6 +183,31 @@ TEST_F(DataTest, MissingVocabSize) {
   expect_error<FormatError>([&] { TokenDataset::open(p); }, {p, "no attribute 'vocab_size'"});
 }
 
+// The tokenizer's name is for the reader: a file without one (another writer's) opens, one
+// whose name is not a string is malformed.
+TEST_F(DataTest, TheTokenizerAttributeIsOptionalButMustBeAString) {
+  for (const bool integer_name : {false, true}) {
+    const std::string p = path(integer_name ? "intname.h5" : "noname.h5");
+    {
+      h5::File f = h5::File::create(p);
+      h5::Dataset ds = f.create_dataset("tokens", H5T_STD_U16LE, {10});
+      std::vector<uint16_t> t(10, 3);
+      ds.write(t.data(), H5T_NATIVE_UINT16);
+      ds.write_int64_attribute("vocab_size", 256);
+      if (integer_name) ds.write_int64_attribute("tokenizer", 7);
+    }
+    if (integer_name) {
+      expect_error<FormatError>([&] { TokenDataset::open(p); },
+                                {p, "attribute 'tokenizer' is of type int64, expected a string"});
+    } else {
+      const TokenDataset data = TokenDataset::open(p);
+      EXPECT_EQ(data.tokenizer(), "");
+      EXPECT_EQ(data.size(), 10);
+      EXPECT_EQ(data.vocab_size(), 256);
+    }
+  }
+}
+
 // Every layout reads back the same tokens, from any range (within a chunk, across chunks, to
 // the partly used last chunk): mapped when stored as raw little-endian bytes (contiguous, or
 // chunked as prepare-data writes), decoded into memory when compressed or big-endian.

@@ -62,7 +62,7 @@ class TokenDataset {
 
   const std::string& source() const { return source_; }
   int64_t vocab_size() const { return vocab_size_; }
-  const std::string& tokenizer() const { return tokenizer_; }
+  const std::string& tokenizer() const { return tokenizer_; }  // "" when the file names none
   int64_t size() const { return storage_->size(); }
   // Copies tokens [begin, begin + count), which must lie within [0, size()), to `out`.
   void read(int64_t begin, int64_t count, uint32_t* out) const {
