@@ -1,7 +1,7 @@
 // Checkpoints across job shapes, through the real CLI: a checkpoint written by 4 ranks resumes on
 // 2 ranks and on 1 process, and under other sharding strategies, continuing the 4-rank loss curve
 // within 1e-6; SIGUSR1 sent to mpirun (which forwards it) stops every rank with a checkpoint and
-// exit code 0.
+// exit code 0, and the job resumed from it on 4 ranks continues the curve of one never stopped.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -10,7 +10,6 @@
 
 #include <array>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -166,13 +165,17 @@ TEST(CheckpointReshard, FourRanksResumeOnTwoAndOneAndUnderEveryOtherSharding) {
     EXPECT_NE(listing.find(line), std::string::npos) << line << "\n" << listing;
 }
 
+// The stopped job's length is not known in advance: at a constant rate after the warm-up, its
+// steps are those of a job of any length.
+constexpr const char* kConstantRate = "optim.schedule=constant";
+
 TEST(CheckpointSignals, Sigusr1ToMpirunStopsEveryRankWithACheckpoint) {
   TempDir tmp;
   const std::string log = tmp / "stopped.log";
-  pid_t job =
-      start(train_command(tmp, 2, tmp / "run", {"train.steps=100000", "checkpoint.every_steps=0"},
-                          /*signals=*/true),
-            log);
+  pid_t job = start(train_command(tmp, 2, tmp / "run",
+                                  {"train.steps=100000", "checkpoint.every_steps=0", kConstantRate},
+                                  /*signals=*/true),
+                    log);
   // Rank 0 prints this after every rank has installed its handlers and built its model.
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   while (read_file_bytes(log).find("parameters on") == std::string::npos &&
@@ -200,15 +203,20 @@ TEST(CheckpointSignals, Sigusr1ToMpirunStopsEveryRankWithACheckpoint) {
   EXPECT_EQ(rank_files(tmp / "run/checkpoints", stopped).size(), 2u);
 
   // Another job shape picks it up.
-  JobRun resumed = train(tmp, 4, "run",
-                         {"train.steps=" + std::to_string(stopped + 3), "train.resume=auto",
-                          "checkpoint.every_steps=0"});
+  const std::string steps = "train.steps=" + std::to_string(stopped + 3);
+  JobRun resumed =
+      train(tmp, 4, "run", {steps, "train.resume=auto", "checkpoint.every_steps=0", kConstantRate});
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("resumed from " + ckpt(tmp, "run", stopped)), std::string::npos)
       << resumed.output;
-  // The metrics file goes on: the stopped run's steps, then the three new ones.
+  // The metrics file goes on: the stopped run's steps, then the three new ones, on the curve of
+  // a job that was never stopped (world sizes agree within 1e-6, as above).
+  JobRun reference = train(tmp, 2, "reference", {steps, kConstantRate});
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
   ASSERT_EQ(resumed.losses.size(), static_cast<size_t>(stopped + 3));
-  for (const auto& [step, loss] : resumed.losses) EXPECT_TRUE(std::isfinite(loss)) << step;
+  ASSERT_EQ(reference.losses.size(), resumed.losses.size());
+  for (const auto& [step, loss] : resumed.losses)
+    EXPECT_NEAR(loss, reference.losses.at(step), 1e-6) << "step " << step;
 }
 
 }  // namespace
