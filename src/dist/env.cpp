@@ -1,10 +1,14 @@
 // DistEnv: launch detection, MPI start-up, node-local and cross-node groups; abort_job.
 #include "shardtrain/dist/env.h"
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "shardtrain/dist/mpi.h"
 #include "shardtrain/dist/nccl.h"
@@ -62,6 +66,50 @@ int world_size_now() {
   MPI_Comm_size(MPI_COMM_WORLD, &s);
   return s;
 }
+
+// Ends the job when joining it takes longer than the collective timeout. MPI's start-up, the
+// communicator splits and NCCL's set-up are blocking collectives that cannot be given a limit
+// themselves: a rank that never arrives (stuck on a file system, or dead without ending the job)
+// would leave the others waiting forever, where every later collective gives up after
+// dist.timeout_s. Runs on its own thread, so it touches MPI only to abort.
+class StartUpWatchdog {
+ public:
+  StartUpWatchdog(double timeout_s, int rank) {
+    if (timeout_s <= 0) return;
+    thread_ = std::thread([this, timeout_s, rank] {
+      std::unique_lock<std::mutex> lock(mutex_);
+      if (joined_.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                           [this] { return done_; }))
+        return;
+      std::fprintf(stderr,
+                   "rank %d: the job's start-up did not finish within %g s: every rank waits "
+                   "for all the others to join (MPI, the node and world communicators, NCCL), "
+                   "and at least one has not; it may still be reading its data or model, be "
+                   "stuck, or have exited. dist.timeout_s sets this limit\n",
+                   rank, timeout_s);
+      std::fflush(stderr);
+      if (MpiRuntime::initialized()) MPI_Abort(MPI_COMM_WORLD, 1);
+      std::_Exit(1);  // MPI not up yet: a rank that exits non-zero makes mpirun end the job
+    });
+  }
+  ~StartUpWatchdog() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    joined_.notify_all();
+    thread_.join();
+  }
+  StartUpWatchdog(const StartUpWatchdog&) = delete;
+  StartUpWatchdog& operator=(const StartUpWatchdog&) = delete;
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable joined_;
+  bool done_ = false;
+  std::thread thread_;
+};
 
 // A process group over `comm` on the chosen backend; a LocalProcessGroup for one rank.
 std::unique_ptr<ProcessGroup> make_group(const MpiCommunicator& comm, const std::string& backend,
@@ -156,6 +204,7 @@ DistEnv::DistEnv(const DistOptions& options) : options_(options), launch_(detect
     return;
   }
 
+  const StartUpWatchdog watchdog(options.timeout_s, launch_.rank);
   runtime_ = MpiRuntime::acquire();
   rank_ = world_rank_now();
   world_size_ = world_size_now();

@@ -1,4 +1,5 @@
-// A rank that fails ends the whole mpirun job, non-zero, with its message, in bounded time.
+// A rank that fails, or never joins, ends the whole mpirun job, non-zero, with a message, in
+// bounded time.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -48,6 +49,22 @@ TEST_P(RankFailure, EndsTheJobNonZeroWithTheRanksMessage) {
   // Step 0 completed everywhere before the failure.
   EXPECT_NE(r.output.find("rank 0 finished step 0"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("finished step 1"), std::string::npos) << r.output;
+}
+
+// A rank that does not join the job at all: the others give up after dist.timeout_s instead of
+// waiting in MPI's start-up or the communicator set-up, which have no limit of their own.
+TEST_P(RankFailure, ARankThatNeverJoinsEndsTheJobAfterTheTimeout) {
+  const int np = GetParam();
+  JobResult r = run_job("late_rank", np);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.exit_code, 124) << "the job hung until the launcher's timeout killed it\n"
+                              << r.output;
+  EXPECT_NE(r.output.find("rank 0: the job's start-up did not finish within 3 s"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("dist.timeout_s sets this limit"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("joined the job"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 30.0) << r.output;
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, RankFailure, ::testing::Values(2, 4),

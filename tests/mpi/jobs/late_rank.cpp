@@ -1,0 +1,20 @@
+// A job whose last rank arrives 60 s late, while the others give the start-up 3 s: they must end
+// the job with a message naming the limit, not wait for it. Run by
+// tests/mpi/launcher/rank_failure.cpp.
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
+#include "shardtrain/dist/env.h"
+
+using namespace shardtrain;
+
+int main() {
+  const dist::LaunchInfo launch = dist::detect_launch();
+  if (launch.rank == launch.world_size - 1) std::this_thread::sleep_for(std::chrono::seconds(60));
+  dist::DistOptions options;
+  options.timeout_s = 3;
+  dist::DistEnv env(options);
+  std::printf("rank %d joined the job\n", env.rank());
+  return 0;
+}
