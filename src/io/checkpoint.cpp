@@ -83,7 +83,15 @@ Node create_file(const std::string& path) {
 Node open_file(const std::string& path) {
   h5::silence_library_errors();
   std::error_code ec;
-  if (!fs::exists(path, ec)) throw FormatError(concat("checkpoint file '", path, "' is missing"));
+  const fs::file_status status = fs::status(path, ec);
+  if (ec || !fs::exists(status))
+    throw FormatError(concat("checkpoint file '", path, "' is missing"));
+  // A FIFO under a checkpoint's name would block the open until a writer came (a hang no stop
+  // signal ends), and a device would read without end.
+  if (!fs::is_regular_file(status))
+    throw FormatError(concat("checkpoint file '", path, "' is not a regular file but ",
+                             fs::is_directory(status) ? "a directory" : "a FIFO, device or socket",
+                             ": remove it, or name another checkpoint"));
   if (H5Fis_hdf5(path.c_str()) <= 0) {
     H5Eclear2(H5E_DEFAULT);
     throw FormatError(concat("'", path, "' is not an HDF5 file (truncated or overwritten?)"));

@@ -8,6 +8,7 @@
 #include <hdf5.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include "expect_error.h"
@@ -429,7 +430,14 @@ TEST(CheckpointResume, AutoRefusesDamagedCheckpointsAndFallsBackToAnIntactOne) {
         << "HDF5 no longer cuts the trailer when it closes a file opened for writing";
   }
 
+  // step 22: a FIFO under a main file's name (opening it would block until a writer came).
+  ASSERT_EQ(::mkfifo(main_file(22).c_str(), 0600), 0);
+
   dist::LocalProcessGroup local;
+  EXPECT_EQ(io::verify_checkpoint(local, main_file(22)),
+            "checkpoint file '" + main_file(22) +
+                "' is not a regular file but a FIFO, device or socket: remove it, or name "
+                "another checkpoint");
   std::string v10 = io::verify_checkpoint(local, main_file(10));
   EXPECT_NE(v10.find(main_file(10)), std::string::npos) << v10;
   std::string v8 = io::verify_checkpoint(local, main_file(8));
@@ -452,7 +460,7 @@ TEST(CheckpointResume, AutoRefusesDamagedCheckpointsAndFallsBackToAnIntactOne) {
   EXPECT_EQ(io::verify_checkpoint(local, main_file(2)), "");
 
   // An explicit path to a damaged checkpoint is an error naming it.
-  for (int step : {18, 16, 14, 12, 10, 8, 6, 4}) {
+  for (int step : {22, 18, 16, 14, 12, 10, 8, 6, 4}) {
     try {
       train::run_training(
           tiny_config(tmp / "explicit", {"train.steps=7", "train.resume=" + main_file(step)}));
@@ -462,13 +470,13 @@ TEST(CheckpointResume, AutoRefusesDamagedCheckpointsAndFallsBackToAnIntactOne) {
     }
   }
 
-  // auto: refuses 18 to 4 (logging each) and continues from step 2 exactly.
+  // auto: refuses 22 to 4 (logging each) and continues from step 2 exactly.
   train::Config cfg =
       tiny_config(tmp / "run", {"train.steps=3", "train.resume=auto", "train.progress=lines"});
   ::testing::internal::CaptureStderr();
   train::TrainSummary resumed = train::run_training(cfg);
   std::string log = ::testing::internal::GetCapturedStderr();
-  for (int step : {18, 16, 14, 12, 10, 8, 6, 4})
+  for (int step : {22, 18, 16, 14, 12, 10, 8, 6, 4})
     EXPECT_NE(log.find("refusing checkpoint " + main_file(step)), std::string::npos) << log;
   EXPECT_NE(log.find("resumed from " + main_file(2)), std::string::npos) << log;
   std::map<int64_t, double> losses = step_losses(resumed.metrics_path);
@@ -489,6 +497,40 @@ TEST(CheckpointResume, AutoRefusesDamagedCheckpointsAndFallsBackToAnIntactOne) {
     H5Fclose(f);
   }
   EXPECT_EQ(io::verify_checkpoint(local, main_file(20)), "");
+}
+
+// A rank file that is a FIFO (whose open would block until a writer came, a hang no stop signal
+// ends) or a directory is refused by name, by an explicit resume and by auto alike.
+TEST(CheckpointResume, ARankFileThatIsAFifoOrADirectoryIsRefusedWithoutBlocking) {
+  TempDir tmp;
+  const std::string dir = tmp / "run/checkpoints";
+  train::run_training(tiny_config(tmp / "run", {"train.steps=2", "checkpoint.every_steps=2"}));
+  const std::string main_file = dir + "/" + io::checkpoint_file_name(2);
+  const std::string rank_file = dir + "/" + io::rank_file_name(2, 0);
+  for (const bool fifo : {true, false}) {
+    SCOPED_TRACE(fifo ? "FIFO" : "directory");
+    fs::remove_all(rank_file);
+    if (fifo)
+      ASSERT_EQ(::mkfifo(rank_file.c_str(), 0600), 0);
+    else
+      fs::create_directory(rank_file);
+    const std::string refusal = "checkpoint file '" + rank_file + "' is not a regular file but " +
+                                (fifo ? "a FIFO, device or socket" : "a directory");
+    expect_error<FormatError>(
+        [&] {
+          train::run_training(tiny_config(tmp / "explicit" + std::to_string(fifo),
+                                          {"train.steps=3", "train.resume=" + main_file}));
+        },
+        {refusal});
+    // auto passes it over, saying why (and, with no other checkpoint, starts from scratch).
+    ::testing::internal::CaptureStderr();
+    train::run_training(tiny_config(tmp / "auto" + std::to_string(fifo),
+                                    {"train.steps=3", "train.resume=auto", "train.progress=lines",
+                                     "checkpoint.dir=" + dir, "checkpoint.every_steps=0"}));
+    const std::string log = ::testing::internal::GetCapturedStderr();
+    EXPECT_NE(log.find("refusing checkpoint " + main_file), std::string::npos) << log;
+    EXPECT_NE(log.find(refusal), std::string::npos) << log;
+  }
 }
 
 TEST(CheckpointResume, ACheckpointOfAnotherModelIsAClearError) {
