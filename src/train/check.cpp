@@ -217,7 +217,14 @@ CheckReport run_check(Config config, const CheckOptions& options) {
     ST_CHECK_AS(FormatError, name == "loss" ? t.numel() == 1 : t.shape() == shape, "'", ef, "': '",
                 name, "' is ", t.describe(), " but this model and batch give ",
                 name == "loss" ? std::string("one number") : shape_str(shape));
-    return t.to_float_vector();
+    std::vector<float> values = t.to_float_vector();
+    // An inf would make its element's tolerance (rtol x |reference|) and the tensor's default
+    // atol (rtol x its RMS) infinite, and pass anything: a reference must be finite.
+    for (size_t i = 0; i < values.size(); ++i)
+      ST_CHECK_AS(FormatError, std::isfinite(values[i]), "'", ef, "': '", name, "' holds ",
+                  values[i], " at element ", i,
+                  ": a reference must hold finite numbers (regenerate it)");
+    return values;
   };
   // Every parameter's full value (or gradient), gathered unit by unit when sharded.
   auto for_each_full = [&](bool gradients,

@@ -6,6 +6,7 @@
 #include "expect_error.h"
 #include "temp_dir.h"
 
+#include <cmath>
 #include <map>
 #include <string>
 
@@ -94,6 +95,25 @@ TEST_F(Check, AnIncompleteOrMisnamedReferenceIsAnError) {
   expect_error<FormatError>([&] { run(r); },
                             {"holds 1 tensor(s) this model has no counterpart for: "
                              "grad.model.nrom.weight (misspelled?"});
+}
+
+// An inf in the reference would widen its element's tolerance (and the tensor's default atol,
+// from its RMS) to inf and pass anything; a nan compares false. Both are unusable input.
+TEST_F(Check, AReferenceThatIsNotFiniteIsAnError) {
+  for (const float bad : {INFINITY, -INFINITY, NAN}) {
+    for (const std::string name :
+         {"loss", "logits", "grad.lm_head.weight", "step1.lm_head.weight"}) {
+      Reference r = Reference::golden();
+      Tensor& t = r.at(name);
+      std::vector<float> values = t.to_float_vector();
+      values.back() = bad;
+      t = from_floats(values, t.shape());
+      expect_error<FormatError>([&] { run(r); },
+                                {"'" + expected_path() + "': '" + name + "' holds ",
+                                 " at element " + std::to_string(values.size() - 1),
+                                 "a reference must hold finite numbers"});
+    }
+  }
 }
 
 TEST_F(Check, ShapesAndHyperParametersMustFitTheReferenceStep) {
