@@ -500,10 +500,19 @@ StepResult Runtime::train_step(const std::vector<Batch>& micro_batches, float lr
   // Without loss scaling nothing skips such a step: the update would write inf or nan into every
   // weight (through the clipping factor too), and a checkpoint could keep them before the next
   // step's loss showed it. Every rank sees the same sum, so every rank stops here.
-  ST_CHECK(r.skipped || std::isfinite(sum_squares), "the gradients hold inf or nan (their sum of ",
-           "squares is ", sum_squares, ", the loss ", r.loss,
-           "); the weights were not updated. Lower optim.lr or lengthen optim.warmup_steps; ",
-           "fp16 with precision.loss_scale=dynamic skips such steps instead of stopping");
+  if (!r.skipped && !std::isfinite(sum_squares)) {
+    // Before any update the learning rate has played no part: the weights as initialised or
+    // loaded (or fp16's range in the forward) give the inf.
+    const std::string fix =
+        optimizer_->steps_taken() == 0
+            ? "The weights have not been updated yet, so the learning rate is not the cause: "
+              "check the initial weights (model.init_std, the files of model.from_hf), or use "
+              "precision.compute=bf16 or fp32 if this is fp16 overflowing"
+            : "Lower optim.lr or lengthen optim.warmup_steps; fp16 with "
+              "precision.loss_scale=dynamic skips such steps instead of stopping";
+    throw Error(concat("the gradients hold inf or nan (their sum of squares is ", sum_squares,
+                       ", the loss ", r.loss, "); the weights were not updated. ", fix));
+  }
   if (!r.skipped) {
     r.grad_norm = std::sqrt(sum_squares) / static_cast<double>(scaler_->scale());
     optimizer_->step(

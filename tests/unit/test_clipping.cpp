@@ -126,9 +126,29 @@ TEST_P(NonFiniteGradient, StopsTheStepWithoutLossScaling) {
     const std::string message = e.what();
     EXPECT_NE(message.find("inf or nan"), std::string::npos) << message;
     EXPECT_NE(message.find("not updated"), std::string::npos) << message;
+    // Before any update the learning rate cannot be the cause.
+    EXPECT_NE(message.find("so the learning rate is not the cause: check the initial weights"),
+              std::string::npos)
+        << message;
   }
   EXPECT_EQ(weights(rt), before);
   EXPECT_EQ(rt.optimizer().steps_taken(), 0);
+
+  // After an update it may be.
+  train::Runtime later(config_with(GetParam(), 1.0, "precision.loss_scale=none"));
+  later.train_step(golden_batch(), kLr);
+  autograd::register_hook(*later.trainable().front().param, [](const Tensor& g) {
+    return full(g.shape(), NAN, g.dtype(), g.device());
+  });
+  try {
+    later.train_step(golden_batch(), kLr);
+    ADD_FAILURE() << "a step with a nan gradient went ahead";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("Lower optim.lr or lengthen optim.warmup_steps"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(later.optimizer().steps_taken(), 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(Optimizers, Clipping,
