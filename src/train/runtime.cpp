@@ -505,7 +505,7 @@ StepResult Runtime::train_step(const std::vector<Batch>& micro_batches, float lr
     // loaded (or fp16's range in the forward) give the inf.
     const std::string fix =
         optimizer_->steps_taken() == 0
-            ? "The weights have not been updated yet, so the learning rate is not the cause: "
+            ? "This was the first update, so the learning rate is not the cause: "
               "check the initial weights (model.init_std, the files of model.from_hf), or use "
               "precision.compute=bf16 or fp32 if this is fp16 overflowing"
             : "Lower optim.lr or lengthen optim.warmup_steps; fp16 with "
