@@ -6,6 +6,7 @@
 
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <new>
 #include <thread>
@@ -71,6 +72,27 @@ bool asks_for_help(const std::vector<std::string>& args) {
   return false;
 }
 
+// OpenMP starts OMP_NUM_THREADS threads per process at the first parallel region, and sizes
+// per-thread scratch (the CPU attention's) by it: far past the CPUs it only slows every step,
+// and tens of thousands make libgomp fail to create them or crash. Caught before any work.
+void check_openmp_threads() {
+  const char* value = std::getenv("OMP_NUM_THREADS");
+  if (value == nullptr || *value == '\0') return;
+  char* end = nullptr;
+  const long threads = std::strtol(value, &end, 10);  // "8" or a nested list "8,2": the first
+  if (end == value) return;                           // OpenMP itself reports what it cannot read
+  const long cpus = std::max(1u, std::thread::hardware_concurrency());
+  const long most = std::max(64L, 16 * cpus);
+  if (threads <= most) return;
+  throw ConfigError("OMP_NUM_THREADS=" + std::string(value) + " asks for " +
+                    std::to_string(threads) + " CPU threads per process on a machine with " +
+                    std::to_string(cpus) + " CPU(s); past " + std::to_string(most) +
+                    " they only slow the run, or fail to start: set OMP_NUM_THREADS to at most " +
+                    std::to_string(cpus) +
+                    " (divided by the ranks per node under mpirun), or "
+                    "unset it");
+}
+
 // Under mpirun one failing rank must end the whole job: the others may be blocked in a
 // collective it will never join. Every rank usually fails alike (a refused configuration), and
 // rank 0, unwinding, takes back the directories the run created: the other ranks give it a
@@ -110,6 +132,7 @@ int run(const std::vector<std::string>& args) {
     const Command* command = find_command(first);
     if (!command) unknown_command(first);
     hint = "run 'shardtrain " + command->name + " --help' for usage";
+    check_openmp_threads();
 
     std::vector<std::string> rest(args.begin() + 1, args.end());
     if (asks_for_help(rest)) {

@@ -150,6 +150,25 @@ TEST(Cli, TopLevelHelpAndExitCodes) {
   EXPECT_EQ(run({"help", "config"}).out, r.out);
 }
 
+// Tens of thousands of OpenMP threads crash libgomp (or start, and crawl): refused up front.
+// The variable is read by the CLI only (OpenMP has read it already, at start-up), so setting it
+// here starts no threads.
+TEST(Cli, AnAbsurdOpenMpThreadCountIsRefused) {
+  const char* before = std::getenv("OMP_NUM_THREADS");
+  const std::string saved = before != nullptr ? before : "";
+  ::setenv("OMP_NUM_THREADS", "100000", 1);
+  Result r = run({"config", "--keys"});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_CONTAINS(r.err, "error: OMP_NUM_THREADS=100000 asks for 100000 CPU threads per process");
+  EXPECT_CONTAINS(r.err, "set OMP_NUM_THREADS to at most");
+  ::setenv("OMP_NUM_THREADS", "2,1", 1);  // a nested list: its first level counts
+  EXPECT_EQ(run({"config", "--keys"}).code, 0);
+  if (before != nullptr)
+    ::setenv("OMP_NUM_THREADS", saved.c_str(), 1);
+  else
+    ::unsetenv("OMP_NUM_THREADS");
+}
+
 // plan: the device size comes from --device-memory, else train.device_memory, else 80 GiB; sizes
 // and rank counts past what 64 and 32 bits hold are refused, not wrapped round.
 TEST(Cli, PlanTakesTheDeviceSizeFromTheConfigAndRefusesOverflowingNumbers) {
