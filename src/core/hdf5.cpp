@@ -4,6 +4,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <tuple>
 
 #include "shardtrain/core/error.h"
@@ -191,6 +192,16 @@ int64_t Object::read_int64_attribute(const std::string& name) const {
   if (info.type_class != H5T_INTEGER)
     throw FormatError(concat(where_, ": attribute '", name, "' is of type ", info.describe(),
                              ", expected an integer"));
+  // HDF5 saturates an unsigned value past int64 into INT64_MAX: read those as they are.
+  if (!info.is_signed && info.size >= 8) {
+    uint64_t value = 0;
+    checked_status(H5Aread(attr.get(), H5T_NATIVE_UINT64, &value),
+                   concat(where_, ": cannot read attribute '", name, "'"));
+    if (value > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      throw FormatError(concat(where_, ": attribute '", name, "' holds ", value,
+                               ", past the largest 64-bit signed integer"));
+    return static_cast<int64_t>(value);
+  }
   int64_t value = 0;
   checked_status(H5Aread(attr.get(), H5T_NATIVE_INT64, &value),
                  concat(where_, ": cannot read attribute '", name, "'"));

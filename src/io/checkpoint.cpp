@@ -811,9 +811,12 @@ CheckpointReader::CheckpointReader(const std::string& path)
     throw FormatError(concat("'", path, "' has checkpoint format version ", version,
                              "; this build reads up to ", kFormatVersion));
   if (!f.has_attribute("complete") || f.read_int64_attribute("complete") != 1)
-    throw FormatError(concat("'", path,
-                             "' is incomplete (no 'complete' attribute): the save that wrote it "
-                             "did not finish"));
+    throw FormatError(concat(
+        "'", path, "' is incomplete (",
+        f.has_attribute("complete")
+            ? concat("its 'complete' attribute is ", f.read_int64_attribute("complete"), ", not 1")
+            : std::string("no 'complete' attribute"),
+        "): the save that wrote it did not finish"));
   TrainingState& s = state_;
   s.step = f.read_int64_attribute("step");
   s.world_size = f.read_int64_attribute("world_size");

@@ -465,6 +465,26 @@ TEST_F(DataTest, DatasetsAndAttributesThroughHdf5) {
   EXPECT_EQ(f.read_double_attribute("lr"), 0.25);
   expect_error<FormatError>([&] { f.read_string_attribute("lr"); }, {p, "'lr'", "string"});
   expect_error<FormatError>([&] { f.open_dataset("c"); }, {p, "no dataset 'c'"});
+
+  // Unsigned 64-bit attributes read as they are, or are refused past int64 (HDF5's own
+  // conversion would saturate them into INT64_MAX without a word).
+  const std::string u = path("unsigned.h5");
+  {
+    h5::File w = h5::File::create(u);
+    for (const auto& [name, value] :
+         {std::pair<const char*, uint64_t>{"small", 1234}, {"huge", ~uint64_t{0}}}) {
+      h5::Handle space(H5Screate(H5S_SCALAR), H5Sclose);
+      hid_t a = H5Acreate2(w.id(), name, H5T_STD_U64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT);
+      ASSERT_GE(a, 0);
+      ASSERT_GE(H5Awrite(a, H5T_NATIVE_UINT64, &value), 0);
+      H5Aclose(a);
+    }
+    w.close();
+  }
+  h5::File r = h5::File::open(u);
+  EXPECT_EQ(r.read_int64_attribute("small"), 1234);
+  expect_error<FormatError>([&] { r.read_int64_attribute("huge"); },
+                            {u, "attribute 'huge' holds 18446744073709551615, past the largest"});
 }
 
 // ---- sampler --------------------------------------------------------------------------------
