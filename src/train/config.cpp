@@ -1,5 +1,6 @@
 #include "shardtrain/train/config.h"
 
+#include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -1006,6 +1007,13 @@ YAML::Node load_yaml(const std::string& text, const std::string& source) {
                         " YAML documents (separated by '---'); a config is one document: merge "
                         "them, or put each in a file of its own");
     return documents.empty() ? YAML::Node() : documents.front();
+  } catch (const YAML::DeepRecursion& e) {
+    // yaml-cpp's parser gives up past its nesting limit with the message "bad file".
+    throw ConfigError(source + ":" + std::to_string(e.mark.line + 1) + ":" +
+                      std::to_string(e.mark.column + 1) + ": YAML nested more than " +
+                      std::to_string(e.depth() - 1) +
+                      " levels deep, past what the parser reads; a config nests three at most "
+                      "(model: rope_scaling: factor: 8)");
   } catch (const YAML::ParserException& e) {
     throw ConfigError(source + ":" + std::to_string(e.mark.line + 1) + ":" +
                       std::to_string(e.mark.column + 1) + ": YAML syntax error: " + e.msg);

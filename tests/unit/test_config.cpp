@@ -343,6 +343,10 @@ TEST(Config, YamlSyntaxErrorNamesFileLineAndColumn) {
   EXPECT_CONTAINS(msg, path + ":4:1: YAML syntax error");
   msg = error_of([&] { load_config(dir.write("x.yaml", "") + ".missing"); });
   EXPECT_CONTAINS(msg, "x.yaml.missing' does not exist");
+  // Past the parser's nesting limit yaml-cpp says only "bad file".
+  msg = parse_error("model: " + std::string(3000, '[') + std::string(3000, ']') + "\n");
+  EXPECT_CONTAINS(msg, "run.yaml:1:");
+  EXPECT_CONTAINS(msg, " levels deep, past what the parser reads; a config nests three at most");
 }
 
 TEST(Config, DuplicateKeysAreRejected) {
