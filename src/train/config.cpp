@@ -610,7 +610,7 @@ const std::vector<Key>& schema() {
           .help("reduce gradients after every micro-batch instead of once per step"),
       Key("dist.timeout_s", &C::dist, &DistConfig::timeout_s)
           .at_least(1)
-          .help("seconds before a stalled collective is an error"),
+          .help("seconds before a stalled collective, or joining the job, is an error"),
       Key("dist.prefetch", &C::dist, &DistConfig::prefetch)
           .help("gather the next unit's parameters while computing"),
 
