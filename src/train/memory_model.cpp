@@ -81,8 +81,9 @@ ModelBytes model_bytes(const MemoryModelInput& in, int64_t param_bytes, int64_t 
                                          w.module) != in.lora_targets.end();
     if (in.lora) {
       // The base is frozen; NF4 packs two weights per byte plus a one-byte block scale per 64
-      // weights and an fp32 per 256 blocks.
-      if (targeted && in.quantize_base == "nf4") {
+      // weights and an fp32 per 256 blocks. Every decoder projection is quantized, targeted or
+      // not (nn/lora.h, as bitsandbytes' load_in_4bit).
+      if (is_projection(w.module) && in.quantize_base == "nf4") {
         int64_t blocks = ceil_div(w.numel(), 64);
         u.frozen += r64(ceil_div(w.numel(), 2)) + r64(blocks) + r64(4 * ceil_div(blocks, 256));
       } else {
@@ -324,8 +325,9 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
       for (const std::string& m : g.modules) n += targeted(m) ? 1 : 0;
       lora_delta += n * r64(T * in.lora_r * e);
       if (dropout) lora_delta += n * (r64(4 * T * g.in_features) + r64(e * T * g.in_features));
-      if (dropout && nf4 && n == static_cast<int64_t>(g.modules.size()))
-        lora_delta -= g.input_bytes;  // no op keeps the group's shared input any more
+      // No op keeps the group's shared input any more: the NF4 bases save none, and the
+      // adapters either are not there or keep their own dropped-out copies.
+      if (nf4 && (n == 0 || dropout)) lora_delta -= g.input_bytes;
       if (nf4 && n > 0)
         dequantized = std::max(dequantized, r64(e * g.in_features * g.out_features));
     }

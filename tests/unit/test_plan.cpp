@@ -180,6 +180,27 @@ TEST(Plan, QloraTinyRowsMatchTheRuntime) {
   EXPECT_GE(measured, 4) << plan.table();
 }
 
+// NF4 quantizes every projection, targeted or not, and an NF4 base saves no input: with some
+// projections targeted, only the adapters (and, with dropout, their own dropped-out inputs) keep
+// anything of a group's input. Targets that start with the layer's first projections (the
+// layers' ops all record); a first target later in the layer over-predicts by part of a layer.
+TEST(MemoryModel, QloraWithSomeProjectionsTargetedMatchesAMeasuredStep) {
+  for (const std::string targets : {"[q_proj, v_proj]", "[k_proj, gate_proj]"}) {
+    for (const std::string dropout : {"0", "0.05"}) {
+      const train::Config c =
+          train::load_config(kConfigs + "qlora-tiny.yaml",
+                             {"train.device=cpu", "train.micro_batch=4",
+                              "lora.target_modules=" + targets, "lora.dropout=" + dropout});
+      const train::MemoryPrediction predicted =
+          train::predict_memory(train::MemoryModelInput::from_config(c, 1));
+      const train::BenchRow measured = train::measure_config(c, 1, 1);
+      ASSERT_EQ(measured.status, train::BenchStatus::Ok) << measured.message;
+      expect_within(predicted.peak, measured.peak_bytes, 0.03,
+                    "targets " + targets + ", dropout " + dropout);
+    }
+  }
+}
+
 // ---- ZeRO accounting on the 8B shape --------------------------------------------------------
 
 TEST(Plan, Llama8bModelStatesFollowZeroBytesPerParameter) {
