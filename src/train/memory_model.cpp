@@ -165,6 +165,8 @@ MemoryModelInput MemoryModelInput::from_config(const Config& config, int world_s
   in.compute = config.precision.compute;
   in.param_dtype = config.precision.param_dtype;
   in.reduce_dtype = config.precision.reduce_dtype;
+  in.reductions_staged_in_fp32 =
+      world_size > 1 && training_device(config).is_cpu() && config.precision.reduce_dtype != "fp32";
   in.activation_strategy = config.activation.strategy;
   in.attention = config.activation.attention;
   in.loss_chunk_tokens = config.activation.loss_chunk_tokens;
@@ -389,9 +391,20 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   // Accumulating unsharded gradients, a unit's flat buffer is its accumulator (counted in
   // acc_grads, released when its reduction completes): only the reduction's output is extra.
   const bool unsharded_acc = accumulates_unsharded && in.micro_batches_per_step > 1;
+  // MPI on the CPU device reduces 16 bits through fp32 copies: the reduce-scatter's of the flat
+  // buffer and of the output, alive until the reduction has completed; the all-reduce over
+  // replicas (no_shard, hybrid_shard) of the reduced shard, while it runs at completion.
+  const bool staged = in.reductions_staged_in_fp32 && !unsharded_acc && rb != 4;
+  const int64_t replicas = fsdp ? in.world_size / shards : 1;
+  auto staged_scatter = [&](const UnitBytes& u) {
+    return staged && shards > 1 ? r64(4 * shards * shard_of(u)) + r64(4 * shard_of(u)) : 0;
+  };
+  auto staged_all_reduce = [&](const UnitBytes& u) {
+    return staged && replicas > 1 ? r64(4 * shard_of(u)) : 0;
+  };
   auto in_flight = [&](const UnitBytes& u) {
     if (unsharded_acc) return reduce_out(u);
-    return shards > 1 ? flat(u) + reduce_out(u) : flat(u);
+    return (shards > 1 ? flat(u) + reduce_out(u) : flat(u)) + staged_scatter(u);
   };
   const int64_t in_flight_reduce = fsdp ? in_flight(mb.layer) : 0;
   // Completing the reduction in flight, when the next unit launches its own: the reduced
@@ -399,8 +412,9 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   // gradients (new ones unless earlier micro-batches left some) beside the next unit's flat.
   auto completing = [&](const UnitBytes& done, int64_t done_grad, const UnitBytes& next) {
     if (unsharded_acc) return reduce_out(done) + done_grad;
-    return (shards > 1 ? reduce_out(done) : flat(done)) + (acc_grads > 0 ? 0 : done_grad) +
-           flat(next);
+    // The all-reduce's staging comes and goes before the fp32 gradients are made.
+    return (shards > 1 ? reduce_out(done) : flat(done)) + staged_scatter(done) +
+           std::max(staged_all_reduce(done), acc_grads > 0 ? 0 : done_grad) + flat(next);
   };
   // A unit's gradients (parameter dtype) beside their flat copy: in the reduce dtype, or the
   // fp32 one added into the accumulator.
@@ -492,8 +506,10 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
     Moment r = m;
     r.name = "gradient reduction of layer " + std::to_string(i);
     r.activations = inputs + below;
+    // Flattening (the unit's gradients beside their flat copy), then launching its reduction
+    // (the gradients freed, the reduction's buffers made) beside the one still in flight.
     r.workspace = a.X + pending_head +
-                  std::max(layer_flatten + previous,
+                  std::max(std::max(layer_flatten, in_flight_reduce) + previous,
                            i < L - 1 ? completing(mb.layer, layer_grad, mb.layer) : 0);
     r.copies = root_copy + (all_gathered ? i : in_flight_units - 1) * unit_copy;
     moments.push_back(r);
@@ -512,9 +528,10 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
     if (fsdp) {
       m.copies = root_copy;
       m.workspace =
-          std::max(std::max(m.workspace + pending_head,
-                            r64(mb.root.trainable_elems * pe) +
-                                (unsharded_acc ? unsharded_fp32(mb.root) : flat(mb.root))) +
+          std::max(std::max({m.workspace + pending_head,
+                             r64(mb.root.trainable_elems * pe) +
+                                 (unsharded_acc ? unsharded_fp32(mb.root) : flat(mb.root)),
+                             in_flight(mb.root)}) +
                        in_flight_reduce,
                    completing(mb.layer, layer_grad, mb.root));
     }
@@ -525,7 +542,7 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
     Moment m{"end of backward"};
     m.gradients = p.gradient_bytes;
     m.workspace = unsharded_acc ? reduce_out(mb.root) + unsharded_fp32(mb.root)
-                  : shards > 1  ? reduce_out(mb.root)
+                  : shards > 1  ? reduce_out(mb.root) + staged_scatter(mb.root)
                                 : flat(mb.root);
     moments.push_back(m);
   }

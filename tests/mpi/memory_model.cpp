@@ -1,8 +1,8 @@
 // The memory model's per-rank prediction against the peak each rank measures, under mpirun, for
 // every sharding strategy: no_shard (each rank a whole replica, kept as one-shard units), the
-// sharded ones, and gradient accumulation with and without reducing every micro-batch. fp32, so
-// that the CPU backend's fp32 scratch copies of 16-bit operands (which no GPU makes) do not
-// blur the comparison.
+// sharded ones, gradient accumulation with and without reducing every micro-batch, and 16-bit
+// gradient reductions. Mostly fp32, so that the CPU backend's fp32 scratch copies of 16-bit
+// operands (which no GPU makes) do not blur the comparison.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -81,19 +81,24 @@ std::string name_of(const ::testing::TestParamInfo<Case>& info) {
 
 INSTANTIATE_TEST_SUITE_P(
     EveryStrategy, PredictedPeak,
-    ::testing::Values(Case{{"dist.sharding=no_shard"}},
-                      Case{{"dist.sharding=no_shard", "activation.strategy=per_layer"}},
-                      Case{{"dist.sharding=full_shard"}},
-                      Case{{"dist.sharding=grad_op_shard", "activation.strategy=per_layer"}},
-                      // Four micro-batches a step: gradients kept between them, sharded when
-                      // every micro-batch reduces, whole (4 bytes a parameter) when only the
-                      // last one does.
-                      Case{{"dist.sharding=full_shard", "train.micro_batch=1",
-                            "dist.sync_every_microbatch=true"},
-                           4},
-                      Case{{"dist.sharding=full_shard", "train.micro_batch=1",
-                            "dist.sync_every_microbatch=false"},
-                           4}),
+    ::testing::Values(
+        Case{{"dist.sharding=no_shard"}},
+        Case{{"dist.sharding=no_shard", "activation.strategy=per_layer"}},
+        Case{{"dist.sharding=full_shard"}},
+        Case{{"dist.sharding=grad_op_shard", "activation.strategy=per_layer"}},
+        // Four micro-batches a step: gradients kept between them, sharded when
+        // every micro-batch reduces, whole (4 bytes a parameter) when only the
+        // last one does.
+        Case{{"dist.sharding=full_shard", "train.micro_batch=1", "dist.sync_every_microbatch=true"},
+             4},
+        Case{
+            {"dist.sharding=full_shard", "train.micro_batch=1", "dist.sync_every_microbatch=false"},
+            4},
+        // 16-bit reductions, which MPI runs on fp32 copies of their buffers.
+        Case{{"dist.sharding=full_shard", "precision.reduce_dtype=bf16"}},
+        Case{{"dist.sharding=grad_op_shard", "precision.compute=bf16",
+              "precision.reduce_dtype=bf16"}},
+        Case{{"dist.sharding=no_shard", "precision.compute=bf16", "precision.reduce_dtype=bf16"}}),
     name_of);
 
 }  // namespace
