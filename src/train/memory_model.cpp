@@ -381,7 +381,8 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   const int64_t root_copy = fsdp ? gathered(mb.root) : (mixed ? mb.root.compute_copy : 0);
   const int64_t head_copy = mixed ? r64(pe * V * H) : 0;
   const bool all_gathered = fsdp && in.sharding == "grad_op_shard";
-  const int64_t in_flight_units = fsdp ? (in.prefetch ? 2 : 1) : 1;
+  // The unit running and, with prefetch, the next one (none after the last of L layers).
+  const int64_t in_flight_units = fsdp && in.prefetch && L > 1 ? 2 : 1;
   // FSDP's reduce-scatter of a unit: when the unit's backward ends, its gradients (compute
   // dtype) are concatenated into a flat buffer (reduce dtype) that is reduce-scattered into a
   // shard. One reduction stays in flight while the next unit's backward runs.
@@ -499,7 +500,9 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
     // The unit's weight gradients are produced in the parameter dtype as its ops run, the
     // largest of them beside the ops' transients.
     m.workspace = layer_ops + r64(mb.layer.largest_grad / 4 * pe) + previous + pending_head;
-    m.copies = root_copy + (all_gathered ? i + 1 : in_flight_units) * unit_copy;
+    // With prefetch the next layer down is gathered meanwhile; below layer 0 there is none.
+    const int64_t gathered_here = i > 0 ? in_flight_units : 1;
+    m.copies = root_copy + (all_gathered ? i + 1 : gathered_here) * unit_copy;
     moments.push_back(m);
     // When the unit's backward ends it is resharded (its gathered copy freed) and its gradients
     // are flattened and reduced; the gradient flowing to the layer below is alive meanwhile.
@@ -511,7 +514,7 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
     r.workspace = a.X + pending_head +
                   std::max(std::max(layer_flatten, in_flight_reduce) + previous,
                            i < L - 1 ? completing(mb.layer, layer_grad, mb.layer) : 0);
-    r.copies = root_copy + (all_gathered ? i : in_flight_units - 1) * unit_copy;
+    r.copies = root_copy + (all_gathered ? i : gathered_here - 1) * unit_copy;
     moments.push_back(r);
   }
   {

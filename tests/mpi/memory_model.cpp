@@ -94,6 +94,9 @@ INSTANTIATE_TEST_SUITE_P(
         Case{
             {"dist.sharding=full_shard", "train.micro_batch=1", "dist.sync_every_microbatch=false"},
             4},
+        // One and two layers: nothing to prefetch after the last.
+        Case{{"dist.sharding=full_shard", "model.num_layers=1"}},
+        Case{{"dist.sharding=full_shard", "model.num_layers=2"}},
         // 16-bit reductions, which MPI runs on fp32 copies of their buffers.
         Case{{"dist.sharding=full_shard", "precision.reduce_dtype=bf16"}},
         Case{{"dist.sharding=grad_op_shard", "precision.compute=bf16",
