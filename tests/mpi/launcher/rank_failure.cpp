@@ -17,10 +17,10 @@ struct JobResult {
 };
 
 // Runs `np` ranks of a job under mpirun, killed after 60 s (exit code 124) if still running.
-JobResult run_job(const std::string& job, int np) {
+JobResult run_job(const std::string& job, int np, const std::string& args = "") {
   std::string command = std::string("timeout -k 5 60 ") + SHARDTRAIN_MPIEXEC +
                         " --oversubscribe -np " + std::to_string(np) + " " +
-                        SHARDTRAIN_MPI_JOB_DIR + "/mpi_job_" + job + " 2>&1";
+                        SHARDTRAIN_MPI_JOB_DIR + "/mpi_job_" + job + " " + args + " 2>&1";
   JobResult r;
   auto start = std::chrono::steady_clock::now();
   FILE* pipe = popen(command.c_str(), "r");
@@ -53,18 +53,23 @@ TEST_P(RankFailure, EndsTheJobNonZeroWithTheRanksMessage) {
 
 // A rank that does not join the job at all: the others give up after dist.timeout_s instead of
 // waiting in MPI's start-up or the communicator set-up, which have no limit of their own.
+// In MPI's own start-up (the others wait for the late rank there) and, with MPI started
+// everywhere, in the communicator set-up (the watchdog then ends the job with MPI_Abort).
 TEST_P(RankFailure, ARankThatNeverJoinsEndsTheJobAfterTheTimeout) {
   const int np = GetParam();
-  JobResult r = run_job("late_rank", np);
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.exit_code, 124) << "the job hung until the launcher's timeout killed it\n"
-                              << r.output;
-  EXPECT_NE(r.output.find("rank 0: the job's start-up did not finish within 3 s"),
-            std::string::npos)
-      << r.output;
-  EXPECT_NE(r.output.find("dist.timeout_s sets this limit"), std::string::npos) << r.output;
-  EXPECT_EQ(r.output.find("joined the job"), std::string::npos) << r.output;
-  EXPECT_LT(r.seconds, 30.0) << r.output;
+  for (const std::string args : {"", "after-init"}) {
+    SCOPED_TRACE(args.empty() ? "late before MPI starts" : "late after MPI started");
+    JobResult r = run_job("late_rank", np, args);
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.exit_code, 124) << "the job hung until the launcher's timeout killed it\n"
+                                << r.output;
+    EXPECT_NE(r.output.find("rank 0: the job's start-up did not finish within 3 s"),
+              std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("dist.timeout_s sets this limit"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("joined the job"), std::string::npos) << r.output;
+    EXPECT_LT(r.seconds, 30.0) << r.output;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, RankFailure, ::testing::Values(2, 4),
