@@ -68,6 +68,7 @@ Command bench_command() {
                                       "a positive number of TFLOP/s (989.4 for an H100 in bf16)");
     const bool leader = dist::job_rank() == 0;
     const std::string dir = args.has("out") ? args.get("out") : config.train.out_dir + "/bench";
+    train::check_bench_options(o);  // a refused flag leaves no --out directory behind
     if (leader) train::prepare_bench_output(dir);  // before the sweep, not after it
     if (leader) o.log = [](const std::string& line) { std::cerr << line << "\n"; };
     train::BenchReport report = train::run_bench(config, o);

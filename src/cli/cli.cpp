@@ -132,13 +132,13 @@ int run(const std::vector<std::string>& args) {
     const Command* command = find_command(first);
     if (!command) unknown_command(first);
     hint = "run 'shardtrain " + command->name + " --help' for usage";
-    check_openmp_threads();
 
     std::vector<std::string> rest(args.begin() + 1, args.end());
     if (asks_for_help(rest)) {
       std::cout << command_help(*command);
       return 0;
     }
+    check_openmp_threads();
     Args parsed = parse_args(*command, rest);
     int code = command->run(parsed);
     std::cout.flush();

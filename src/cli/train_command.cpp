@@ -47,8 +47,8 @@ Command train_command() {
                   static_cast<long long>(s.first_step + 1), static_cast<long long>(s.steps),
                   s.first_loss, s.final_loss);
     else
-      std::printf("trained %lld steps: loss %.4f -> %.4f", static_cast<long long>(s.steps),
-                  s.first_loss, s.final_loss);
+      std::printf("trained %lld step%s: loss %.4f -> %.4f", static_cast<long long>(s.steps),
+                  s.steps == 1 ? "" : "s", s.first_loss, s.final_loss);
     // A stop may have abandoned the last evaluation: say which step the figure is from.
     if (s.final_eval_loss >= 0 && s.final_eval_step != s.steps)
       std::printf(", eval loss %.4f after step %lld", s.final_eval_loss,

@@ -1,5 +1,7 @@
 #include "shardtrain/data/prepare.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -82,12 +84,16 @@ PrepareSummary prepare_data(const std::string& input, const std::string& output_
     std::ifstream in(input, std::ios::binary);
     if (!in) throw ConfigError(concat("cannot read '", input, "': ", std::strerror(errno)));
     const bool progress = total > kProgressAboveBytes;
+    // Redrawn in place on a terminal; into a log (a pipe, a file) a line every tenth instead of
+    // one line of carriage returns.
+    const bool terminal = isatty(STDERR_FILENO) != 0;
+    int next_tenth = 1;
     // A byte tokenizer may cut anywhere; chunk boundaries do not change its output.
     std::string chunk(kChunkBytes, '\0');
     int64_t done = 0;
     while (in) {
       if (stop_requested && stop_requested()) {
-        if (progress) std::fprintf(stderr, "\n");
+        if (progress && terminal) std::fprintf(stderr, "\n");
         throw Error(concat("prepare-data: stopped by a signal after ", format_bytes(done), " of '",
                            input, "'; nothing was written"));
       }
@@ -103,14 +109,17 @@ PrepareSummary prepare_data(const std::string& input, const std::string& output_
                    ", so it is not text (compressed? decompress it first); --input takes text"));
       consume(std::string_view(chunk.data(), got));
       done += static_cast<int64_t>(got);
-      if (progress)
-        std::fprintf(stderr, "\rprepare-data: %s / %s (%d%%)", format_bytes(done).c_str(),
-                     format_bytes(total).c_str(),
-                     static_cast<int>(100.0 * static_cast<double>(done) /
-                                      static_cast<double>(std::max<int64_t>(total, 1))));
+      const int percent = static_cast<int>(100.0 * static_cast<double>(done) /
+                                           static_cast<double>(std::max<int64_t>(total, 1)));
+      if (progress && (terminal || percent >= 10 * next_tenth)) {
+        std::fprintf(stderr, "%sprepare-data: %s / %s (%d%%)%s", terminal ? "\r" : "",
+                     format_bytes(done).c_str(), format_bytes(total).c_str(), percent,
+                     terminal ? "" : "\n");
+        while (percent >= 10 * next_tenth) ++next_tenth;
+      }
     }
     if (in.bad()) throw ConfigError(concat("error while reading '", input, "'"));
-    if (progress) std::fprintf(stderr, "\n");
+    if (progress && terminal) std::fprintf(stderr, "\n");
   }
   // A stop asked for after the last chunk still counts: the output is not committed.
   if (stop_requested && stop_requested())

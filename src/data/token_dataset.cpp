@@ -231,9 +231,13 @@ TokenDataset load_token_source(const std::string& path) {
   // trained on as the bytes of its HDF5 structure.
   std::error_code ec;
   if (!std::filesystem::exists(path, ec))
-    throw ConfigError(concat("data.path '", path,
-                             "' does not exist (builtin, a .txt file or a token dataset written "
-                             "by `shardtrain prepare-data`)"));
+    throw ConfigError(concat(
+        "data.path '", path, "' does not exist",
+        std::filesystem::path(path).is_relative()
+            ? concat(" (a relative path is taken from the working directory, ",
+                     std::filesystem::current_path(ec).string(), ")")
+            : std::string(),
+        "; give builtin, a .txt file or a token dataset written by `shardtrain prepare-data`"));
   if (!std::filesystem::is_regular_file(path, ec))
     throw ConfigError(concat("data.path '", path, "' is not a regular file"));
   const bool named_text = names_text_corpus(path);

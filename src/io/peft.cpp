@@ -172,9 +172,10 @@ nn::LoraOptions read_peft_config(const std::string& dir, std::string* base_model
   if (flag("fan_in_fan_out")) fail("fan_in_fan_out", "is true; Llama projections are not Conv1D");
   if (config.contains("bias") && config["bias"] != "none")
     fail("bias", "is " + config["bias"].dump() + "; only \"none\" is supported");
-  for (const char* key : {"rank_pattern", "alpha_pattern"})
+  for (const auto& [key, what] :
+       {std::pair<const char*, const char*>{"rank_pattern", "ranks"}, {"alpha_pattern", "alphas"}})
     if (config.contains(key) && !config[key].is_null() && !config[key].empty())
-      fail(key, "is set; per-module ranks are not supported");
+      fail(key, std::string("is set; per-module ") + what + " are not supported");
   for (const char* key : {"layers_to_transform", "modules_to_save"})
     if (config.contains(key) && !config[key].is_null())
       fail(key, "is set; only adapters on every layer's projections are supported");

@@ -424,13 +424,17 @@ void fill_rate(BenchRow& r, double flops_per_token, double peak_tflops, int devi
 
 }  // namespace
 
-BenchReport run_bench(const Config& config, const BenchOptions& options) {
+void check_bench_options(const BenchOptions& options) {
   check_names(options.strategies, activation::activation_strategies(), "--strategies");
   check_names(options.precisions, known_precisions(), "--precisions");
   ST_CHECK_AS(ConfigError, options.warmup_steps >= 0, "--warmup must be 0 or more, got ",
               options.warmup_steps);
   ST_CHECK_AS(ConfigError, options.measured_steps >= 1, "--steps must be at least 1, got ",
               options.measured_steps);
+}
+
+BenchReport run_bench(const Config& config, const BenchOptions& options) {
+  check_bench_options(options);
   StepBatches validate(config);  // data and batch errors concern every combination: fail now
 
   std::unique_ptr<dist::DistEnv> env;

@@ -8,6 +8,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -1071,6 +1072,15 @@ void apply_override(YAML::Node& root, const std::string& assignment,
   origins[path] = origin;
 }
 
+// "~" or "~/rest" with the home directory ($HOME) in place of the "~". Other paths, and these
+// when HOME is not set, are returned as they are.
+std::string expand_home(const std::string& path) {
+  if (path.empty() || path[0] != '~' || (path.size() > 1 && path[1] != '/')) return path;
+  const char* home = std::getenv("HOME");
+  if (home == nullptr || *home == '\0') return path;
+  return std::string(home) + path.substr(1);
+}
+
 struct Parsed {
   Config config;
   std::set<std::string> keys_given;
@@ -1154,6 +1164,13 @@ Parsed parse_tree(const std::string& text, const std::vector<std::string>& overr
     assign(*f.key, f.value, f.origin, parsed.config);
     parsed.keys_given.insert(f.key->path);
   }
+  // A shell expands ~ only at the start of a word: not in a YAML file, nor in `--set
+  // key=~/path`. Left as it is, train.out_dir: ~/runs would create a directory named "~".
+  Config& paths = parsed.config;
+  for (std::string* p : {&paths.train.out_dir, &paths.data.path, &paths.checkpoint.dir,
+                         &paths.model.from_hf, &paths.lora.base_model, &paths.lora.init_from,
+                         &paths.lora.adapter_out, &paths.train.resume})
+    *p = expand_home(*p);
   // lora.base_model names the released weights the adapters are trained on: they are loaded
   // as model.from_hf loads them (one directory, named once).
   Config& c = parsed.config;

@@ -27,8 +27,10 @@ void Progress::update(int64_t step, const std::string& text) {
   const int64_t done = step - first_step_;
   double eta =
       done > 0 ? elapsed / static_cast<double>(done) * static_cast<double>(total_ - step) : 0;
+  const int64_t eta_s = static_cast<int64_t>(eta);
   const std::string eta_text =
-      fmt::format("{:02d}:{:02d}", static_cast<int>(eta) / 60, static_cast<int>(eta) % 60);
+      eta_s >= 3600 ? fmt::format("{}:{:02d}:{:02d}", eta_s / 3600, eta_s / 60 % 60, eta_s % 60)
+                    : fmt::format("{:02d}:{:02d}", eta_s / 60, eta_s % 60);
   if (bar_) {
     const int width = 24;
     int filled = total_ > 0 ? static_cast<int>(width * step / total_) : width;
@@ -50,7 +52,8 @@ void Progress::update(int64_t step, const std::string& text) {
 }
 
 void Progress::message(const std::string& text) {
-  if (quiet_) return;
+  auto begins = [&](const char* prefix) { return text.rfind(prefix, 0) == 0; };
+  if (quiet_ && !begins("note: ") && !begins("warning: ") && !begins("refusing ")) return;
   if (open_line_) std::fprintf(stderr, "\n");
   open_line_ = false;
   std::fprintf(stderr, "%s\n", text.c_str());

@@ -484,7 +484,7 @@ TrainSummary train_with(const Config& config) {
 
   // False when a stop request (a signal, on any rank) cut the evaluation short: the caller
   // saves and stops instead of waiting for the rest of the held-out set.
-  double total_tokens = 0, total_seconds = 0;
+  double total_tokens = 0, total_seconds = 0, window_tokens = 0, window_seconds = 0;
   auto run_eval = [&](int64_t step) {
     std::optional<double> evaluated = rt.eval_loss(eval_set, [] { return stop_signal() != 0; });
     if (!evaluated) {
@@ -570,10 +570,15 @@ TrainSummary train_with(const Config& config) {
              "): the forward pass itself overflows or the weights hold inf or nan, which loss "
              "scaling cannot fix (every such step was skipped); use precision.compute=bf16, "
              "lower optim.lr, or check the initial weights (model.init_std, model.from_hf)");
+    // tokens/s over the steps since the last line (with log_every > 1, one step's rate would
+    // stand for the window's).
+    window_tokens += tokens;
+    window_seconds += seconds;
     if ((step + 1) % std::max<int64_t>(t.log_every, 1) == 0 || step + 1 == t.steps) {
-      progress.update(step + 1,
-                      fmt::format("loss {:.4f} lr {:.2e} | {:.0f} tok/s | peak {}", r.loss, r.lr,
-                                  tokens / seconds, format_bytes(r.device_memory.total_peak)));
+      progress.update(step + 1, fmt::format("loss {:.4f} lr {:.2e} | {:.0f} tok/s | peak {}",
+                                            r.loss, r.lr, window_tokens / window_seconds,
+                                            format_bytes(r.device_memory.total_peak)));
+      window_tokens = window_seconds = 0;
     }
     if (eval_due(step + 1)) run_eval(step + 1);
     // A stop request: the checkpoint is written; skip the final evaluation and export.

@@ -4,6 +4,7 @@
 
 #include "temp_dir.h"
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -330,6 +331,29 @@ TEST(Config, SetOverridesApplyBeforeValidation) {
   EXPECT_EQ(c.model.from_hf, "dir #3");
   EXPECT_CONTAINS(parse_error("", {"train.steps=5 #6"}),
                   "train.steps = '5 #6' has the wrong type: expected a whole number");
+}
+
+// A shell expands ~ only at the start of a word, never inside a YAML file or `key=~/x`: the
+// path keys expand a leading "~" or "~/" themselves (train.out_dir: ~/runs once made a
+// directory named "~" in the working directory).
+TEST(Config, PathKeysExpandALeadingTilde) {
+  const char* before = std::getenv("HOME");
+  const std::string saved = before != nullptr ? before : "";
+  ::setenv("HOME", "/home/someone", 1);
+  Config c =
+      Config::parse("train:\n  out_dir: ~/runs/a\ndata:\n  path: ~/corpus.txt\n",
+                    {"checkpoint.dir=~/ck", "model.from_hf=~other/model", "lora.enabled=true",
+                     "lora.init_from=a/~/b", "train.resume=~/runs/a/checkpoints"});
+  EXPECT_EQ(c.train.out_dir, "/home/someone/runs/a");
+  EXPECT_EQ(c.data.path, "/home/someone/corpus.txt");
+  EXPECT_EQ(c.checkpoint.dir, "/home/someone/ck");
+  EXPECT_EQ(c.model.from_hf, "~other/model");  // another user's home is not guessed
+  EXPECT_EQ(c.lora.init_from, "a/~/b");
+  EXPECT_EQ(c.train.resume, "/home/someone/runs/a/checkpoints");
+  if (before != nullptr)
+    ::setenv("HOME", saved.c_str(), 1);
+  else
+    ::unsetenv("HOME");
 }
 
 TEST(Config, YamlSyntaxErrorNamesFileLineAndColumn) {

@@ -144,6 +144,10 @@ double peak_tflops_for_gpu(const std::string& gpu_name, const std::string& preci
 double model_flops_utilization(double tokens_per_s, double flops_per_token, double peak_tflops,
                                int devices);
 
+// Throws ConfigError naming the flag when an option is out of range or names an unknown
+// strategy or precision (run_bench checks too; the CLI calls it before it creates --out).
+void check_bench_options(const BenchOptions& options);
+
 // Runs every combination of options.strategies x options.precisions on `config`.
 BenchReport run_bench(const Config& config, const BenchOptions& options);
 

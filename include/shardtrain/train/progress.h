@@ -15,7 +15,10 @@ class Progress {
   void start_at(int64_t step);
   // Called after each step; `text` is the status (loss, tokens/s, memory).
   void update(int64_t step, const std::string& text);
-  // A line that must not be overwritten by the bar (evaluations, checkpoints).
+  // A line that must not be overwritten by the bar (evaluations, checkpoints). Silenced by
+  // mode none, except notices: lines beginning "note: ", "warning: " or "refusing " say
+  // something about the run itself (a changed schedule, a damaged checkpoint passed over),
+  // which turning the display off must not hide.
   void message(const std::string& text);
   void finish();
 
