@@ -10,6 +10,7 @@
 
 #include "shardtrain/core/error.h"
 #include "shardtrain/core/units.h"
+#include "shardtrain/memory/host_capacity.h"
 
 namespace shardtrain {
 
@@ -75,7 +76,7 @@ class SystemAllocator : public Allocator {
     }
     // Room is made by returning other cached blocks: the sizes freed now are those the next
     // steps ask for (after a change of configuration, the old ones are not).
-    const size_t limit = high_water_ + high_water_ / 8 + kSlack;
+    const auto limit = static_cast<size_t>(cpu_allocator_bound(static_cast<int64_t>(high_water_)));
     for (auto it = cache_.begin(); it != cache_.end() && in_use_ + cached_ + size > limit;) {
       while (!it->second.empty() && in_use_ + cached_ + size > limit) {
         std::free(it->second.back());
@@ -95,7 +96,6 @@ class SystemAllocator : public Allocator {
 
  private:
   static constexpr size_t kCachedFrom = size_t{128} << 10;  // the C library's default threshold
-  static constexpr size_t kSlack = size_t{16} << 20;
 
   // Blocks from 128 KiB up are rounded up to a sixteenth of their power of two (at most 6.25 %
   // more), so that sizes that differ a little share blocks.

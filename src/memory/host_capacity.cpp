@@ -42,4 +42,8 @@ HostCapacity host_memory_capacity() {
   return out;
 }
 
+int64_t cpu_allocator_bound(int64_t peak_in_use) {
+  return peak_in_use + peak_in_use / 8 + (int64_t{16} << 20);
+}
+
 }  // namespace shardtrain

@@ -165,8 +165,7 @@ MemoryModelInput MemoryModelInput::from_config(const Config& config, int world_s
   in.compute = config.precision.compute;
   in.param_dtype = config.precision.param_dtype;
   in.reduce_dtype = config.precision.reduce_dtype;
-  in.reductions_staged_in_fp32 =
-      world_size > 1 && training_device(config).is_cpu() && config.precision.reduce_dtype != "fp32";
+  in.reduced_by_mpi_on_cpu = world_size > 1 && training_device(config).is_cpu();
   in.activation_strategy = config.activation.strategy;
   in.attention = config.activation.attention;
   in.loss_chunk_tokens = config.activation.loss_chunk_tokens;
@@ -395,7 +394,7 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   // MPI on the CPU device reduces 16 bits through fp32 copies: the reduce-scatter's of the flat
   // buffer and of the output, alive until the reduction has completed; the all-reduce over
   // replicas (no_shard, hybrid_shard) of the reduced shard, while it runs at completion.
-  const bool staged = in.reductions_staged_in_fp32 && !unsharded_acc && rb != 4;
+  const bool staged = in.reduced_by_mpi_on_cpu && rb != 4 && !unsharded_acc;
   const int64_t replicas = fsdp ? in.world_size / shards : 1;
   auto staged_scatter = [&](const UnitBytes& u) {
     return staged && shards > 1 ? r64(4 * shards * shard_of(u)) + r64(4 * shard_of(u)) : 0;

@@ -89,9 +89,9 @@ void check_host_memory(const Config& config, int world) {
   const int64_t text_bytes =
       names_text_corpus(data) ? static_cast<int64_t>(std::filesystem::file_size(data, ec)) : 0;
   const int64_t data_bytes = ec ? 0 : 5 * text_bytes;
-  // The CPU allocator keeps freed blocks for reuse, up to an eighth of its peak plus 16 MiB
-  // (memory/allocator.cpp): host memory the process holds on top of the peak in use.
-  const int64_t cached = on_host ? p.peak / 8 + (int64_t{16} << 20) : 0;
+  // The CPU allocator keeps freed blocks for reuse: host memory the process holds on top of
+  // the peak in use.
+  const int64_t cached = on_host ? cpu_allocator_bound(p.peak) - p.peak : 0;
   const int64_t per_rank = p.host_bytes() + (on_host ? p.peak + cached : 0) + data_bytes;
   const int64_t ranks_here = std::max(1, dist::detect_launch().local_size);
   const int64_t needed = per_rank * ranks_here;

@@ -16,4 +16,9 @@ struct HostCapacity {
 // with --mem). Never throws.
 HostCapacity host_memory_capacity();
 
+// The most bytes the CPU device's (or the system host pool's) allocator holds, in use and
+// cached for reuse together, when at most `peak_in_use` bytes were in use at once: it keeps
+// freed blocks up to an eighth over that high-water mark plus 16 MiB (memory/allocator.cpp).
+int64_t cpu_allocator_bound(int64_t peak_in_use);
+
 }  // namespace shardtrain

@@ -31,10 +31,10 @@ struct MemoryModelInput {
   std::string compute = "fp32";        // precision.compute: dtype of activations and logits
   std::string param_dtype;             // precision.param_dtype; "" = compute
   std::string reduce_dtype = "fp32";   // precision.reduce_dtype (FSDP gradient reduction)
-  // The MPI process group on the CPU device: MPI has no 16-bit sum, so a 16-bit reduction runs
-  // on fp32 copies of its input and output, counted as Workspace (dist/mpi.cpp). NCCL reduces
-  // 16 bits directly; MPI on a GPU stages in host memory.
-  bool reductions_staged_in_fp32 = false;
+  // Gradients reduced by MPI on the CPU device (several ranks): MPI has no 16-bit sum, so a
+  // 16-bit reduce_dtype runs on fp32 copies of the buffers, counted as Workspace
+  // (dist/mpi.cpp). NCCL reduces 16 bits directly; MPI on a GPU stages in host memory.
+  bool reduced_by_mpi_on_cpu = false;
   std::string activation_strategy = "none";
   std::string attention = "plain";  // plain | fused
   int64_t loss_chunk_tokens = 0;    // activation.loss_chunk_tokens; 0 = whole logits
