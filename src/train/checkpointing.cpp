@@ -288,11 +288,14 @@ std::string saved_config_problem(const std::string& saved_yaml, YAML::Node* pars
 
 // The keys of `defines_the_weights` whose values differ between a checkpoint's resolved config
 // and this run's, as "key: checkpoint X, this run Y". Both are Config::to_yaml text; a key only
-// one of them has (a config of another version) is not compared. A saved config with a problem
-// (above) is a FormatError.
+// one of them has (a config of another version) is not compared, nor are the model keys when
+// `model_compared_elsewhere` (the checkpoint's config.json text is compared with this run's
+// model: with model.from_hf the model keys of a config saved by an older version were not
+// resolved from config.json). A saved config with a problem (above) is a FormatError.
 std::vector<std::string> weight_settings_that_differ(const std::string& path,
                                                      const std::string& saved_yaml,
-                                                     const std::string& current_yaml) {
+                                                     const std::string& current_yaml,
+                                                     bool model_compared_elsewhere) {
   std::vector<std::string> out;
   YAML::Node saved;
   if (std::string problem = saved_config_problem(saved_yaml, &saved); !problem.empty())
@@ -307,6 +310,7 @@ std::vector<std::string> weight_settings_that_differ(const std::string& path,
       const std::string key = name + "." + entry.first.Scalar();
       const YAML::Node before = saved[name][entry.first.Scalar()];
       if (!defines_the_weights(key) || !before) continue;
+      if (model_compared_elsewhere && name == "model") continue;
       const std::string was = YAML::Dump(before), now = YAML::Dump(entry.second);
       if (was != now) out.push_back(key + ": checkpoint " + was + ", this run " + now);
     }
@@ -428,8 +432,9 @@ io::TrainingState load_checkpoint(Runtime& rt, const std::string& path) {
   const Config& config = rt.config();
   io::CheckpointReader reader(path);
   const io::TrainingState& state = reader.state();
-  const std::vector<std::string> differ =
-      weight_settings_that_differ(path, state.config_yaml, config.to_yaml());
+  const std::vector<std::string> differ = weight_settings_that_differ(
+      path, state.config_yaml, config.to_yaml(),
+      !config.model.from_hf.empty() && !state.model_config_json.empty());
   if (!differ.empty()) {
     std::string list;
     for (const std::string& d : differ) list += (list.empty() ? "" : "; ") + d;

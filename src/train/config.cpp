@@ -26,6 +26,7 @@
 #include "shardtrain/core/suggest.h"
 #include "shardtrain/core/units.h"
 #include "shardtrain/nn/llama.h"
+#include "shardtrain/train/runtime.h"
 
 namespace shardtrain::train {
 namespace {
@@ -1339,6 +1340,7 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
   Parsed parsed = parse_tree(text.str(), overrides, path);
   if (!parsed.keys_given.count("train.out_dir"))
     parsed.config.train.out_dir = "runs/" + fs::path(path).stem().string();
+  resolve_model_from_hf(parsed.config.model, parsed.keys_given);
   return parsed.config;
 }
 

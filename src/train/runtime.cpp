@@ -4,9 +4,12 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -61,13 +64,18 @@ Device training_device(const Config& config) {
 
 namespace {
 
-// With model.from_hf the model is what config.json describes. A model key that the run config
-// sets to something other than its default is a request for that model, so it must agree with
-// config.json: training another shape than the one written down would go unnoticed. Keys left
-// at their defaults, max_seq_len (a limit on train.seq_len) and init_std (unused when the
-// weights are loaded) are not compared.
-void check_agrees_with_hf(const ModelConfig& m, const nn::LlamaConfig& hf,
-                          const std::string& file) {
+// A number config.json gives and the model computes with in fp32, as the double whose shortest
+// text is the fp32 value's (1e-05, not 9.99999974737875e-06): a resolved config reads as written.
+double as_written(float value) {
+  char text[32];
+  const auto end = std::to_chars(text, text + sizeof text, value).ptr;
+  return std::strtod(std::string(text, end).c_str(), nullptr);
+}
+
+// The model keys of the run config that ask for something other than what config.json says, as
+// "model.key = yaml but field = json". A key asks when it was given or is away from its default.
+std::vector<std::string> disagreements_with_hf(const ModelConfig& m, const nn::LlamaConfig& hf,
+                                               const std::set<std::string>& keys_given) {
   const ModelConfig d;
   std::vector<std::string> conflicts;
   auto text = [](auto v) {
@@ -77,7 +85,8 @@ void check_agrees_with_hf(const ModelConfig& m, const nn::LlamaConfig& hf,
   };
   auto compare = [&](const std::string& key, auto yaml, auto yaml_default, auto json,
                      const std::string& field) {
-    if (yaml == yaml_default || yaml == json) return;
+    const bool asked = yaml != yaml_default || keys_given.count("model." + key) > 0;
+    if (!asked || yaml == json) return;
     conflicts.push_back("model." + key + " = " + text(yaml) + " but " + field + " = " + text(json));
   };
   compare("vocab_size", m.vocab_size, d.vocab_size, hf.vocab_size, "vocab_size");
@@ -86,7 +95,13 @@ void check_agrees_with_hf(const ModelConfig& m, const nn::LlamaConfig& hf,
           "intermediate_size");
   compare("num_layers", m.num_layers, d.num_layers, hf.num_layers, "num_hidden_layers");
   compare("num_heads", m.num_heads, d.num_heads, hf.num_heads, "num_attention_heads");
-  compare("num_kv_heads", m.num_kv_heads, d.num_kv_heads, hf.num_kv_heads, "num_key_value_heads");
+  // 0 asks for as many key/value heads as query heads: config.json's, or a disagreement above.
+  const int64_t kv_heads = m.num_kv_heads > 0 ? m.num_kv_heads : hf.num_heads;
+  if ((m.num_kv_heads != d.num_kv_heads || keys_given.count("model.num_kv_heads")) &&
+      kv_heads != hf.num_kv_heads)
+    conflicts.push_back("model.num_kv_heads = " + text(m.num_kv_heads) +
+                        (m.num_kv_heads > 0 ? "" : " (as many as the query heads)") +
+                        " but num_key_value_heads = " + text(hf.num_kv_heads));
   // config.json's numbers are used in fp32: compare there.
   compare("rms_norm_eps", static_cast<float>(m.rms_norm_eps), static_cast<float>(d.rms_norm_eps),
           hf.rms_norm_eps, "rms_norm_eps");
@@ -95,43 +110,84 @@ void check_agrees_with_hf(const ModelConfig& m, const nn::LlamaConfig& hf,
   compare("tie_embeddings", m.tie_embeddings, d.tie_embeddings, hf.tie_embeddings,
           "tie_word_embeddings");
   const RopeScalingConfig& rs = m.rope_scaling;
-  if (rs.rope_type != d.rope_scaling.rope_type) {
-    if (!hf.rope_scaling) {
-      conflicts.push_back("model.rope_scaling.rope_type = " + rs.rope_type +
-                          " but config.json has no rope_scaling");
-    } else {
-      const Llama3RopeScaling& h = *hf.rope_scaling;
-      compare("rope_scaling.factor", rs.factor, 0.0, h.factor, "rope_scaling.factor");
-      compare("rope_scaling.low_freq_factor", rs.low_freq_factor, 0.0, h.low_freq_factor,
-              "rope_scaling.low_freq_factor");
-      compare("rope_scaling.high_freq_factor", rs.high_freq_factor, 0.0, h.high_freq_factor,
-              "rope_scaling.high_freq_factor");
-      compare("rope_scaling.original_max_position_embeddings", rs.original_max_position_embeddings,
-              int64_t{0}, h.original_max_position_embeddings,
-              "rope_scaling.original_max_position_embeddings");
-    }
+  const bool type_asked =
+      rs.rope_type != d.rope_scaling.rope_type || keys_given.count("model.rope_scaling.rope_type");
+  if (type_asked && rs.rope_type == "llama3" && !hf.rope_scaling)
+    conflicts.push_back(
+        "model.rope_scaling.rope_type = llama3 but config.json has no rope_scaling");
+  if (type_asked && rs.rope_type != "llama3" && hf.rope_scaling)
+    conflicts.push_back("model.rope_scaling.rope_type = " + rs.rope_type +
+                        " but config.json's rope_scaling is llama3");
+  if (rs.rope_type == "llama3" && hf.rope_scaling) {
+    const Llama3RopeScaling& h = *hf.rope_scaling;
+    const RopeScalingConfig& none = d.rope_scaling;
+    compare("rope_scaling.factor", rs.factor, none.factor, h.factor, "rope_scaling.factor");
+    compare("rope_scaling.low_freq_factor", rs.low_freq_factor, none.low_freq_factor,
+            h.low_freq_factor, "rope_scaling.low_freq_factor");
+    compare("rope_scaling.high_freq_factor", rs.high_freq_factor, none.high_freq_factor,
+            h.high_freq_factor, "rope_scaling.high_freq_factor");
+    compare("rope_scaling.original_max_position_embeddings", rs.original_max_position_embeddings,
+            none.original_max_position_embeddings, h.original_max_position_embeddings,
+            "rope_scaling.original_max_position_embeddings");
   }
-  if (conflicts.empty()) return;
-  std::string message =
-      "model.from_hf: the run config and '" + file + "' describe different models: ";
-  for (size_t i = 0; i < conflicts.size(); ++i) message += (i ? "; " : "") + conflicts[i];
-  throw ConfigError(message +
-                    ". With model.from_hf the model comes from config.json: remove these model "
-                    "keys from the run config or make them agree with it");
+  return conflicts;
 }
 
 }  // namespace
 
+std::optional<nn::LlamaConfig> resolve_model_from_hf(ModelConfig& m,
+                                                     const std::set<std::string>& keys_given) {
+  if (m.from_hf.empty()) return std::nullopt;
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_directory(m.from_hf, ec))
+    throw ConfigError("model.from_hf '" + m.from_hf +
+                      (fs::exists(m.from_hf, ec) ? "' is not a directory" : "' does not exist") +
+                      ": give the directory of a Hugging Face model (config.json and "
+                      "*.safetensors), or remove model.from_hf to build the model from the model "
+                      "keys");
+  const std::string file = m.from_hf + "/config.json";
+  if (!fs::exists(file, ec))
+    throw ConfigError("model.from_hf '" + m.from_hf +
+                      "' has no config.json: give the directory of a Hugging Face model "
+                      "(config.json and *.safetensors), such as a run's export/ directory");
+  const nn::LlamaConfig hf = nn::LlamaConfig::from_hf_json(file);
+  const std::vector<std::string> conflicts = disagreements_with_hf(m, hf, keys_given);
+  if (!conflicts.empty()) {
+    std::string message =
+        "model.from_hf: the run config and '" + file + "' describe different models: ";
+    for (size_t i = 0; i < conflicts.size(); ++i) message += (i ? "; " : "") + conflicts[i];
+    throw ConfigError(message +
+                      ". With model.from_hf the model comes from config.json: remove these model "
+                      "keys from the run config or make them agree with it");
+  }
+  m.vocab_size = hf.vocab_size;
+  m.hidden_size = hf.hidden_size;
+  m.intermediate_size = hf.intermediate_size;
+  m.num_layers = hf.num_layers;
+  m.num_heads = hf.num_heads;
+  m.num_kv_heads = hf.num_kv_heads;
+  m.rms_norm_eps = as_written(hf.rms_norm_eps);
+  m.rope_theta = as_written(hf.rope_theta);
+  m.rope_scaling = RopeScalingConfig{};
+  if (hf.rope_scaling)
+    m.rope_scaling = RopeScalingConfig{
+        "llama3", hf.rope_scaling->factor, hf.rope_scaling->low_freq_factor,
+        hf.rope_scaling->high_freq_factor, hf.rope_scaling->original_max_position_embeddings};
+  m.tie_embeddings = hf.tie_embeddings;
+  // The longest sequence is not part of the weights (RoPE is computed, not learned): the longer
+  // of config.json's max_position_embeddings and model.max_seq_len, against which the run
+  // config's seq_len was checked.
+  m.max_seq_len = std::max(m.max_seq_len, hf.max_seq_len);
+  return hf;
+}
+
 nn::LlamaConfig llama_config_from(const ModelConfig& m) {
   nn::LlamaConfig c;
   if (!m.from_hf.empty()) {
-    const std::string file = m.from_hf + "/config.json";
-    c = nn::LlamaConfig::from_hf_json(file);
-    check_agrees_with_hf(m, c, file);
-    // The longest sequence is not part of the weights (RoPE is computed, not learned): the
-    // longer of config.json's max_position_embeddings and model.max_seq_len, against which the
-    // run config's seq_len was checked.
-    c.max_seq_len = std::max(c.max_seq_len, m.max_seq_len);
+    ModelConfig resolved = m;
+    c = *resolve_model_from_hf(resolved);
+    c.max_seq_len = resolved.max_seq_len;
     return c;
   }
   c.vocab_size = m.vocab_size;

@@ -160,7 +160,11 @@ TrainSummary train_with(const Config& config);
 
 }  // namespace
 
-TrainSummary run_training(const Config& requested) {
+TrainSummary run_training(const Config& given) {
+  // With model.from_hf the model keys take config.json's values: the run's config.yaml and its
+  // checkpoints then say which model trained.
+  Config requested = given;
+  resolve_model_from_hf(requested.model);
   // recipe: auto walks the scale-up recipe and trains the first configuration that fits.
   const Config config = resolve_recipe(requested);
   try {

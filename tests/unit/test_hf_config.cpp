@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -585,6 +586,57 @@ TEST(HfConfig, RunConfigThatContradictsConfigJsonIsAnError) {
       "  rope_scaling:\n    rope_type: llama3\n    factor: 8\n    low_freq_factor: 1\n"
       "    high_freq_factor: 4\n    original_max_position_embeddings: 8192\n",
       {"model.rope_scaling.rope_type = llama3 but config.json has no rope_scaling"});
+}
+
+// A run config file says which keys it sets: with model.from_hf, one set to its default value
+// that config.json contradicts is a request too, and the keys it leaves out take config.json's
+// values, so that the resolved config (`shardtrain config`, the run's config.yaml) shows the model
+// that trains and reads back to the same config.
+TEST(HfConfig, LoadConfigResolvesTheModelKeysFromConfigJson) {
+  TempDir dir("hf-load");
+  write_config(dir, small_llama3());
+  const std::string from = "model:\n  from_hf: " + dir.str() + "\n";
+  const train::Config c = train::load_config(dir.write("run.yaml", from));
+  EXPECT_EQ(c.model.vocab_size, 64);
+  EXPECT_EQ(c.model.hidden_size, 32);
+  EXPECT_EQ(c.model.intermediate_size, 48);
+  EXPECT_EQ(c.model.num_layers, 2);
+  EXPECT_EQ(c.model.num_heads, 2);
+  EXPECT_EQ(c.model.num_kv_heads, 1);
+  EXPECT_EQ(c.model.rope_theta, 500000.0);
+  EXPECT_EQ(c.model.rope_scaling, (train::RopeScalingConfig{"llama3", 32.0, 1.0, 4.0, 8192}));
+  EXPECT_TRUE(c.model.tie_embeddings);
+  EXPECT_EQ(c.model.max_seq_len, 131072);
+  EXPECT_EQ(c.model.rms_norm_eps, 1e-5) << "config.json's fp32 value, as written";
+  EXPECT_NE(c.to_yaml().find("  rms_norm_eps: 1e-05"), std::string::npos) << c.to_yaml();
+  // The resolved config is the same config when read again (a run's config.yaml).
+  EXPECT_EQ(train::load_config(dir.write("resolved.yaml", c.to_yaml())), c);
+
+  // hidden_size: 64 and num_kv_heads: 0 are the defaults, but written down they ask for a model
+  // config.json does not describe.
+  expect_error<ConfigError>(
+      [&] { train::load_config(dir.write("run.yaml", from + "  hidden_size: 64\n")); },
+      {"model.hidden_size = 64 but hidden_size = 32", "remove these model keys"});
+  expect_error<ConfigError>(
+      [&] { train::load_config(dir.write("run.yaml", from), {"model.num_kv_heads=0"}); },
+      {"model.num_kv_heads = 0 (as many as the query heads) but num_key_value_heads = 1"});
+  expect_error<ConfigError>(
+      [&] {
+        train::load_config(dir.write("run.yaml", from + "  rope_scaling:\n    rope_type: none\n"));
+      },
+      {"model.rope_scaling.rope_type = none but config.json's rope_scaling is llama3"});
+  // Without config.json there is no model to train: said before anything starts.
+  expect_error<ConfigError>(
+      [&] {
+        train::load_config(dir.write("run.yaml", "model:\n  from_hf: " + dir.str("none") + "\n"));
+      },
+      {"model.from_hf '" + dir.str("none") + "' does not exist", "Hugging Face model"});
+  std::filesystem::create_directories(dir.str("empty"));
+  expect_error<ConfigError>(
+      [&] {
+        train::load_config(dir.write("run.yaml", "model:\n  from_hf: " + dir.str("empty") + "\n"));
+      },
+      {"model.from_hf '" + dir.str("empty") + "' has no config.json"});
 }
 
 TEST(HfConfig, RunConfigRopeScalingReachesTheModel) {

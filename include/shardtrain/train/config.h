@@ -257,7 +257,8 @@ struct Config {
 
 // Reads and parses a config file; a missing file or a YAML syntax error throws ConfigError with the
 // file (and line and column). When neither the file nor an override sets train.out_dir it becomes
-// runs/<file stem>.
+// runs/<file stem>. With model.from_hf the model keys are resolved (resolve_model_from_hf in
+// runtime.h), every key the file or an override sets counting as a request.
 Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
 
 // One line per key: "path  type  default  allowed  help" (for `shardtrain config --keys`).

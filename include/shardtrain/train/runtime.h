@@ -13,6 +13,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -40,9 +41,19 @@ Device resolve_device(const std::string& name);
 // ranks on a node "auto" and "cuda" mean the local rank's GPU (one GPU per rank). Throws
 // ConfigError when the node has fewer GPUs than ranks.
 Device training_device(const Config& config);
+// With model.from_hf the model is what <from_hf>/config.json describes. A model key that the run
+// config sets must agree with it: one named in `keys_given` ("model.num_layers"), or one away from
+// its default, since a config without `keys_given` cannot tell a default from a request. Every
+// disagreement is listed in one ConfigError. The model keys then take config.json's values, so
+// that `shardtrain config`, the run's config.yaml and a checkpoint's saved config show the model
+// that trains; max_seq_len (a limit on train.seq_len, not part of the weights) becomes the longer
+// of the two and init_std (loaded weights are not initialised) is left. Returns config.json's
+// model. Without model.from_hf, nothing changes and the result is empty.
+std::optional<nn::LlamaConfig> resolve_model_from_hf(ModelConfig& model,
+                                                     const std::set<std::string>& keys_given = {});
+
 // The model a run config describes: its model keys, or with model.from_hf the directory's
-// config.json, which the model keys set to non-default values must agree with (ConfigError
-// naming each disagreement otherwise).
+// config.json (resolve_model_from_hf: model keys set away from their defaults must agree).
 nn::LlamaConfig llama_config_from(const ModelConfig& model);
 
 // Throws ConfigError when `data` (read from data.path) has a larger vocabulary than the model
