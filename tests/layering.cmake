@@ -1,6 +1,8 @@
-# Checks the layering of docs/architecture.md: every `#include "shardtrain/<layer>/..."` in
-# src/<layer>/, include/shardtrain/<layer>/ (and kernels/, part of the backend) names the same
-# layer or one below it. Layers of one rank are siblings and must not include each other.
+# Checks the layering of docs/architecture.md: every `#include "shardtrain/<layer>/..."` (or
+# <shardtrain/...>) in src/<layer>/, include/shardtrain/<layer>/ (and kernels/, part of the
+# backend) names the same layer or one below it, a relative include ("../x.h") stays inside its
+# own layer's folder, and every layer library links (DEPS in src/CMakeLists.txt) only layers
+# below it. Layers of one rank are siblings and must not include or link each other.
 # Run as: cmake -DROOT=<source dir> -P tests/layering.cmake (the ctest `unit_layering`).
 set(ranks core=0 memory=1 tensor=2 backend=3 autograd=4 ops=5 nn=6 activation=7 amp=7 optim=7
           dist=8 fsdp=9 data=10 io=10 train=11 cli=12)
@@ -22,9 +24,21 @@ foreach(layer IN LISTS layers)
   endif()
   foreach(file IN LISTS files)
     math(EXPR checked "${checked} + 1")
-    file(STRINGS "${file}" lines REGEX "^[ \t]*#[ \t]*include[ \t]+\"shardtrain/")
+    file(STRINGS "${file}" relative REGEX "^[ \t]*#[ \t]*include[ \t]+\"\\.\\./")
+    get_filename_component(here "${file}" DIRECTORY)
+    foreach(line IN LISTS relative)
+      string(REGEX REPLACE ".*\"([^\"]+)\".*" "\\1" target "${line}")
+      get_filename_component(target "${target}" ABSOLUTE BASE_DIR "${here}")
+      string(FIND "${target}" "${ROOT}/src/${layer}/" in_src)
+      string(FIND "${target}" "${ROOT}/include/shardtrain/${layer}/" in_include)
+      if(NOT in_src EQUAL 0 AND NOT in_include EQUAL 0)
+        set(what "includes a file outside its layer by a relative path")
+        list(APPEND violations "${file} (layer ${layer}) ${what} (use shardtrain/...): ${line}")
+      endif()
+    endforeach()
+    file(STRINGS "${file}" lines REGEX "^[ \t]*#[ \t]*include[ \t]+[\"<]shardtrain/")
     foreach(line IN LISTS lines)
-      string(REGEX REPLACE ".*\"shardtrain/([a-z_]+)/.*" "\\1" other "${line}")
+      string(REGEX REPLACE ".*[\"<]shardtrain/([a-z_]+)/.*" "\\1" other "${line}")
       if(NOT DEFINED rank_${other})
         list(APPEND violations "${file}: includes unknown layer '${other}': ${line}")
       elseif(NOT other STREQUAL layer AND NOT rank_${other} LESS rank_${layer})
@@ -33,6 +47,29 @@ foreach(layer IN LISTS layers)
     endforeach()
   endforeach()
 endforeach()
+
+# The libraries: shardtrain_layer(<layer> SOURCES ... DEPS st_<lower> ... <external>) calls.
+file(READ "${ROOT}/src/CMakeLists.txt" build_text)
+string(REGEX MATCHALL "shardtrain_layer\\([a-z_]+[^)]*\\)" calls "${build_text}")
+set(linked 0)
+foreach(call IN LISTS calls)
+  string(REGEX REPLACE "shardtrain_layer\\(([a-z_]+).*" "\\1" layer "${call}")
+  string(REGEX MATCHALL "st_[a-z_]+" deps "${call}")
+  math(EXPR linked "${linked} + 1")
+  foreach(dep IN LISTS deps)
+    string(REGEX REPLACE "^st_" "" other "${dep}")
+    if(NOT DEFINED rank_${layer} OR NOT DEFINED rank_${other})
+      list(APPEND violations "src/CMakeLists.txt: ${layer} links unknown layer '${other}'")
+    elseif(NOT rank_${other} LESS rank_${layer})
+      list(APPEND violations "src/CMakeLists.txt: layer ${layer} links layer ${other}: ${call}")
+    endif()
+  endforeach()
+endforeach()
+list(LENGTH layers layer_count)
+if(NOT linked EQUAL layer_count)
+  message(FATAL_ERROR "layering: found ${linked} shardtrain_layer() calls in src/CMakeLists.txt "
+                      "for ${layer_count} layers")
+endif()
 
 if(checked LESS 100)
   message(FATAL_ERROR "layering: only ${checked} files found under ${ROOT}: wrong ROOT?")

@@ -98,12 +98,14 @@ void check_openmp_threads() {
 // rank 0, unwinding, takes back the directories the run created: the other ranks give it a
 // moment before they end the job, so that an abort from one of them does not kill rank 0
 // half-way (a refused run would leave its empty directories). Rank 0 ends the job at once.
+// The others print their message only once that moment has passed: when rank 0 failed alike,
+// its abort has ended them by then, and the job shows the message once, not once a rank.
 [[noreturn]] void end_job(const std::string& message, int exit_code) {
   const int rank = dist::job_rank();
   if (rank == 0) dist::abort_job(message, exit_code);
+  std::this_thread::sleep_for(std::chrono::seconds(2));
   std::fprintf(stderr, "rank %d: %s\n", rank, message.c_str());
   std::fflush(stderr);
-  std::this_thread::sleep_for(std::chrono::seconds(2));
   dist::abort_job("ending the job", exit_code);
 }
 
@@ -144,6 +146,8 @@ int run(const std::vector<std::string>& args) {
     std::cout.flush();
     return code;
   } catch (const UsageError& e) {
+    // Every rank of a job has the same command line: rank 0 speaks for them.
+    if (dist::job_rank() != 0) return 2;
     std::cerr << "error: " << e.what() << "\n" << hint << "\n";
     return 2;
   } catch (const Error& e) {
@@ -165,7 +169,11 @@ int run(const std::vector<std::string>& args) {
     std::cerr << "internal error: " << e.what() << "\n";
     return 3;
   } catch (...) {
-    std::cerr << "internal error: unknown exception\n";
+    const std::string message =
+        "internal error: an exception of unknown type; this is a defect: please report it with "
+        "the command and config that gave it";
+    if (dist::job_world_size() > 1) end_job(message, 3);
+    std::cerr << message << "\n";
     return 3;
   }
 }

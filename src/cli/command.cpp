@@ -42,8 +42,11 @@ double Args::get_number(const std::string& name, bool zero_allowed,
   double v = 0;
   auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
   const bool whole = ec == std::errc() && end == text.data() + text.size() && !text.empty();
-  if (!whole || !std::isfinite(v) || v < 0 || (v == 0 && !zero_allowed))
-    throw UsageError("--" + name + " " + text + ": expected " + expected);
+  // Not a number is a usage error (2); a number out of range is a bad value (1), as for
+  // integer flags.
+  if (!whole) throw UsageError("--" + name + " " + text + ": expected " + expected);
+  if (!std::isfinite(v) || v < 0 || (v == 0 && !zero_allowed))
+    throw ConfigError("--" + name + " " + text + ": expected " + expected);
   return v;
 }
 

@@ -58,16 +58,28 @@ Command train_command() {
                   s.unigram_entropy_nats);
     std::printf(", %.0f tokens/s\nmetrics: %s\n", s.tokens_per_second, s.metrics_path.c_str());
     if (!s.export_dir.empty()) std::printf("model: %s\n", s.export_dir.c_str());
-    if (!s.last_checkpoint.empty()) std::printf("checkpoint: %s\n", s.last_checkpoint.c_str());
-    if (s.skipped_steps > 0)
+    // The weights of the last step may be in no checkpoint (checkpoint.every_steps=0, or not a
+    // multiple of the steps): the newest is then an earlier step's, perhaps the one resumed from.
+    if (!s.last_checkpoint.empty() && s.last_checkpoint_step == s.steps)
+      std::printf("checkpoint: %s\n", s.last_checkpoint.c_str());
+    else if (!s.last_checkpoint.empty())
+      std::printf(
+          "checkpoint: %s (step %lld%s; the weights after step %lld are in no checkpoint)\n",
+          s.last_checkpoint.c_str(), static_cast<long long>(s.last_checkpoint_step),
+          s.last_checkpoint_step == s.first_step ? ", the one this run resumed from" : "",
+          static_cast<long long>(s.steps));
+    if (s.skipped_steps > 0) {
+      // Overflow in an fp16 compute, or only in the fp16 reduction of bf16 or fp32 gradients.
+      const std::string fix = config.precision.compute == "fp16"
+                                  ? "lower precision.init_scale or use precision.compute=bf16"
+                                  : "lower precision.init_scale or reduce the gradients in bf16 "
+                                    "or fp32 (precision.reduce_dtype)";
       std::fprintf(stderr,
                    "warning: %lld of %lld steps were skipped (fp16 gradients overflowed, so the "
                    "loss scale was lowered and the update dropped)%s\n",
                    static_cast<long long>(s.skipped_steps), static_cast<long long>(run),
-                   s.skipped_steps == run
-                       ? ": the weights never changed; lower precision.init_scale or use "
-                         "precision.compute=bf16"
-                       : "");
+                   s.skipped_steps == run ? (": the weights never changed; " + fix).c_str() : "");
+    }
     if (s.stopped_early)
       std::printf("stopped early on a signal; continue with --set train.resume=auto\n");
     return 0;

@@ -64,7 +64,12 @@ PrepareSummary prepare_data(const std::string& input, const std::string& output_
   summary.tokenizer = tokenizer->name();
   summary.vocab_size = tokenizer->vocab_size();
 
-  TokenDatasetWriter writer(output_h5, tokenizer->vocab_size(), tokenizer->name());
+  // The byte tokenizer gives a token a byte: the input's size sizes the dataset's chunks.
+  std::error_code size_ec;
+  const auto input_bytes =
+      input == "builtin" ? 0 : static_cast<int64_t>(std::filesystem::file_size(input, size_ec));
+  TokenDatasetWriter writer(output_h5, tokenizer->vocab_size(), tokenizer->name(),
+                            size_ec ? 0 : input_bytes);
   TokenCounts counts;
   auto consume = [&](std::string_view text) {
     std::vector<uint32_t> tokens = tokenizer->encode(text);

@@ -25,14 +25,25 @@ namespace {
 
 constexpr const char* kTokensName = "tokens";
 constexpr int64_t kMaxVocab = int64_t{1} << 32;
-constexpr hsize_t kChunkElements = 1 << 16;
+// The writer's chunks: about kChunksPerDataset of them for the expected size, from 64 Ki to
+// 16 Mi tokens each. Every chunk is allocated whole, so a small dataset needs small ones; few
+// chunks keep a large one mappable (h5::Dataset::kMaxChunksToMap) and quick to open.
+constexpr int64_t kChunksPerDataset = 1024;
+constexpr int64_t kChunkElementsMin = int64_t{1} << 16;
+constexpr int64_t kChunkElementsMax = int64_t{1} << 24;
+
+hsize_t chunk_elements_for(int64_t expected_tokens) {
+  int64_t chunk = kChunkElementsMin;
+  while (chunk < kChunkElementsMax && chunk * kChunksPerDataset < expected_tokens) chunk *= 2;
+  return static_cast<hsize_t>(chunk);
+}
 
 }  // namespace
 
 // ---- writing ----------------------------------------------------------------------------------
 
 TokenDatasetWriter::TokenDatasetWriter(const std::string& path, int64_t vocab_size,
-                                       const std::string& tokenizer)
+                                       const std::string& tokenizer, int64_t expected_tokens)
     : path_(path),
       tmp_path_(concat(path, ".tmp.", ::getpid())),
       vocab_size_(vocab_size),
@@ -52,7 +63,7 @@ TokenDatasetWriter::TokenDatasetWriter(const std::string& path, int64_t vocab_si
                   : std::string(" but a FIFO, socket or device; name a file to write"));
   file_ = std::make_unique<h5::File>(h5::File::create(tmp_path_));
   dataset_ = std::make_unique<h5::Dataset>(file_->create_extendible_1d(
-      kTokensName, narrow_ ? H5T_STD_U16LE : H5T_STD_U32LE, kChunkElements));
+      kTokensName, narrow_ ? H5T_STD_U16LE : H5T_STD_U32LE, chunk_elements_for(expected_tokens)));
   dataset_->write_int64_attribute("vocab_size", vocab_size);
   dataset_->write_string_attribute("tokenizer", tokenizer);
 }
@@ -91,7 +102,7 @@ void TokenDatasetWriter::commit() {
 
 void write_token_dataset(const std::string& path, const std::vector<uint32_t>& tokens,
                          int64_t vocab_size, const std::string& tokenizer) {
-  TokenDatasetWriter writer(path, vocab_size, tokenizer);
+  TokenDatasetWriter writer(path, vocab_size, tokenizer, static_cast<int64_t>(tokens.size()));
   writer.append(tokens);
   writer.commit();
 }
@@ -164,6 +175,13 @@ TokenDataset TokenDataset::open(const std::string& path) {
   ds.check_stored_here();
   out.storage_ = map_token_dataset(ds);
   if (!out.storage_) {  // compressed or big-endian: HDF5 decodes it, into memory
+    if (const int64_t chunks = ds.num_chunks(); chunks > h5::Dataset::kMaxChunksToMap)
+      out.why_not_mapped_ = concat(
+          "it is stored in ", chunks, " chunks, more than the ", h5::Dataset::kMaxChunksToMap,
+          " whose places are looked up for mapping (HDF5 takes time growing with the square of "
+          "the count); rewrite it contiguous to map it (`h5repack -l tokens:CONTI IN.h5 "
+          "OUT.h5`), or write it with prepare-data, which stores at most about ",
+          kChunksPerDataset, " chunks");
     std::vector<uint32_t> tokens(static_cast<size_t>(ds.num_elements()));
     ds.read(tokens.data(), H5T_NATIVE_UINT32);
     out.storage_ = tokens_in_memory(std::move(tokens));

@@ -3,10 +3,12 @@
 
 #include <chrono>
 #include <climits>
+#include <cstdio>
 #include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 
 namespace shardtrain::dist {
@@ -43,6 +45,15 @@ MpiRuntime::MpiRuntime() {
   } else {
     MPI_Query_thread(&thread_level_);
   }
+  // The start-up watchdog ends a job from its own thread (MPI_Abort) while the main thread may be
+  // inside MPI: a library that serializes nothing between threads cannot take that safely.
+  if (thread_level_ < MPI_THREAD_SERIALIZED)
+    throw DistributedError(
+        "the MPI library grants thread level " + std::to_string(thread_level_) +
+        (owns_ ? "" : " (MPI was started before shardtrain)") +
+        ", below MPI_THREAD_SERIALIZED, which shardtrain needs (a watchdog thread can end the "
+        "job): use an MPI built with thread support (Open MPI is), or start MPI with "
+        "MPI_Init_thread(..., MPI_THREAD_SERIALIZED, ...)");
 }
 
 MpiRuntime::~MpiRuntime() {
@@ -190,7 +201,10 @@ class MpiWork : public Work {
       try {
         complete();
         return;
-      } catch (...) {
+      } catch (const std::exception& e) {
+        // Nobody waits on this collective any more (an error is unwinding the step): say what
+        // went wrong, as the error that ends the job may not.
+        std::fprintf(stderr, "warning: dropped %s could not finish: %s\n", what_.c_str(), e.what());
       }
     }
     static_cast<void>(new std::vector<Tensor>(std::move(keep)));

@@ -19,6 +19,7 @@
 
 #include "shardtrain/core/files.h"
 #include "shardtrain/core/hdf5.h"
+#include "shardtrain/core/json_input.h"
 #include "shardtrain/core/word_hash.h"
 #include "shardtrain/memory/category.h"
 
@@ -149,7 +150,8 @@ std::vector<hsize_t> dataset_dims(const Node& ds) {
   int rank = H5Sget_simple_extent_ndims(space.get());
   if (rank < 0) fail<FormatError>(ds.where() + ": cannot read the dataspace");
   std::vector<hsize_t> dims(static_cast<size_t>(rank));
-  if (rank > 0) H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
+  if (rank > 0 && H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr) < 0)
+    fail<FormatError>(ds.where() + ": cannot read the dataspace's dimensions");
   return dims;
 }
 
@@ -486,7 +488,7 @@ std::vector<RangeRecord> read_rank_index(const std::string& path, int rank) {
   const std::string text = file.read_string_attribute("index");
   nlohmann::json index;
   try {
-    index = nlohmann::json::parse(text);
+    index = parse_json_input(text);
   } catch (const std::exception& e) {
     throw FormatError(concat(path, ": the range index is not valid JSON (", e.what(), ")"));
   }
@@ -1004,14 +1006,16 @@ std::string verify_checkpoint(dist::ProcessGroup& group, const std::string& path
         // In bounded chunks: the hash is streamed.
         constexpr hsize_t kChunk = hsize_t{1} << 22;
         std::vector<float> buf(static_cast<size_t>(std::min<hsize_t>(kChunk, dims[0])));
-        h5::Handle fspace = h5::dataspace(H5Dget_space(ds.id()));
+        h5::Handle fspace = h5::dataspace(
+            checked<FormatError>(H5Dget_space(ds.id()), ds.where() + ": no dataspace"));
         WordHash hash;
         for (hsize_t start = 0; start < dims[0]; start += kChunk) {
           hsize_t count = std::min(kChunk, dims[0] - start);
           checked_status<FormatError>(
               H5Sselect_hyperslab(fspace.get(), H5S_SELECT_SET, &start, nullptr, &count, nullptr),
               ds.where());
-          h5::Handle mspace = h5::dataspace(H5Screate_simple(1, &count, nullptr));
+          h5::Handle mspace = h5::dataspace(
+              checked(H5Screate_simple(1, &count, nullptr), "cannot create a dataspace"));
           checked_status<FormatError>(H5Dread(ds.id(), H5T_NATIVE_FLOAT, mspace.get(), fspace.get(),
                                               H5P_DEFAULT, buf.data()),
                                       ds.where());
@@ -1107,12 +1111,13 @@ std::vector<CheckpointEntry> list_checkpoints(const std::string& dir) {
   return out;
 }
 
-void prune_checkpoints(const std::string& dir, int64_t keep_last) {
+void prune_checkpoints(const std::string& dir, int64_t keep_last, int64_t saved_step,
+                       const std::set<int64_t>& refused) {
   std::vector<int64_t> complete;  // steps, newest first
   for (const CheckpointEntry& e : list_checkpoints(dir))
-    if (is_complete(e.path)) complete.push_back(e.step);
+    if (e.step <= saved_step && refused.count(e.step) == 0 && is_complete(e.path))
+      complete.push_back(e.step);
   if (complete.empty()) return;
-  const int64_t newest = complete.front();
   const int64_t oldest_kept = keep_last > 0 && static_cast<int64_t>(complete.size()) > keep_last
                                   ? complete[static_cast<size_t>(keep_last - 1)]
                                   : std::numeric_limits<int64_t>::min();
@@ -1125,7 +1130,7 @@ void prune_checkpoints(const std::string& dir, int64_t keep_last) {
   std::stable_partition(files.begin(), files.end(), [](const DirFile& f) { return f.main; });
   for (const DirFile& f : files) {
     const bool old = f.step < oldest_kept;
-    const bool leftover = f.step < newest && (f.temporary || (!f.main && !has_main[f.step]));
+    const bool leftover = f.step < saved_step && (f.temporary || (!f.main && !has_main[f.step]));
     if (old || leftover) remove_quietly(f.path);
   }
 }

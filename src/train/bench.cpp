@@ -4,21 +4,19 @@
 
 #include <algorithm>
 #include <cctype>
-#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <ctime>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "shardtrain/activation/strategy.h"
 #include "shardtrain/backend/backend.h"
 #include "shardtrain/core/error.h"
+#include "shardtrain/core/files.h"
 #include "shardtrain/data/corpus.h"
 #include "shardtrain/data/sampler.h"
 #include "shardtrain/data/tokenizer.h"
@@ -157,20 +155,6 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// Puts the allocator's capacity back when a combination is done (Runtime sets it from
-// train.device_memory, and the allocators outlive it).
-class CapacityGuard {
- public:
-  explicit CapacityGuard(Allocator& a) : allocator_(a), capacity_(a.stats().capacity) {}
-  ~CapacityGuard() { allocator_.set_capacity(capacity_); }
-  CapacityGuard(const CapacityGuard&) = delete;
-  CapacityGuard& operator=(const CapacityGuard&) = delete;
-
- private:
-  Allocator& allocator_;
-  int64_t capacity_;
-};
-
 }  // namespace
 
 BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t measured_steps) {
@@ -186,9 +170,7 @@ BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t meas
     allocator_for(device).empty_cache();
     if (device.is_cuda()) allocator_for(Device::host()).empty_cache();
     StepBatches batches(config);
-    // Declared before the runtime, so the capacity is restored after the runtime is gone.
-    CapacityGuard device_capacity(allocator_for(device));
-    Runtime rt(config);
+    Runtime rt(config);  // caps the device allocator at train.device_memory while it lives
     optim::LrSchedule schedule = lr_schedule(config);
     int64_t step = 0;
     for (int64_t i = 0; i < warmup_steps; ++i, ++step)
@@ -250,6 +232,10 @@ BenchRow measure_config(const Config& config, int64_t warmup_steps, int64_t meas
   } catch (const ConfigError& e) {
     row.status = BenchStatus::Unsupported;
     row.message = e.what();
+  } catch (const DistributedError&) {
+    // A collective failed or timed out (another rank failed alone): the ranks no longer agree
+    // on which collective comes next, so the sweep cannot go on. The job ends with the error.
+    throw;
   } catch (const Error& e) {
     row.status = BenchStatus::Failed;
     row.message = e.what();
@@ -383,12 +369,14 @@ BenchRow combine(const std::vector<BenchRow>& ranks, const BenchRow& local) {
   return m;
 }
 
+// Each row against strategy none at its precision (and, among one rank's rows, on its rank).
 void fill_ratios(std::vector<BenchRow>& rows) {
   for (BenchRow& r : rows) {
     r.peak_vs_none = r.overhead_vs_none = -1;
     if (!r.ok()) continue;
     for (const BenchRow& n : rows) {
-      if (n.strategy != "none" || n.precision != r.precision || !n.ok()) continue;
+      if (n.strategy != "none" || n.precision != r.precision || n.rank != r.rank || !n.ok())
+        continue;
       if (n.peak_bytes > 0)
         r.peak_vs_none = static_cast<double>(r.peak_bytes) / static_cast<double>(n.peak_bytes);
       if (n.step_ms_median > 0) r.overhead_vs_none = r.step_ms_median / n.step_ms_median - 1.0;
@@ -558,6 +546,7 @@ BenchReport run_bench(const Config& config, const BenchOptions& options) {
     }
   }
   fill_ratios(report.rows);
+  fill_ratios(report.rank_rows);
   return report;
 }
 
@@ -651,7 +640,9 @@ std::string markdown_rows(const std::vector<BenchRow>& rows, bool with_rank) {
       line += "OOM (" + fmt("%.2f", static_cast<double>(r.oom_requested_bytes) / kMiB) +
               " MiB requested) | - | - | - | - | - | - | - | - |";
     } else if (r.status == BenchStatus::Unsupported || r.status == BenchStatus::Failed) {
-      line += std::string(bench_status_name(r.status)) + ": " + cell(r.message) +
+      // Only rank 0's message travels: another rank's row has its status alone.
+      line += std::string(bench_status_name(r.status)) +
+              (r.message.empty() ? std::string() : ": " + cell(r.message)) +
               " | - | - | - | - | - | - | - | - |";
     } else {
       line += fmt("%.2f", static_cast<double>(r.peak_bytes) / kMiB) + " | " +
@@ -766,12 +757,9 @@ std::string find_on_path(const std::string& program) {
   return "";
 }
 
+// Whole or not at all: a report cut short by a full disk would read as a shorter sweep.
 void write_file(const fs::path& path, const std::string& text) {
-  std::ofstream out(path);
-  out << text;
-  out.close();
-  ST_CHECK_AS(ConfigError, out.good(), "cannot write '", path.string(), "' (", std::strerror(errno),
-              ")");
+  write_file_atomically(path.string(), text, "free space, or choose another --out");
 }
 
 std::string quoted(const std::string& s) {

@@ -19,6 +19,7 @@
 
 #include "shardtrain/autograd/grad_mode.h"
 #include "shardtrain/core/files.h"
+#include "shardtrain/core/json_input.h"
 #include "shardtrain/dist/env.h"
 #include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/io/hf_model.h"
@@ -323,7 +324,12 @@ std::vector<std::string> weight_settings_that_differ(const std::string& path,
 // initialisation scale do not define the weights and are not compared.
 std::vector<std::string> model_fields_that_differ(const std::string& saved_json,
                                                   const std::string& current_json) {
-  const nlohmann::json saved = nlohmann::json::parse(saved_json, nullptr, false);
+  nlohmann::json saved;
+  try {
+    saved = parse_json_input(saved_json);  // read from a file the user named
+  } catch (const std::exception&) {
+    return {"its recorded model_config does not parse"};
+  }
   const nlohmann::json current = nlohmann::json::parse(current_json);
   std::vector<std::string> out;
   if (!saved.is_object()) return {"its recorded model_config does not parse"};
@@ -611,6 +617,7 @@ std::optional<ResumePoint> Checkpointing::resume() {
       if (!searches_own_dir) refuse_later_checkpoints(c.step, c.path);
       return load(c.path);
     }
+    if (fs::equivalent(dir, dir_, ec)) refused_.insert(c.step);
     log_(concat("refusing checkpoint ", c.path, ": ", problem,
                 "; falling back to the previous one"));
   }
@@ -697,7 +704,9 @@ std::string Checkpointing::save(int64_t step, const SamplerState& sampler, float
   io::SaveRequest req = make_save_request(runtime_, dir_, step, sampler, lr);
   last_saved_ = io::save_checkpoint(runtime_.dist().world(), req);
   last_saved_step_ = step;
-  if (runtime_.dist().rank() == 0) io::prune_checkpoints(dir_, config_.checkpoint.keep_last);
+  refused_.erase(step);  // written over: this run's own now
+  if (runtime_.dist().rank() == 0)
+    io::prune_checkpoints(dir_, config_.checkpoint.keep_last, step, refused_);
   last_save_time_ = std::chrono::steady_clock::now();
   const std::string seconds =
       fmt::format("{:.2f}", std::chrono::duration<double>(last_save_time_ - start).count());

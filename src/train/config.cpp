@@ -864,10 +864,11 @@ void assign(const Key& key, const YAML::Node& node, const std::string& origin, C
       }
     }
     if (!v && beyond_range<int64_t>(text))
-      fail_at(origin,
-              key.path + " = " + trim(text) + " is out of range: must be " +
-                  (key.allowed().empty() ? std::string("a 64-bit integer") : key.allowed()) + " (" +
-                  key.description + ")");
+      fail_at(origin, key.path + " = " + trim(text) +
+                          " is past what a 64-bit integer holds: must be " +
+                          (key.allowed().empty() ? std::string("from -2^63 to 2^63 - 1")
+                                                 : key.allowed() + " and below 2^63") +
+                          " (" + key.description + ")");
     if (!v) wrong_type(key, node, origin, expected);
     check_range(key, static_cast<double>(*v), node, origin);
     **i = *v;
@@ -882,8 +883,10 @@ void assign(const Key& key, const YAML::Node& node, const std::string& origin, C
     if (magnitude > std::numeric_limits<float>::max() ||
         (magnitude > 0 && magnitude < std::numeric_limits<float>::min()))
       fail_at(origin, key.path + " = " + trim(text) +
-                          " is outside fp32's range, in which the runtime computes: use 0 or a "
-                          "magnitude between 1.2e-38 and 3.4e38 (" +
+                          " is outside fp32's range, in which the runtime computes: use " +
+                          (key.admits(0) ? "0 or " : "") +
+                          "a magnitude between 1.2e-38 and 3.4e38" +
+                          (key.allowed().empty() ? "" : ", " + key.allowed()) + " (" +
                           key.description + ")");
     check_range(key, *v, node, origin);
     // In range as a double, out of it as the fp32 the kernels get: optim.beta2 = 0.99999999 is

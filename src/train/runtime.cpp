@@ -182,6 +182,13 @@ std::optional<nn::LlamaConfig> resolve_model_from_hf(ModelConfig& m,
   return hf;
 }
 
+void check_lora_world_size(const Config& config, int world_size) {
+  ST_CHECK_AS(ConfigError, !config.lora.enabled || world_size == 1,
+              "lora.enabled trains on one rank (single-GPU QLoRA), but this job has ", world_size,
+              " ranks: start it without mpirun (or with -np 1), or train the full model "
+              "(lora.enabled=false) to use several ranks");
+}
+
 nn::LlamaConfig llama_config_from(const ModelConfig& m) {
   nn::LlamaConfig c;
   if (!m.from_hf.empty()) {
@@ -343,9 +350,7 @@ Runtime::Runtime(const Config& config) : config_(config), device_(training_devic
   dist_ = std::make_unique<dist::DistEnv>(dist_options);
   if (dist_->world_size() > 1) check_same_config_on_every_rank(config_, dist_->world());
 
-  int64_t capacity = config_.train.device_memory_bytes();
-  previous_capacity_ = allocator_for(device_).stats().capacity;
-  allocator_for(device_).set_capacity(capacity);
+  device_capacity_.emplace(allocator_for(device_), config_.train.device_memory_bytes());
 
   // Sharded strategies never build the full model: the parameters are deferred (shapes, no
   // storage) and each rank creates only its shards, from the seed or from the checkpoint's
@@ -353,11 +358,7 @@ Runtime::Runtime(const Config& config) : config_(config), device_(training_devic
   // sharding below with its own message.
   // QLoRA quantizes whole base weights on one device; the sharded and replicated paths both
   // need trainable fp32 parameters everywhere.
-  ST_CHECK_AS(ConfigError, !config_.lora.enabled || dist_->world_size() == 1,
-              "lora.enabled trains on one rank (single-GPU QLoRA), but this job has ",
-              dist_->world_size(),
-              " ranks: start it without mpirun (or with -np 1), or train "
-              "the full model (lora.enabled=false) to use several ranks");
+  check_lora_world_size(config_, dist_->world_size());
   const bool deferred =
       dist_->world_size() > 1 && !config_.lora.enabled &&
       fsdp::parse_sharding_strategy(config_.dist.sharding) != fsdp::ShardingStrategy::NoShard;
@@ -463,10 +464,7 @@ Runtime::Runtime(const Config& config) : config_(config), device_(training_devic
   }
 }
 
-// The capacity is a property of this run, not of the process (tests build many runtimes).
-Runtime::~Runtime() {
-  allocator_for(device_).set_capacity(previous_capacity_);
-}
+Runtime::~Runtime() = default;
 
 const std::string& Runtime::frozen_base() {
   if (!frozen_base_) {

@@ -237,6 +237,9 @@ TrainSummary train_with(const Config& config) {
   // writes files and prints progress.
   const int world = dist::job_world_size();
   const bool leader = dist::job_rank() == 0;
+  // Refused on every rank before any creates a directory: a rank refusing later, in the runtime,
+  // would take the directories back while another still works in them.
+  check_lora_world_size(config, world);
   check_host_memory(config, world);
   // Declared before the locks, so that the locks are released when they clean up; the
   // checkpoint directory's after train.out_dir's, so that it goes first (it may lie inside).
@@ -313,6 +316,11 @@ TrainSummary train_with(const Config& config) {
                  config.data.path.c_str(), summary.unigram_entropy_nats,
                  static_cast<long long>(data.size()));
 
+  if (leader && !data.why_not_mapped().empty())
+    std::fprintf(stderr,
+                 "note: the tokens of data.path '%s' are read into memory, not mapped: %s\n",
+                 config.data.path.c_str(), data.why_not_mapped().c_str());
+
   SamplerConfig sc;
   sc.seq_len = t.seq_len;
   sc.eval_fraction = config.data.eval_fraction;
@@ -322,6 +330,14 @@ TrainSummary train_with(const Config& config) {
   // Sequences per optimizer step over all ranks (checked to split evenly over them).
   int64_t global_batch = t.sequences_per_step(world);
   int64_t accumulation = global_batch / (t.micro_batch * world);  // micro-batches per rank
+  // A step takes distinct windows of one epoch's order: a step larger than the epoch would train
+  // on some windows twice in one step (ranks on the same window), in silence.
+  ST_CHECK_AS(ConfigError, global_batch <= train_sampler.num_windows(), "a step takes ",
+              global_batch, " sequences (train.micro_batch x micro-batches x ranks), but the ",
+              "training split of ", data.source(), " holds only ", train_sampler.num_windows(),
+              " windows of train.seq_len + 1 = ", t.seq_len + 1,
+              " tokens: some would be trained on twice in one step; use more data, or lower "
+              "train.global_batch, train.micro_batch or train.seq_len");
 
   // Released weights take a while to read (and, for QLoRA, to quantize): minutes for billions
   // of parameters, which would otherwise pass without a word.
@@ -447,7 +463,20 @@ TrainSummary train_with(const Config& config) {
     ST_CHECK_AS(ConfigError, first_step <= t.steps, "train.resume: the checkpoint is at step ",
                 first_step, ", past train.steps (", t.steps,
                 "): raise train.steps to train further, or start a new run (train.resume=none)");
-    train_sampler.restore(resumed->sampler);
+    SamplerState at = resumed->sampler;
+    // Other data, seq_len or evaluation split give this run another number of windows: a
+    // position past them has no window to continue at, so the next epoch begins.
+    if (at.position >= train_sampler.num_windows()) {
+      progress.message(concat("note: the checkpoint's run had taken ", at.position,
+                              " windows of epoch ", at.epoch, ", more than the ",
+                              train_sampler.num_windows(),
+                              " training windows of this run's data (data.path, train.seq_len or "
+                              "data.eval_fraction changed): continuing at the start of epoch ",
+                              at.epoch + 1));
+      at.epoch += 1;
+      at.position = 0;
+    }
+    train_sampler.restore(at);
     // The sampler continues the checkpoint's order over the tokens it finds: say so when they
     // are not those the checkpoint's run read (only the data can tell; resume_notes has the
     // config's changes, data.seed among them).
@@ -455,7 +484,7 @@ TrainSummary train_with(const Config& config) {
       progress.message(concat("note: the tokens in data.path '", config.data.path,
                               "' differ from those the checkpoint's run trained on; the steps "
                               "from here on read the new tokens, continuing at epoch ",
-                              resumed->sampler.epoch, ", window ", resumed->sampler.position));
+                              at.epoch, ", window ", at.position));
   }
   summary.first_step = first_step;
   // Written once the run is sure to go ahead, whole or not at all (a temporary file renamed over
@@ -509,6 +538,7 @@ TrainSummary train_with(const Config& config) {
     summary.steps = step;
     summary.stopped_early = true;
     summary.last_checkpoint = checkpoints.last_saved();
+    summary.last_checkpoint_step = checkpoints.last_saved_step();
     summary.tokens_per_second = total_seconds > 0 ? total_tokens / total_seconds : 0;
     return summary;
   };
@@ -593,6 +623,7 @@ TrainSummary train_with(const Config& config) {
   // has no step left and goes straight to that evaluation and the export.
   progress.finish();
   summary.last_checkpoint = checkpoints.last_saved();
+  summary.last_checkpoint_step = checkpoints.last_saved_step();
   summary.steps = t.steps;
   summary.tokens_per_second = total_seconds > 0 ? total_tokens / total_seconds : 0;
   if (config.lora.enabled) {  // one rank: the runtime refuses to shard a LoRA model

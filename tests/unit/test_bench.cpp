@@ -297,7 +297,8 @@ TEST(Bench, RowsCarryModelFlopsAndMfu) {
   EXPECT_DOUBLE_EQ(j["rows"][0]["peak_tflops"].get<double>(), 0.5);
   fs::remove_all(dir);
 
-  // The CLI flag: a bad value is a usage error (exit 2) before anything runs.
+  // The CLI flag, before anything runs: a value that is not a number is a usage error (exit 2),
+  // a number out of range a bad value (exit 1), as for the integer flags.
   {
     std::ofstream out(dir.parent_path() / "shardtrain_test_bench_mfu.yaml");
     out << kTinyYaml;
@@ -308,7 +309,7 @@ TEST(Bench, RowsCarryModelFlopsAndMfu) {
             2);
   EXPECT_EQ(cli::run({"bench", "--config", yaml, "--peak-tflops=-3", "--strategies", "none",
                       "--precisions", "fp32"}),
-            2);
+            1);
   fs::remove(yaml);
 }
 
@@ -375,6 +376,23 @@ TEST(Bench, OutOfMemoryIsReportedAndTheRunGoesOn) {
 // configuration is a defect: the row says "failed" with the message, the others still run, and
 // the command exits 1 so that scripts do not take the table for a pass. Weights holding a NaN
 // pass every config check and fail when each row's runtime loads them.
+// train.device_memory caps the device allocator while a runtime lives; the allocators outlive
+// it (bench builds one runtime per combination), so the cap is lifted when the runtime is gone,
+// and also when building it fails part-way (here: the model does not fit).
+TEST(Bench, ARuntimePutsTheDeviceCapacityBackEvenWhenBuildingItFails) {
+  Allocator& cpu = allocator_for(Device::cpu());
+  const int64_t before = cpu.stats().capacity;
+  {
+    train::Runtime rt(train::Config::parse(kTinyYaml, {"train.device_memory=64MiB"}, "tiny"));
+    EXPECT_EQ(cpu.stats().capacity, int64_t{64} << 20);
+  }
+  EXPECT_EQ(cpu.stats().capacity, before);
+  EXPECT_THROW(
+      train::Runtime(train::Config::parse(kTinyYaml, {"train.device_memory=4KiB"}, "tiny")),
+      OutOfMemoryError);
+  EXPECT_EQ(cpu.stats().capacity, before);
+}
+
 TEST(Bench, AFailedCombinationIsReportedAndTheExitStatusSaysSo) {
   fs::path dir = temp_dir("failed");
   {

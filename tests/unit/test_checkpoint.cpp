@@ -745,6 +745,14 @@ TEST(CheckpointResume, ChangedDataOrShuffleSeedIsNoted) {
                      "on read the new tokens"),
             std::string::npos)
       << log;
+  // Data with fewer training windows than the checkpoint's run had taken of its epoch (8, two
+  // steps of 4): there is no window to continue at, so the next epoch begins.
+  std::ofstream(tmp / "data.txt") << std::string(120, 'x');
+  log = resume_log({data, "data.eval_fraction=0.2"});
+  EXPECT_NE(log.find("note: the checkpoint's run had taken 8 windows of epoch 0, more than the "),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("continuing at the start of epoch 1"), std::string::npos) << log;
 }
 
 // A fresh run does not train over an earlier run's checkpoints (it would replace some, keep the
@@ -983,6 +991,38 @@ TEST(CheckpointRetention, KeepLastDeletesOlderCheckpointsAndTheirRankFiles) {
   EXPECT_EQ(names, (std::vector<std::string>{".shardtrain.lock", "step-00000008.h5",
                                              "step-00000008.rank-0.h5", "step-00000010.h5",
                                              "step-00000010.rank-0.h5"}));
+}
+
+// A later checkpoint that resume refused (here: a rank file lost) is not one keep_last keeps:
+// the checkpoints the resumed run writes are, and the one it resumed from goes only once they
+// replace it. The refused one stays until the run's own checkpoints pass it.
+TEST(CheckpointRetention, ARefusedLaterCheckpointDoesNotTakeTheSlotOfTheRunsOwn) {
+  TempDir tmp;
+  const std::string dir = tmp / "run/checkpoints";
+  auto names = [&] {
+    std::vector<std::string> out;
+    for (const auto& e : fs::directory_iterator(dir))
+      if (e.path().filename() != ".shardtrain.lock") out.push_back(e.path().filename().string());
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  train::run_training(tiny_config(
+      tmp / "run", {"train.steps=8", "checkpoint.every_steps=4", "checkpoint.keep_last=0"}));
+  fs::remove(dir + "/step-00000008.rank-0.h5");
+  train::TrainSummary s = train::run_training(
+      tiny_config(tmp / "run", {"train.steps=7", "train.resume=auto", "checkpoint.every_steps=3",
+                                "checkpoint.keep_last=1"}));
+  EXPECT_EQ(s.first_step, 4);
+  EXPECT_EQ(names(), (std::vector<std::string>{"step-00000007.h5", "step-00000007.rank-0.h5",
+                                               "step-00000008.h5"}));
+  // The next resume refuses step 8 again and takes the run's own step 7; once the run writes
+  // step 8 itself and goes past it, the damaged files are gone.
+  s = train::run_training(
+      tiny_config(tmp / "run", {"train.steps=10", "train.resume=auto", "checkpoint.every_steps=1",
+                                "checkpoint.keep_last=2"}));
+  EXPECT_EQ(s.first_step, 7);
+  EXPECT_EQ(names(), (std::vector<std::string>{"step-00000009.h5", "step-00000009.rank-0.h5",
+                                               "step-00000010.h5", "step-00000010.rank-0.h5"}));
 }
 
 // ---- signals and crashes ----------------------------------------------------------------------

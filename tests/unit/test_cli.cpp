@@ -9,6 +9,7 @@
 #include "shardtrain/cli/cli.h"
 #include "shardtrain/cli/command.h"
 #include "shardtrain/train/config.h"
+#include "temp_dir.h"
 
 namespace cli = shardtrain::cli;
 
@@ -96,12 +97,24 @@ TEST(CliArgs, NumbersAreReadWhole) {
   EXPECT_EQ(number("2.5", false), 2.5);
   EXPECT_EQ(number("1e-4", false), 1e-4);
   EXPECT_EQ(number("0", true), 0.0);
-  for (const char* bad : {"abc", "1e5x", "-1", "nan", "inf", "1e400", ""})
+  // Not a number: a usage error (exit 2). A number out of range: a bad value (exit 1), as for
+  // the integer flags.
+  for (const char* bad : {"abc", "1e5x", "1e400", ""})
     EXPECT_THROW(number(bad, true), cli::UsageError) << bad;
-  EXPECT_THROW(number("0", false), cli::UsageError);
+  for (const char* bad : {"-1", "nan", "inf"}) {
+    EXPECT_THROW(number(bad, true), shardtrain::ConfigError) << bad;
+    try {
+      number(bad, true);
+    } catch (const cli::UsageError&) {
+      ADD_FAILURE() << bad << " is a number out of range, not a usage error";
+    } catch (const shardtrain::ConfigError&) {
+    }
+  }
+  EXPECT_THROW(number("0", false), shardtrain::ConfigError);
   try {
     number("-3", false);
-  } catch (const cli::UsageError& e) {
+    ADD_FAILURE() << "-3 was taken";
+  } catch (const shardtrain::ConfigError& e) {
     EXPECT_CONTAINS(e.what(), "--count -3: expected a count");
   }
   // As the check command reads its tolerances: a bad one is a usage error (exit 2).
@@ -204,6 +217,34 @@ TEST(Cli, PlanTakesTheDeviceSizeFromTheConfigAndRefusesOverflowingNumbers) {
            "--set", "dist.ranks_per_node=3"});
   EXPECT_EQ(r.code, 1);
   EXPECT_CONTAINS(r.err, "dist.ranks_per_node=3 does not divide the 4 ranks planned for");
+}
+
+// The closing lines name the checkpoint that holds the run's weights, and say when the last
+// step's are in none: a resumed run that saved nothing has only the checkpoint it started from.
+TEST(Cli, TrainSaysWhetherTheLastStepIsInACheckpoint) {
+  const std::string config = std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/tiny.yaml";
+  const shardtrain::testing::TempDir tmp("cli-train");
+  const std::string dir = tmp.path.string();
+  auto train = [&](std::vector<std::string> sets) {
+    std::vector<std::string> args = {"train", "--config", config};
+    sets.insert(sets.end(), {"train.device=cpu", "train.seq_len=32", "train.micro_batch=2",
+                             "train.eval_every=0", "train.export=false", "train.progress=none",
+                             "train.out_dir=" + dir + "/run"});
+    for (const std::string& s : sets) args.insert(args.end(), {"--set", s});
+    ::testing::internal::CaptureStdout();
+    Result r = run(args);
+    r.out += ::testing::internal::GetCapturedStdout();
+    return r;
+  };
+  const std::string step2 = dir + "/run/checkpoints/step-00000002.h5";
+  Result r = train({"train.steps=2", "checkpoint.every_steps=2"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(r.out, "checkpoint: " + step2 + "\n");
+  r = train({"train.steps=3", "checkpoint.every_steps=0", "train.resume=auto"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(r.out, "checkpoint: " + step2 +
+                             " (step 2, the one this run resumed from; the weights after step 3 "
+                             "are in no checkpoint)");
 }
 
 TEST(Cli, ConfigCommandPrintsTheResolvedConfig) {

@@ -202,7 +202,10 @@ TEST(Config, OutOfRangeNamesTheAllowedRange) {
   EXPECT_EQ(Config::parse("optim:\n  beta2: 0.9999999\n").optim.beta2, 0.9999999);
   // Integers past 64 bits are out of range, not of the wrong type.
   EXPECT_CONTAINS(parse_error("model:\n  hidden_size: 99999999999999999999\n"),
-                  "model.hidden_size = 99999999999999999999 is out of range: must be in [1, ");
+                  "model.hidden_size = 99999999999999999999 is past what a 64-bit integer holds: "
+                  "must be in [1, ");
+  EXPECT_CONTAINS(parse_error("data:\n  seed: 18446744073709551615\n"),
+                  "must be >= 0 and below 2^63");
   // A model whose weights start at zero has zero gradients and never learns.
   EXPECT_CONTAINS(parse_error("model:\n  init_std: 0\n"), "model.init_std = 0 is out of range");
 }
@@ -218,8 +221,12 @@ TEST(Config, ControlCharactersInValuesAndKeysAreEscapedInMessages) {
 TEST(Config, NumbersMustFitFp32) {
   // fp32 would make these inf or 0; beyond a double they do not read at all.
   EXPECT_CONTAINS(parse_error("optim:\n  lr: 1e39\n"),
-                  "optim.lr = 1e39 is outside fp32's range, in which the runtime computes: use 0 "
-                  "or a magnitude between 1.2e-38 and 3.4e38 (peak learning rate)");
+                  "optim.lr = 1e39 is outside fp32's range, in which the runtime computes: use a "
+                  "magnitude between 1.2e-38 and 3.4e38, > 0 (peak learning rate)");
+  // 0 is offered only where the key takes it.
+  EXPECT_CONTAINS(parse_error("optim:\n  weight_decay: 1e39\n"), "use 0 or a magnitude between");
+  EXPECT_CONTAINS(parse_error("data:\n  eval_fraction: 1e-300\n"),
+                  "use a magnitude between 1.2e-38 and 3.4e38, in (0, 0.5]");
   EXPECT_CONTAINS(parse_error("optim:\n  eps: 1e-50\n"), "optim.eps = 1e-50 is outside fp32's");
   EXPECT_CONTAINS(parse_error("optim:\n  weight_decay: 1e400\n"),
                   "optim.weight_decay = 1e400 is outside fp32's");

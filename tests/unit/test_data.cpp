@@ -220,16 +220,19 @@ TEST_F(DataTest, EveryStorageLayoutReadsTheSameTokens) {
     ds.write_int64_attribute("vocab_size", 70000);
     ds.write_string_attribute("tokenizer", "test");
   };
-  // (name, element type, compressed, chunked, expect mapped)
+  // (name, element type, compressed, chunked, expect mapped, chunk size). More chunks than
+  // h5::Dataset::kMaxChunksToMap are read into memory, with the reason.
   struct Layout {
     std::string name;
     hid_t type;
     bool deflate, chunked, mapped;
+    hsize_t chunk = kChunk;
   };
   for (const Layout& layout : {Layout{"chunked", H5T_STD_U32LE, false, true, true},
                                Layout{"contiguous", H5T_STD_U32LE, false, false, true},
                                Layout{"compressed", H5T_STD_U32LE, true, true, false},
-                               Layout{"big_endian", H5T_STD_U32BE, false, true, false}}) {
+                               Layout{"big_endian", H5T_STD_U32BE, false, true, false},
+                               Layout{"many_chunks", H5T_STD_U32LE, false, true, false, 2}}) {
     SCOPED_TRACE(layout.name);
     const std::string p = path(layout.name + ".h5");
     {
@@ -238,7 +241,7 @@ TEST_F(DataTest, EveryStorageLayoutReadsTheSameTokens) {
       h5::Handle space(H5Screate_simple(1, &dims, nullptr), H5Sclose);
       h5::Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
       if (layout.chunked) {
-        ASSERT_GE(H5Pset_chunk(dcpl.get(), 1, &kChunk), 0);
+        ASSERT_GE(H5Pset_chunk(dcpl.get(), 1, &layout.chunk), 0);
       }
       if (layout.deflate) {
         ASSERT_GE(H5Pset_deflate(dcpl.get(), 4), 0);
@@ -252,6 +255,13 @@ TEST_F(DataTest, EveryStorageLayoutReadsTheSameTokens) {
     }
     TokenDataset ds = TokenDataset::open(p);
     EXPECT_EQ(ds.memory_mapped(), layout.mapped);
+    if (layout.name == "many_chunks") {
+      EXPECT_NE(ds.why_not_mapped().find("stored in 5161 chunks, more than the 4096"),
+                std::string::npos)
+          << ds.why_not_mapped();
+    } else {
+      EXPECT_EQ(ds.why_not_mapped(), "");
+    }
     EXPECT_EQ(ds.tokens(), tokens);
     EXPECT_DOUBLE_EQ(ds.unigram_entropy_bits(), unigram_entropy_bits(tokens));
     for (int64_t begin : {int64_t{0}, int64_t{999}, int64_t{1000}, int64_t{4321}, int64_t{9950}}) {
@@ -271,6 +281,23 @@ TEST_F(DataTest, EveryStorageLayoutReadsTheSameTokens) {
   // What prepare-data writes (uint16, 64Ki-element chunks) is mapped.
   write_token_dataset(path("written.h5"), {5, 6, 7}, 256, "byte");
   EXPECT_TRUE(TokenDataset::open(path("written.h5")).memory_mapped());
+  // Its chunks grow with the size it expects (about 1024 of them, from 64 Ki tokens), so that a
+  // large dataset stays mapped; each is allocated whole, so a small one keeps them small.
+  auto chunk_of = [&](const std::string& file) {
+    h5::File f = h5::File::open(file);
+    h5::Handle ds(H5Dopen2(f.id(), "tokens", H5P_DEFAULT), H5Dclose);
+    h5::Handle dcpl(H5Dget_create_plist(ds.get()), H5Pclose);
+    hsize_t chunk = 0;
+    EXPECT_EQ(H5Pget_chunk(dcpl.get(), 1, &chunk), 1);
+    return chunk;
+  };
+  EXPECT_EQ(chunk_of(path("written.h5")), hsize_t{1} << 16);
+  {
+    TokenDatasetWriter writer(path("large.h5"), 256, "byte", int64_t{1} << 30);
+    writer.append({1, 2, 3});
+    writer.commit();
+  }
+  EXPECT_EQ(chunk_of(path("large.h5")), hsize_t{1} << 20) << "2^30 expected tokens / 1024";
   EXPECT_FALSE(load_token_source("builtin").memory_mapped());
 }
 

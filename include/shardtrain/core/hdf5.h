@@ -119,6 +119,11 @@ class Dataset : public Object {
     int64_t file_offset = 0;  // bytes
   };
   std::optional<std::vector<RawBlock>> raw_blocks() const;
+  // A dataset of more chunks is not mapped (raw_blocks gives nullopt): HDF5 before 1.14 finds a
+  // chunk's address by walking the chunk index from its start, n^2 / 2 steps for n chunks.
+  static constexpr int64_t kMaxChunksToMap = 4096;
+  // The chunks stored of a chunked dataset; 0 for another layout.
+  int64_t num_chunks() const;
   // The path of the file that holds the dataset (another than the opened one when it was reached
   // through an external link).
   std::string file_name() const;

@@ -18,9 +18,11 @@ namespace shardtrain {
 
 // Streams tokens into a new token dataset. The file is built under `path.tmp.<pid>` and renamed
 // over `path` only by commit(), so an interrupted write never leaves a partial dataset behind.
+// `expected_tokens` (a guess; 0 = small) sizes the chunks the tokens are stored in.
 class TokenDatasetWriter {
  public:
-  TokenDatasetWriter(const std::string& path, int64_t vocab_size, const std::string& tokenizer);
+  TokenDatasetWriter(const std::string& path, int64_t vocab_size, const std::string& tokenizer,
+                     int64_t expected_tokens = 0);
   ~TokenDatasetWriter();
   TokenDatasetWriter(const TokenDatasetWriter&) = delete;
   TokenDatasetWriter& operator=(const TokenDatasetWriter&) = delete;
@@ -71,6 +73,9 @@ class TokenDataset {
   // Every token, copied (for tests and small datasets).
   std::vector<uint32_t> tokens() const;
   bool memory_mapped() const { return storage_->memory_mapped(); }
+  // Why uncompressed tokens of a file are held in memory instead of mapped, with what would let
+  // them be mapped ("" when mapped, compressed, or not from a file).
+  const std::string& why_not_mapped() const { return why_not_mapped_; }
   // Entropy of the tokens' unigram distribution, bits per token: the loss of a model that
   // learned only token frequencies (a baseline for the training loss).
   double unigram_entropy_bits() const { return unigram_entropy_bits_; }
@@ -97,6 +102,7 @@ class TokenDataset {
   int64_t vocab_size_ = 0;
   std::string tokenizer_;
   std::shared_ptr<const TokenStorage> storage_;
+  std::string why_not_mapped_;
   double unigram_entropy_bits_ = 0;
   uint64_t checksum_ = 0;
 };

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -128,10 +129,15 @@ struct CheckpointEntry {
 // The main files in `dir` by name (complete or not; temporary files excluded), newest first.
 // A missing directory gives an empty list.
 std::vector<CheckpointEntry> list_checkpoints(const std::string& dir);
-// Keeps the `keep_last` newest complete checkpoints of `dir` (0 keeps everything) and deletes
-// every file of older checkpoints, complete or not, and leftovers of interrupted saves older than
-// the newest complete checkpoint. Not collective: one rank calls it.
-void prune_checkpoints(const std::string& dir, int64_t keep_last);
+// Applies checkpoint.keep_last after a run saved step `saved_step` in `dir`: keeps the
+// `keep_last` newest complete checkpoints up to that step (0 keeps everything) and deletes every
+// file of older checkpoints, complete or not, and leftovers of interrupted saves older than
+// `saved_step`. The checkpoints in `refused` (steps the run's resume found damaged) do not count
+// among those kept; they are deleted once older than the oldest kept. Checkpoints past
+// `saved_step` are left alone: a run saves past a later checkpoint only when resume refused it,
+// and it is neither the run's to delete nor one that counts. Not collective: one rank calls it.
+void prune_checkpoints(const std::string& dir, int64_t keep_last, int64_t saved_step,
+                       const std::set<int64_t>& refused = {});
 
 // Reads a checkpoint's main file (tensors through its virtual datasets).
 class CheckpointReader {

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <functional>
 #include <optional>
+#include <set>
 #include <string>
 
 #include "shardtrain/data/sampler.h"
@@ -121,6 +122,8 @@ class Checkpointing {
   std::string dir_;
   std::string last_saved_;
   int64_t last_saved_step_ = -1;
+  // Steps of checkpoints in dir_ that resume refused (damaged): kept out of keep_last's count.
+  std::set<int64_t> refused_;
   std::chrono::steady_clock::time_point last_save_time_;
 };
 

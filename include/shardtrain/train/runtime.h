@@ -20,6 +20,7 @@
 #include "shardtrain/amp/grad_scaler.h"
 #include "shardtrain/data/batch.h"
 #include "shardtrain/data/token_dataset.h"
+#include "shardtrain/memory/capacity_scope.h"
 #include "shardtrain/memory/stats.h"
 #include "shardtrain/nn/llama.h"
 #include "shardtrain/optim/optimizer.h"
@@ -51,6 +52,10 @@ Device training_device(const Config& config);
 // model. Without model.from_hf, nothing changes and the result is empty.
 std::optional<nn::LlamaConfig> resolve_model_from_hf(ModelConfig& model,
                                                      const std::set<std::string>& keys_given = {});
+
+// Throws ConfigError when lora.enabled is set in a job of several ranks: QLoRA quantizes whole
+// base weights on one device. Checked before a run creates anything (Runtime checks it too).
+void check_lora_world_size(const Config& config, int world_size);
 
 // The model a run config describes: its model keys, or with model.from_hf the directory's
 // config.json (resolve_model_from_hf: model keys set away from their defaults must agree).
@@ -132,7 +137,9 @@ class Runtime {
  private:
   Config config_;
   Device device_;
-  int64_t previous_capacity_ = 0;
+  // train.device_memory's cap on the device allocator, lifted when the runtime is gone (after
+  // every member below has freed its memory) or when building it throws.
+  std::optional<CapacityScope> device_capacity_;
   std::unique_ptr<dist::DistEnv> dist_;
   std::unique_ptr<nn::LlamaModel> model_;
   std::unique_ptr<fsdp::ShardedModel> sharded_;  // after model_, before optimizer_ (lifetimes)

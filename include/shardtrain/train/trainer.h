@@ -16,8 +16,11 @@ struct TrainSummary {
   double unigram_entropy_nats = 0;
   double tokens_per_second = 0;
   std::string metrics_path, export_dir;
-  std::string last_checkpoint;  // the newest checkpoint this run saved ("" if none)
-  bool stopped_early = false;   // SIGTERM/SIGUSR1 ended the run after a checkpoint
+  // The newest checkpoint of this run's weights: the last it saved, else the one it resumed from
+  // ("" if none), and its step.
+  std::string last_checkpoint;
+  int64_t last_checkpoint_step = -1;
+  bool stopped_early = false;  // SIGTERM/SIGUSR1 ended the run after a checkpoint
 };
 
 // Runs `config` to completion. Writes <out_dir>/metrics.jsonl (one JSON object per step and per

@@ -52,6 +52,12 @@ void CpuBackend::gemm(const GemmArgs& g, const Tensor& a, const Tensor& b, Tenso
     return;
   }
 
+  // CBLAS takes its sizes as int: one past it would wrap to a wrong (negative) size.
+  constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
+  ST_CHECK(g.m <= kMaxInt && g.n <= kMaxInt && g.k <= kMaxInt, "matrix product m=", g.m, " n=", g.n,
+           " k=", g.k,
+           " has a side longer than BLAS takes (2^31 - 1): lower train.micro_batch or "
+           "train.seq_len (or model.loss_chunk_tokens for the output layer)");
   cpu::Fp32Span a32(a, g.offset_a, batch_span(g.batch, g.stride_a, a_elems));
   cpu::Fp32Span b32(b, g.offset_b, batch_span(g.batch, g.stride_b, b_elems));
   const int lda = static_cast<int>(g.trans_a ? g.m : g.k);

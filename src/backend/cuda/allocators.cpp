@@ -43,6 +43,15 @@ void CudaCachingAllocator::DeviceMemory::release(void* ptr) {
 CudaCachingAllocator::CudaCachingAllocator(int device)
     : device_(device), raw_(device), pool_(raw_) {}
 
+// The allocator registry keeps its allocators for the life of the process (tensors freed at exit
+// still return memory to them), so this runs only for one built and dropped on its own. The
+// events it created go back to the driver; the blocks go with the pool.
+CudaCachingAllocator::~CudaCachingAllocator() {
+  for (const DeferredFree& d : deferred_)
+    for (cudaEvent_t event : d.events) warn(cudaEventDestroy(event), "cudaEventDestroy");
+  for (cudaEvent_t event : spare_events_) warn(cudaEventDestroy(event), "cudaEventDestroy");
+}
+
 cudaEvent_t CudaCachingAllocator::take_event() {
   if (!spare_events_.empty()) {
     cudaEvent_t event = spare_events_.back();

@@ -22,6 +22,9 @@ namespace shardtrain::cuda {
 class CudaCachingAllocator final : public Allocator {
  public:
   explicit CudaCachingAllocator(int device);
+  ~CudaCachingAllocator() override;
+  CudaCachingAllocator(const CudaCachingAllocator&) = delete;
+  CudaCachingAllocator& operator=(const CudaCachingAllocator&) = delete;
   Device device() const override { return Device::cuda(device_); }
 
   // Waits for deferred frees, then returns every fully free segment to the driver.

@@ -66,17 +66,24 @@ int64_t alignment_of(const void* p, int64_t ld_bytes, int64_t stride_bytes) {
 
 cublasLtMatrixLayout_t make_layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld,
                                    int64_t batch, int64_t stride) {
-  cublasLtMatrixLayout_t layout = nullptr;
-  ST_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout, type, static_cast<uint64_t>(rows),
+  // cuBLASLt counts batches in int32.
+  ST_CHECK(batch <= std::numeric_limits<int32_t>::max(), "a batched matrix product of ", batch,
+           " matrices is more than cuBLASLt takes (2^31 - 1): lower train.micro_batch");
+  cublasLtMatrixLayout_t raw = nullptr;
+  ST_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&raw, type, static_cast<uint64_t>(rows),
                                              static_cast<uint64_t>(cols), ld));
+  // Owned here until returned: destroyed if setting an attribute fails.
+  std::unique_ptr<std::remove_pointer_t<cublasLtMatrixLayout_t>,
+                  decltype(&cublasLtMatrixLayoutDestroy)>
+      layout(raw, &cublasLtMatrixLayoutDestroy);
   if (batch > 1) {
     const int32_t count = static_cast<int32_t>(batch);
-    ST_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
-                                                     &count, sizeof(count)));
     ST_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
-        layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
+        layout.get(), CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+    ST_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
+        layout.get(), CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
   }
-  return layout;
+  return layout.release();
 }
 
 }  // namespace

@@ -224,8 +224,9 @@ TEST(CheckpointSignals, Sigusr1ToMpirunStopsEveryRankWithACheckpoint) {
 namespace {
 
 // A run every rank refuses at start (here LoRA, which trains on one rank) ends the job non-zero
-// and leaves no directory behind: rank 0 takes back what it created before another rank's abort
-// ends the job. (Which rank gets there first is a race: four jobs.)
+// with that reason and leaves no directory behind: it is refused before any rank creates one, so
+// no rank works in a directory another takes back. (Which rank gets there first is a race: four
+// jobs.)
 TEST(CheckpointDirectories, ARunRefusedOnEveryRankLeavesNoDirectories) {
   TempDir tmp;
   for (int attempt = 0; attempt < 4; ++attempt) {
