@@ -48,8 +48,8 @@ std::unique_ptr<dist::ProcessGroup>& nccl_group_slot() {
 // fully alive. Left to static destruction after main returns, ncclCommDestroy and
 // cudaStreamDestroy would run in an unspecified order with the CUDA runtime's and NCCL's own
 // teardown (the reason the backend never destroys its allocators, src/backend/cuda/register.cpp);
-// a crash there fails the executable after every test passed, and a hang there runs into ctest's
-// default 1500 s timeout, since the cuda tests set none.
+// a crash there fails the executable after every test passed, and a hang there runs into the
+// test's ctest timeout.
 class DestroyNcclGroup : public ::testing::Environment {
  public:
   void TearDown() override { nccl_group_slot().reset(); }

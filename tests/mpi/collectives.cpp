@@ -164,6 +164,9 @@ TEST(CollectivesTest, Bf16ReductionRoundsOnceFromF32) {
   DistEnv env;
   ProcessGroup& pg = env.world();
   const int n = pg.size();
+  if (n < 3)
+    GTEST_SKIP() << "two bf16 values sum with one rounding however they are added: rounding once "
+                    "from f32 differs from bf16 partial sums only from 3 ranks (the np4 run)";
   const float big = 256.0f, small = 1.0f;  // bf16 has 8 significant bits: 256 + 1 -> 256
   Tensor t = from_floats({pg.rank() == 0 ? big : small}, {1}, DType::BF16);
   pg.all_reduce(t, ReduceOp::Sum)->wait();

@@ -108,8 +108,8 @@ double min_cosine(const Grads& a, const Grads& b, std::string* worst = nullptr) 
   double m = 1.0;
   for (const auto& [name, g] : a) {
     double c = cosine(g, b.at(name));
-    if (c < m) {
-      m = c;
+    if (!(c >= m)) {  // a NaN (a NaN element, or a gradient of zeros) is the worst
+      m = std::isnan(c) ? -INFINITY : c;
       if (worst) *worst = name;
     }
   }

@@ -294,10 +294,8 @@ TEST(Cli, ConfigCommandPrintsTheResolvedConfig) {
 }
 
 TEST(Cli, PrepareDataWritesATokenDataset) {
-  const auto dir =
-      std::filesystem::temp_directory_path() /
-      ("st_cli_prepare_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()));
-  std::filesystem::create_directories(dir);
+  const shardtrain::testing::TempDir tmp("cli-prepare");
+  const std::filesystem::path dir = tmp.path;
   const std::string text = (dir / "in.txt").string(), h5 = (dir / "out.h5").string();
   std::ofstream(text) << "hello, world\n";  // 13 bytes = 13 byte tokens
 

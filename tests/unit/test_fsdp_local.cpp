@@ -93,7 +93,8 @@ double loss_and_backward(nn::LlamaModel& model, int micro_batches) {
 
 // One rank: every strategy degenerates to the plain model, bit for bit.
 TEST(ShardedModelLocal, OneRankReproducesThePlainModelExactly) {
-  for (ShardingStrategy s : {ShardingStrategy::FullShard, ShardingStrategy::NoShard}) {
+  for (ShardingStrategy s : {ShardingStrategy::FullShard, ShardingStrategy::GradOpShard,
+                             ShardingStrategy::NoShard, ShardingStrategy::HybridShard}) {
     nn::LlamaModel plain(tiny(), Device::cpu());
     plain.init_weights(4);
     double want = loss_and_backward(plain, 2);

@@ -102,9 +102,10 @@ inline double max_relative_error(const std::vector<float>& a, const std::vector<
   double scale = 0;
   for (float v : b) scale = std::max(scale, static_cast<double>(std::fabs(v)));
   double floor = 0.1 * scale + 1e-30, worst = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
-    worst =
-        std::max(worst, std::fabs(static_cast<double>(a[i]) - b[i]) / (std::fabs(b[i]) + floor));
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    const double e = std::fabs(static_cast<double>(a[i]) - b[i]) / (std::fabs(b[i]) + floor);
+    if (!(e <= worst)) worst = std::isnan(e) ? INFINITY : e;  // a NaN is the worst error
+  }
   return a.size() == b.size() ? worst : INFINITY;
 }
 
