@@ -67,6 +67,12 @@ Command bench_command() {
       o.peak_tflops = args.get_number("peak-tflops", false,
                                       "a positive number of TFLOP/s (989.4 for an H100 in bf16)");
     const bool leader = dist::job_rank() == 0;
+    // Every row starts from the same initial weights, so that the rows compare: a checkpoint to
+    // resume from is not read (said, not passed over).
+    if (leader && config.train.resume != "none")
+      std::cerr << "warning: train.resume=" << config.train.resume
+                << " is not used by bench: every row starts from the same initial weights "
+                   "(model.from_hf, or train.seed)\n";
     const std::string dir = args.has("out") ? args.get("out") : config.train.out_dir + "/bench";
     train::check_bench_options(o);  // a refused flag leaves no --out directory behind
     if (leader) train::prepare_bench_output(dir);  // before the sweep, not after it

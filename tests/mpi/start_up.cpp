@@ -127,15 +127,21 @@ TEST(StartUp, NonFiniteHfWeightsStopEveryRank) {
   }
   std::filesystem::current_path(here);
   config.model.from_hf = "model";  // the same setting on every rank, each reading its own copy
+  bool named = false;
   try {
     train::Runtime rt(config);
     ADD_FAILURE() << "rank " << rank << " started on weights with a NaN";
   } catch (const FormatError& e) {
     const std::string message = e.what();
     EXPECT_NE(message.find("holds NaN or infinite values"), std::string::npos) << message;
-    const bool named = message.find("tensor 'model.norm.weight'") != std::string::npos;
+    named = message.find("tensor 'model.norm.weight'") != std::string::npos;
     EXPECT_TRUE(named || message.find("another rank found a tensor") != std::string::npos)
         << message;
+  }
+  {  // Some rank, the one whose shard holds the NaN, names the tensor.
+    dist::DistEnv env;
+    const int64_t naming = env.world().all_reduce_host(int64_t{named ? 1 : 0}, dist::ReduceOp::Sum);
+    EXPECT_GE(naming, 1) << "no rank named the tensor";
   }
   std::filesystem::current_path(original);
   std::filesystem::remove_all(here);
