@@ -17,6 +17,7 @@
 #include "shardtrain/backend/backend.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/core/files.h"
+#include "shardtrain/core/suggest.h"
 #include "shardtrain/data/corpus.h"
 #include "shardtrain/data/sampler.h"
 #include "shardtrain/data/tokenizer.h"
@@ -145,7 +146,9 @@ void check_names(const std::vector<std::string>& given, const std::vector<std::s
     if (std::find(known.begin(), known.end(), g) != known.end()) continue;
     std::string list;
     for (const std::string& k : known) list += (list.empty() ? "" : ",") + k;
-    throw ConfigError(std::string(flag) + ": unknown name '" + g + "'; expected some of " + list);
+    const std::string near = closest_match(g, known);
+    throw ConfigError(std::string(flag) + ": unknown name '" + g + "'; expected some of " + list +
+                      (near.empty() ? "" : "; did you mean '" + near + "'?"));
   }
 }
 

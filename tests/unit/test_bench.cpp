@@ -434,6 +434,17 @@ TEST(Bench, RejectsUnknownNamesAndEmptyLists) {
   train::BenchOptions o;
   o.strategies = {"nonw"};
   EXPECT_THROW(train::run_bench(config, o), ConfigError);
+  try {
+    o.strategies = {"per_layr"};
+    train::run_bench(config, o);
+    ADD_FAILURE() << "an unknown strategy was taken";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown name 'per_layr'; expected some of none,"),
+              std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("did you mean 'per_layer'?"), std::string::npos)
+        << e.what();
+  }
   o.strategies = {"none"};
   o.precisions = {"fp64"};
   EXPECT_THROW(train::run_bench(config, o), ConfigError);
