@@ -137,7 +137,12 @@ mkdir -p "$out/bench"
 cp "$root"/tests/bench/*.py "$out/bench/"
 cp "$root/launch/gpu-verify.sh" "$out/gpu-verify.sh"
 
+# The C library is the target's own (never bundled): the newest glibc symbol version any bundled
+# file needs is the oldest glibc it runs on. env.sh compares it with the node's.
+glibc_needed="$(find "$out/bin" "$out/tests" "$out/lib" -type f -exec objdump -T {} + 2>/dev/null |
+  grep -o 'GLIBC_[0-9][0-9.]*' | sed 's/GLIBC_//' | sort -V | tail -n 1 || true)"
 {
+  echo "glibc needed: ${glibc_needed:-unknown}"
   echo "commit: $(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)"
   echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) from $build"
   echo "cuda architectures: $(sed -n 's/^CMAKE_CUDA_ARCHITECTURES:[A-Z]*=//p' "$build/CMakeCache.txt")"
@@ -165,10 +170,24 @@ fi
 size=$(size_of "$out")
 
 # ---- env.sh ----------------------------------------------------------------------------------
-cat >"$out/env.sh" <<'ENV'
+cat >"$out/env.sh" <<ENV
 # Source this file: puts the bundled libraries on LD_LIBRARY_PATH and, on first use, expands
 # files that were stored compressed.
+bundle_glibc_needed="${glibc_needed:-}"
+ENV
+cat >>"$out/env.sh" <<'ENV'
 bundle_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# The bundled libraries (libstdc++ above all) were built against the build machine's glibc: an
+# older one on this node makes every program fail to start with "version GLIBC_x not found".
+bundle_glibc_here="$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{ print $2 }')"
+if [ -n "$bundle_glibc_needed" ] && [ -n "$bundle_glibc_here" ] &&
+  [ "$(printf '%s\n%s\n' "$bundle_glibc_needed" "$bundle_glibc_here" | sort -V | head -n 1)" != \
+    "$bundle_glibc_needed" ]; then
+  echo "bundle/env.sh: this bundle needs glibc $bundle_glibc_needed or newer and this node has" \
+    "$bundle_glibc_here: its programs will not start here; build the bundle on a machine with" \
+    "glibc $bundle_glibc_here or older (a container of this node's distribution)" >&2
+fi
+unset bundle_glibc_needed bundle_glibc_here
 bundle_expanded=0
 if [ -e "$bundle_dir/tests.tar.xz" ]; then
   bundle_expanded=1
@@ -207,7 +226,8 @@ cat >>"$out/env.sh" <<'ENV'
 bundle_lib_found() {
   local d
   for d in ${LD_LIBRARY_PATH//:/ }; do [ -e "$d/$1" ] && return 0; done
-  ldconfig -p 2>/dev/null | grep -q "[[:space:]]$1 " && return 0
+  # Not grep -q: it would stop reading early, and under pipefail ldconfig's SIGPIPE fails the test.
+  ldconfig -p 2>/dev/null | grep "[[:space:]]$1 " >/dev/null && return 0
   return 1
 }
 bundle_python_lib_dirs() {
@@ -258,6 +278,13 @@ cat >"$out/run-tests.sh" <<RUN
 # per executable and a summary. Exit status 1 when any failed.
 set -uo pipefail
 bundle_dir="\$(cd "\$(dirname "\${BASH_SOURCE[0]}")" && pwd)"
+# One process, no launcher: a launcher's variables (srun, a login environment) would make the
+# programs start MPI, whose components the bundle does not carry.
+launcher_vars="\$(compgen -e | grep -E '^(OMPI_COMM_WORLD_|PMI_|PMIX_|SLURM_)' || true)"
+if [[ -n "\$launcher_vars" ]]; then
+  echo "run-tests: unsetting launcher variables: \$(echo \$launcher_vars)" >&2
+  unset \$launcher_vars
+fi
 source "\$bundle_dir/env.sh"
 "\$bundle_dir/link-build-paths.sh"
 export OMP_NUM_THREADS="\${OMP_NUM_THREADS:-4}" OPENBLAS_NUM_THREADS=1

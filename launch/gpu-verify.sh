@@ -198,6 +198,7 @@ phase_tests() {
   if [[ -n "$python" ]]; then
     local gpu=0 skipped_on_gpu
     gpu_present && gpu=1
+    local merged=0
     skipped_on_gpu="$("${py[@]}" - "$work/gtest" "$out/tests.json" "$summary" "$gpu" <<'PY'
 import glob, json, os, sys
 src, dst, summary, gpu = sys.argv[1:5]
@@ -229,7 +230,10 @@ with open(summary, "a") as f:
     f.write("\n".join(lines) + "\n")
 print(", ".join(all_skipped))
 PY
-)"
+)" || merged=$?
+    if ((merged != 0)); then
+      record FAIL tests "test results merged" 0 "the gtest JSON merge failed (status $merged)"
+    fi
     if [[ -n "$skipped_on_gpu" ]]; then
       record FAIL tests "CUDA tests ran" 0 \
         "tests skipped although a GPU is present: $skipped_on_gpu"
@@ -247,6 +251,19 @@ PY
       done
       echo "]"
     } >"$out/tests.json"
+    # With a GPU present, a skipped test in a cuda_* executable did not test anything.
+    if gpu_present; then
+      local skipped_on_gpu="" n
+      for j in "$work"/gtest/cuda_*.json; do
+        [[ -s "$j" ]] || continue
+        n=$(grep -c '"result": "SKIPPED"' "$j" || true)
+        ((n > 0)) && skipped_on_gpu+="${skipped_on_gpu:+, }$(basename "$j" .json) ($n)"
+      done
+      if [[ -n "$skipped_on_gpu" ]]; then
+        record FAIL tests "CUDA tests ran" 0 \
+          "tests skipped although a GPU is present: $skipped_on_gpu"
+      fi
+    fi
   fi
 }
 

@@ -15,6 +15,7 @@ packages=(
   libgtest-dev
   gnuplot-nox
   xz-utils
+  python3
 )
 
 missing=()
@@ -38,6 +39,9 @@ if [[ $(id -u) -ne 0 ]]; then
   fi
   sudo=(sudo)
 fi
-"${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update
-"${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-  "${missing[@]}"
+# A freshly booted machine's unattended upgrades may hold the dpkg lock for a while: wait for it
+# instead of failing at once.
+lock_wait=(-o DPkg::Lock::Timeout=600)
+"${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get "${lock_wait[@]}" update
+"${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get "${lock_wait[@]}" install -y \
+  --no-install-recommends "${missing[@]}"

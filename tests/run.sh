@@ -24,6 +24,13 @@ parallel_tests=$((cores / 2 > 2 ? cores / 2 : 2))
 
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j "$cores"
+# Without nvcc the CUDA backend, its kernels and their tests on the emulated GPU are not built:
+# a passing run then covers the CPU build only, which must be said.
+if ! grep -q '^SHARDTRAIN_BUILT_WITH_CUDA:INTERNAL=ON$' build/CMakeCache.txt; then
+  echo "warning: nvcc was not found (CUDA Toolkit at /usr/local/cuda, or CUDACXX): the CUDA" \
+    "backend and its tests on the emulated GPU are not built; these results cover the CPU" \
+    "build only" >&2
+fi
 
 cd build
 failed=()
