@@ -214,11 +214,16 @@ int64_t TrainConfig::sequences_per_step(int64_t data_parallel_ranks) const {
   }
   if (total % per_round != 0 || total == 0) {
     int64_t below = total / per_round * per_round, above = below + per_round;
-    std::string options =
-        below > 0 ? std::to_string(below) + " or " + std::to_string(above) : std::to_string(above);
+    // In the unit the user gave: sequences, or tokens for global_batch_tokens.
+    const bool tokens = global_batch <= 0 && global_batch_tokens > 0;
+    const int64_t unit = tokens ? seq_len : 1;
+    std::string options = below > 0
+                              ? std::to_string(below * unit) + " or " + std::to_string(above * unit)
+                              : std::to_string(above * unit);
     throw ConfigError(given + " must be a multiple of train.micro_batch x data-parallel ranks (" +
                       std::to_string(micro_batch) + " x " + std::to_string(data_parallel_ranks) +
-                      " = " + std::to_string(per_round) + "): use " + options + " sequences");
+                      " = " + std::to_string(per_round) + "): use " + options +
+                      (tokens ? " tokens (train.global_batch_tokens)" : " sequences"));
   }
   return total;
 }

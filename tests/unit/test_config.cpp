@@ -454,7 +454,8 @@ TEST(Config, SequencesPerStepDependOnTheRanks) {
   EXPECT_EQ(c.train.sequences_per_step(2), 16);
   EXPECT_CONTAINS(error_of([&] { c.train.sequences_per_step(3); }),
                   "train.global_batch_tokens (1024) / seq_len (64) = 16 sequences must be a "
-                  "multiple of train.micro_batch x data-parallel ranks (2 x 3 = 6): use 12 or 18");
+                  "multiple of train.micro_batch x data-parallel ranks (2 x 3 = 6): use 768 or "
+                  "1152 tokens (train.global_batch_tokens)");
 }
 
 TEST(Config, LayerSelectionParsesEveryForm) {
