@@ -3,6 +3,7 @@
 #include <iostream>
 
 #include "shardtrain/cli/command.h"
+#include "shardtrain/train/plan.h"
 
 namespace shardtrain::cli {
 
@@ -28,8 +29,14 @@ Command config_command() {
       return 0;
     }
     train::Config config = config_from_args(args);
+    // What `train` would refuse before planning is refused here too.
+    if (config.recipe == "auto") train::check_recipe_auto_settings(config);
     std::cout << "# resolved from " << args.get("config");
     for (const std::string& s : args.all("set")) std::cout << " --set " << s;
+    if (config.recipe == "auto")
+      std::cout << "\n# recipe: auto: train chooses the sharding, precision, activation strategy "
+                   "and optimizer offload from the memory plan (`shardtrain plan` shows its "
+                   "choice); the keys below are the defaults it starts from";
     std::cout << "\n" << config.to_yaml();
     return 0;
   };

@@ -309,7 +309,7 @@ std::vector<std::string> keys_the_recipe_sets() {
 }
 }  // namespace
 
-Config apply_recipe(const Config& config, int64_t device_bytes, int world_size, std::string* why) {
+void check_recipe_auto_settings(const Config& config) {
   ST_CHECK_AS(ConfigError, strategy_on_every_layer(config), "recipe: auto picks an activation ",
               "strategy for every layer (the memory model predicts no subset), but "
               "activation.layers is '",
@@ -317,20 +317,22 @@ Config apply_recipe(const Config& config, int64_t device_bytes, int world_size, 
               "': remove activation.layers, or choose the strategy yourself with recipe: manual");
   // A key the run config sets away from its default is a request the recipe would overrule
   // without a word (bf16 asked for, fp32 trained).
-  {
-    const std::map<std::string, std::string> changed = config.values_away_from_defaults();
-    std::vector<std::string> set;
-    const std::vector<std::string> keys = keys_the_recipe_sets();
-    for (const std::string& key : keys)
-      if (auto it = changed.find(key); it != changed.end()) set.push_back(key + "=" + it->second);
-    if (!set.empty())
-      throw ConfigError("recipe: auto chooses " + fmt::format("{}", fmt::join(keys, ", ")) +
-                        " itself, but the run config sets " +
-                        fmt::format("{}", fmt::join(set, ", ")) +
-                        ": remove them to let the recipe choose, or keep them with recipe: "
-                        "manual (the default; `shardtrain plan` shows what each recipe step "
-                        "would set)");
-  }
+  const std::map<std::string, std::string> changed = config.values_away_from_defaults();
+  std::vector<std::string> set;
+  const std::vector<std::string> keys = keys_the_recipe_sets();
+  for (const std::string& key : keys)
+    if (auto it = changed.find(key); it != changed.end()) set.push_back(key + "=" + it->second);
+  if (!set.empty())
+    throw ConfigError("recipe: auto chooses " + fmt::format("{}", fmt::join(keys, ", ")) +
+                      " itself, but the run config sets " +
+                      fmt::format("{}", fmt::join(set, ", ")) +
+                      ": remove them to let the recipe choose, or keep them with recipe: "
+                      "manual (the default; `shardtrain plan` shows what each recipe step "
+                      "would set)");
+}
+
+Config apply_recipe(const Config& config, int64_t device_bytes, int world_size, std::string* why) {
+  check_recipe_auto_settings(config);
   Plan plan = make_plan(config, device_bytes, world_size);
   if (plan.first_fit < 0)
     throw ConfigError("recipe: auto: " + plan.verdict() + "\n" + plan.table());

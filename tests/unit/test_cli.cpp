@@ -258,6 +258,14 @@ TEST(Cli, ConfigCommandPrintsTheResolvedConfig) {
   shardtrain::train::Config printed = shardtrain::train::Config::parse(r.out);
   EXPECT_TRUE(printed == shardtrain::train::load_config(tiny, {"optim.lr=1e-4", "train.steps=9"}));
 
+  // recipe: auto refuses what train would refuse before planning, and says the recipe chooses.
+  r = run({"config", "--config", tiny, "--set", "recipe=auto", "--set", "precision.compute=bf16"});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_CONTAINS(r.err, "the run config sets precision.compute=bf16");
+  r = run({"config", "--config", tiny, "--set", "recipe=auto"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(r.out, "# recipe: auto: train chooses the sharding, precision");
+
   // A setting the run would never read is a warning on stderr, not an error.
   r = run({"config", "--config", tiny, "--set", "optim.name=sgd", "--set", "optim.beta2=0.99"});
   EXPECT_EQ(r.code, 0) << r.err;

@@ -88,6 +88,10 @@ void measure_plan(Plan& plan, int64_t warmup_steps = 1, int64_t measured_steps =
 // from its default (a request the recipe would overrule).
 Config apply_recipe(const Config& config, int64_t device_bytes, int world_size,
                     std::string* why = nullptr);
+// The ConfigErrors apply_recipe throws before planning: an activation.layers subset, or keys the
+// recipe sets that `config` sets away from their defaults. For what checks a config without
+// planning it (`shardtrain config`).
+void check_recipe_auto_settings(const Config& config);
 
 // What to do after `config` ran out of `device_bytes` per rank on `world_size` ranks: the memory
 // model's peak for the configuration as it is, and the first recipe step that fits (or what is
