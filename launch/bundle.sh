@@ -188,31 +188,48 @@ if [ -n "$bundle_glibc_needed" ] && [ -n "$bundle_glibc_here" ] &&
     "glibc $bundle_glibc_here or older (a container of this node's distribution)" >&2
 fi
 unset bundle_glibc_needed bundle_glibc_here
-bundle_expanded=0
-if [ -e "$bundle_dir/tests.tar.xz" ]; then
-  bundle_expanded=1
-  if command -v xz >/dev/null 2>&1; then
-    xz -dc "$bundle_dir/tests.tar.xz" | tar -C "$bundle_dir" -xf -
-  else
-    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' \
-      "$bundle_dir/tests.tar.xz" "$bundle_dir"
-  fi && rm -f "$bundle_dir/tests.tar.xz"
-fi
-for packed in "$bundle_dir"/bin/*.xz "$bundle_dir"/lib/*.xz; do
-  [ -e "$packed" ] || continue
-  bundle_expanded=1
-  if command -v xz >/dev/null 2>&1; then
-    xz -d -f "$packed"
-  else
-    python3 -c 'import lzma, os, sys; p = sys.argv[1]; open(p[:-3], "wb").write(lzma.open(p).read()); os.remove(p)' "$packed"
+# Expanded once, by one process: others that source this at the same moment (the tasks of one
+# job on a shared file system) wait on the lock, then find nothing left to expand. A file is
+# written under a temporary name and renamed into place, never loaded half-written.
+bundle_expand() {
+  local packed target bundle_expanded=0
+  if [ -e "$bundle_dir/tests.tar.xz" ]; then
+    bundle_expanded=1
+    if command -v xz >/dev/null 2>&1; then
+      xz -dc "$bundle_dir/tests.tar.xz" | tar -C "$bundle_dir" -xf -
+    else
+      python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' \
+        "$bundle_dir/tests.tar.xz" "$bundle_dir"
+    fi && rm -f "$bundle_dir/tests.tar.xz" || return 1
   fi
-  case "$packed" in */lib/*) ;; *) chmod +x "${packed%.xz}" ;; esac
-done
-if [ "$bundle_expanded" = 1 ]; then
-  echo "bundle/env.sh: expanded the compressed files in place ($(du -sh "$bundle_dir" | cut -f1));" \
-    "run launch/bundle.sh again before copying the bundle where a size limit applies" >&2
+  for packed in "$bundle_dir"/bin/*.xz "$bundle_dir"/lib/*.xz; do
+    [ -e "$packed" ] || continue
+    bundle_expanded=1
+    target="${packed%.xz}"
+    if command -v xz >/dev/null 2>&1; then
+      xz -dc "$packed" >"$target.expanding" || return 1
+    else
+      python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' \
+        "$packed" "$target.expanding" || return 1
+    fi
+    case "$packed" in */lib/*) ;; *) chmod +x "$target.expanding" ;; esac
+    mv -f "$target.expanding" "$target" && rm -f "$packed" || return 1
+  done
+  if [ "$bundle_expanded" = 1 ]; then
+    echo "bundle/env.sh: expanded the compressed files in place ($(du -sh "$bundle_dir" | cut -f1));" \
+      "run launch/bundle.sh again before copying the bundle where a size limit applies" >&2
+  fi
+}
+if [ -e "$bundle_dir/tests.tar.xz" ] || [ -n "$(find "$bundle_dir/bin" "$bundle_dir/lib" -name '*.xz' -print -quit 2>/dev/null)" ]; then
+  if ! (
+    if command -v flock >/dev/null 2>&1; then flock 9; fi
+    bundle_expand
+  ) 9>"$bundle_dir/.expand.lock"; then
+    echo "bundle/env.sh: could not expand the bundle's compressed files in $bundle_dir (is it" \
+      "read-only, or are xz and python3 both missing?): copy the bundle somewhere writable" >&2
+  fi
 fi
-unset bundle_expanded
+unset -f bundle_expand
 export LD_LIBRARY_PATH="$bundle_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PATH="$bundle_dir/bin:$PATH"
 ENV
