@@ -376,13 +376,12 @@ std::optional<std::vector<Dataset::RawBlock>> Dataset::raw_blocks() const {
       chunk_base = static_cast<int64_t>(user_block);
     }
   }
-  Handle space = dataspace(checked(H5Dget_space(id()), where_ + ": cannot read the dataspace"));
-  hsize_t count = 0;
-  checked_status(H5Dget_num_chunks(id(), space.get(), &count), where_ + ": cannot count chunks");
   // HDF5 before 1.14 finds chunk i (by index or by coordinate) by walking the chunk index from
   // its start: n chunks cost n^2 / 2 steps, minutes for 40,000. Past kMaxChunksToMap the data
   // is read through HDF5 instead.
+  const auto count = static_cast<hsize_t>(num_chunks());
   if (count > static_cast<hsize_t>(kMaxChunksToMap)) return std::nullopt;
+  Handle space = dataspace(checked(H5Dget_space(id()), where_ + ": cannot read the dataspace"));
   for (hsize_t i = 0; i < count; ++i) {
     hsize_t logical = 0, bytes = 0;
     unsigned filter_mask = 0;

@@ -66,10 +66,10 @@ PrepareSummary prepare_data(const std::string& input, const std::string& output_
 
   // The byte tokenizer gives a token a byte: the input's size sizes the dataset's chunks.
   std::error_code size_ec;
-  const auto input_bytes =
+  int64_t input_bytes =
       input == "builtin" ? 0 : static_cast<int64_t>(std::filesystem::file_size(input, size_ec));
-  TokenDatasetWriter writer(output_h5, tokenizer->vocab_size(), tokenizer->name(),
-                            size_ec ? 0 : input_bytes);
+  if (size_ec) input_bytes = 0;
+  TokenDatasetWriter writer(output_h5, tokenizer->vocab_size(), tokenizer->name(), input_bytes);
   TokenCounts counts;
   auto consume = [&](std::string_view text) {
     std::vector<uint32_t> tokens = tokenizer->encode(text);
@@ -85,7 +85,7 @@ PrepareSummary prepare_data(const std::string& input, const std::string& output_
       throw ConfigError(concat("input text '", input,
                                "' does not exist or is not a file (use \"builtin\" for the "
                                "generated corpus)"));
-    const auto total = static_cast<int64_t>(std::filesystem::file_size(input, ec));
+    const int64_t total = input_bytes;
     std::ifstream in(input, std::ios::binary);
     if (!in) throw ConfigError(concat("cannot read '", input, "': ", std::strerror(errno)));
     const bool progress = total > kProgressAboveBytes;

@@ -617,7 +617,7 @@ std::optional<ResumePoint> Checkpointing::resume() {
       if (!searches_own_dir) refuse_later_checkpoints(c.step, c.path);
       return load(c.path);
     }
-    if (fs::equivalent(dir, dir_, ec)) refused_.insert(c.step);
+    if (searches_own_dir) refused_.insert(c.step);
     log_(concat("refusing checkpoint ", c.path, ": ", problem,
                 "; falling back to the previous one"));
   }

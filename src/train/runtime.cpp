@@ -83,10 +83,12 @@ std::vector<std::string> disagreements_with_hf(const ModelConfig& m, const nn::L
     out << std::boolalpha << v;
     return out.str();
   };
+  auto asked = [&](const std::string& key, bool away_from_default) {
+    return away_from_default || keys_given.count("model." + key) > 0;
+  };
   auto compare = [&](const std::string& key, auto yaml, auto yaml_default, auto json,
                      const std::string& field) {
-    const bool asked = yaml != yaml_default || keys_given.count("model." + key) > 0;
-    if (!asked || yaml == json) return;
+    if (!asked(key, yaml != yaml_default) || yaml == json) return;
     conflicts.push_back("model." + key + " = " + text(yaml) + " but " + field + " = " + text(json));
   };
   compare("vocab_size", m.vocab_size, d.vocab_size, hf.vocab_size, "vocab_size");
@@ -97,8 +99,7 @@ std::vector<std::string> disagreements_with_hf(const ModelConfig& m, const nn::L
   compare("num_heads", m.num_heads, d.num_heads, hf.num_heads, "num_attention_heads");
   // 0 asks for as many key/value heads as query heads: config.json's, or a disagreement above.
   const int64_t kv_heads = m.num_kv_heads > 0 ? m.num_kv_heads : hf.num_heads;
-  if ((m.num_kv_heads != d.num_kv_heads || keys_given.count("model.num_kv_heads")) &&
-      kv_heads != hf.num_kv_heads)
+  if (asked("num_kv_heads", m.num_kv_heads != d.num_kv_heads) && kv_heads != hf.num_kv_heads)
     conflicts.push_back("model.num_kv_heads = " + text(m.num_kv_heads) +
                         (m.num_kv_heads > 0 ? "" : " (as many as the query heads)") +
                         " but num_key_value_heads = " + text(hf.num_kv_heads));
@@ -110,8 +111,7 @@ std::vector<std::string> disagreements_with_hf(const ModelConfig& m, const nn::L
   compare("tie_embeddings", m.tie_embeddings, d.tie_embeddings, hf.tie_embeddings,
           "tie_word_embeddings");
   const RopeScalingConfig& rs = m.rope_scaling;
-  const bool type_asked =
-      rs.rope_type != d.rope_scaling.rope_type || keys_given.count("model.rope_scaling.rope_type");
+  const bool type_asked = asked("rope_scaling.rope_type", rs.rope_type != d.rope_scaling.rope_type);
   if (type_asked && rs.rope_type == "llama3" && !hf.rope_scaling)
     conflicts.push_back(
         "model.rope_scaling.rope_type = llama3 but config.json has no rope_scaling");
