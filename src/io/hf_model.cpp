@@ -17,6 +17,7 @@
 #include "shardtrain/core/json_input.h"
 #include "shardtrain/core/word_hash.h"
 #include "shardtrain/io/safetensors.h"
+#include "shardtrain/memory/category.h"
 
 namespace shardtrain::io {
 
@@ -187,30 +188,63 @@ void load_hf_weights(fsdp::ShardedModel& model, const std::string& dir) {
 
 namespace {
 
-std::vector<TensorDecl> declare_parameters(fsdp::ShardedModel& model) {
+std::vector<TensorDecl> declare_parameters(fsdp::ShardedModel& model, DType dtype) {
   std::vector<TensorDecl> decls;
   for (int u = 0; u < model.num_units(); ++u)
-    for (const auto& e : model.unit_layout(u).entries)
-      decls.push_back({e.name, DType::F32, e.shape});
+    for (const auto& e : model.unit_layout(u).entries) decls.push_back({e.name, dtype, e.shape});
   return decls;
 }
 
-void write_hf_config(const nn::LlamaConfig& config, const std::string& dir) {
-  write_file_atomically(dir + "/config.json", config.to_hf_json() + "\n");
+void write_hf_config(const nn::LlamaConfig& config, const std::string& dir, DType dtype) {
+  write_file_atomically(dir + "/config.json", config.to_hf_json(dtype) + "\n");
 }
 
 constexpr const char* kHfMetadataFormat = "pt";
 
-}  // namespace
-
-void save_hf_model(nn::LlamaModel& model, const std::string& dir, int64_t max_shard_bytes) {
-  NamedTensors tensors;
-  for (auto& [name, slot] : model.named_parameters()) tensors.emplace_back(name, slot->detach());
-  save_sharded(dir, tensors, max_shard_bytes, {{"format", kHfMetadataFormat}});
-  write_hf_config(model.config(), dir);
+void check_export_dtype(DType dtype) {
+  ST_CHECK_AS(ConfigError, dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16,
+              "a model is exported in f32, bf16 or f16 (train.export_dtype), not ",
+              dtype_name(dtype));
 }
 
-void save_hf_model(fsdp::ShardedModel& model, const std::string& dir, int64_t max_shard_bytes) {
+}  // namespace
+
+Tensor weight_for_export(const std::string& name, const Tensor& weight, DType dtype) {
+  check_export_dtype(dtype);
+  if (weight.dtype() == dtype) return weight.detach();
+  Tensor converted = weight.to(dtype);
+  // Only a narrowing to fp16 can overflow (bf16 has fp32's range). A weight that was finite and
+  // is not after the conversion held a value past 65504: refuse it rather than write infinity.
+  if (dtype == DType::F16 &&
+      !std::isfinite(backend_for(converted.device()).sum_squares(converted)) &&
+      std::isfinite(backend_for(weight.device()).sum_squares(weight)))
+    throw ConfigError("tensor '" + name +
+                      "' has values beyond fp16's range (65504), which an fp16 export would "
+                      "write as infinity: set train.export_dtype to bf16 or fp32");
+  return converted;
+}
+
+void save_hf_model(nn::LlamaModel& model, const std::string& dir, int64_t max_shard_bytes,
+                   DType dtype) {
+  check_export_dtype(dtype);
+  // Declared first and streamed one converted tensor at a time: the files are the ones
+  // save_sharded would write, without a converted copy of the whole model.
+  std::vector<std::pair<std::string, Tensor*>> params = model.named_parameters();
+  std::vector<TensorDecl> decls;
+  for (const auto& [name, slot] : params) decls.push_back({name, dtype, slot->shape()});
+  ShardedSafetensorsWriter out(dir, decls, max_shard_bytes, {{"format", kHfMetadataFormat}});
+  {
+    autograd::NoGrad no_grad;
+    CategoryScope workspace(MemoryCategory::Workspace);
+    for (const auto& [name, slot] : params) out.write(name, weight_for_export(name, *slot, dtype));
+  }
+  out.commit();
+  write_hf_config(model.config(), dir, dtype);
+}
+
+void save_hf_model(fsdp::ShardedModel& model, const std::string& dir, int64_t max_shard_bytes,
+                   DType dtype) {
+  check_export_dtype(dtype);
   dist::ProcessGroup* replicas = model.replicate_group();
   const bool writes =
       model.shard_group().rank() == 0 && (replicas == nullptr || replicas->rank() == 0);
@@ -220,7 +254,7 @@ void save_hf_model(fsdp::ShardedModel& model, const std::string& dir, int64_t ma
   std::optional<ShardedSafetensorsWriter> out;
   if (writes) {
     try {
-      out.emplace(dir, declare_parameters(model), max_shard_bytes,
+      out.emplace(dir, declare_parameters(model, dtype), max_shard_bytes,
                   std::map<std::string, std::string>{{"format", kHfMetadataFormat}});
     } catch (const std::exception& e) {
       error = e.what();
@@ -231,7 +265,8 @@ void save_hf_model(fsdp::ShardedModel& model, const std::string& dir, int64_t ma
     model.for_each_full_parameter([&](const std::string& name, const Tensor& full) {
       if (!out) return;
       try {
-        out->write(name, full);
+        CategoryScope workspace(MemoryCategory::Workspace);
+        out->write(name, weight_for_export(name, full, dtype));
       } catch (const std::exception& e) {
         error = e.what();
         out.reset();  // removes the temporary files
@@ -241,7 +276,7 @@ void save_hf_model(fsdp::ShardedModel& model, const std::string& dir, int64_t ma
   if (out) {
     try {
       out->commit();
-      write_hf_config(model.model().config(), dir);
+      write_hf_config(model.model().config(), dir, dtype);
     } catch (const std::exception& e) {
       error = e.what();
     }

@@ -11,6 +11,7 @@
 #include "shardtrain/backend/backend.h"
 #include "shardtrain/core/files.h"
 #include "shardtrain/core/json_input.h"
+#include "shardtrain/io/hf_model.h"
 
 namespace shardtrain::io {
 
@@ -249,13 +250,11 @@ void load_peft_adapter(nn::LlamaModel& model, const std::string& dir) {
 
 void save_merged_hf_model(nn::LlamaModel& model, const std::string& dir, DType dtype,
                           int64_t max_shard_bytes) {
-  ST_CHECK_AS(ConfigError, dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16,
-              "save_merged_hf_model: dtype must be f32, bf16 or f16, got ", dtype_name(dtype));
   autograd::NoGrad no_grad;
   CategoryScope workspace(MemoryCategory::Workspace);
   NamedTensors tensors;
   auto add = [&](const std::string& name, const Tensor& t) {
-    Tensor out = t.dtype() == dtype ? t.detach() : t.to(dtype);
+    Tensor out = weight_for_export(name, t, dtype);
     tensors.emplace_back(name, out.device().is_host() ? out : out.to(Device::host()));
   };
   add("model.embed_tokens.weight", model.embed_tokens.weight);
@@ -275,7 +274,7 @@ void save_merged_hf_model(nn::LlamaModel& model, const std::string& dir, DType d
   create_output_dir(dir);
   save_sharded(dir, tensors, max_shard_bytes, {{"format", "pt"}});
   write_file_atomically((std::filesystem::path(dir) / "config.json").string(),
-                        model.config().to_hf_json() + "\n");
+                        model.config().to_hf_json(dtype) + "\n");
 }
 
 // ---- NF4 in safetensors -----------------------------------------------------------------------

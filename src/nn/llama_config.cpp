@@ -313,7 +313,10 @@ double shortest_decimal(float value) {
 }
 }  // namespace
 
-std::string LlamaConfig::to_hf_json() const {
+std::string LlamaConfig::to_hf_json(DType weights) const {
+  ST_CHECK_AS(ConfigError, weights == DType::F32 || weights == DType::BF16 || weights == DType::F16,
+              "config.json describes floating-point weights (f32, bf16 or f16), not ",
+              dtype_name(weights));
   json scaling = nullptr;
   if (rope_scaling)
     scaling = {
@@ -339,7 +342,9 @@ std::string LlamaConfig::to_hf_json() const {
             {"tie_word_embeddings", tie_embeddings},
             {"max_position_embeddings", max_seq_len},
             {"initializer_range", shortest_decimal(init_std)},
-            {"torch_dtype", "float32"}};
+            {"torch_dtype", weights == DType::F32    ? "float32"
+                            : weights == DType::BF16 ? "bfloat16"
+                                                     : "float16"}};
   return j.dump(2);
 }
 

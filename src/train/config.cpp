@@ -511,6 +511,10 @@ const std::vector<Key>& schema() {
           .help("none, auto (latest checkpoint in the checkpoint dir) or a checkpoint path"),
       Key("train.export", &C::train, &TrainConfig::export_model)
           .help("export the model when training ends"),
+      Key("train.export_dtype", &C::train, &TrainConfig::export_dtype)
+          .one_of({"fp32", "bf16", "fp16"})
+          .help("dtype of the exported weights (a LoRA run's merged model too); the adapter and "
+                "checkpoints stay fp32"),
       Key("train.progress", &C::train, &TrainConfig::progress)
           .one_of({"auto", "bar", "lines", "none"})
           .help("progress display; auto = bar on a terminal, lines otherwise"),

@@ -208,14 +208,16 @@ int64_t safetensors_bytes(const std::string& dir) {
 
 // Writes the trained model in the Hugging Face layout to `dir` (a LoRA model merged).
 void export_model(const Config& config, Runtime& rt, const std::string& dir, Progress& progress) {
+  const DType dtype = dtype_from_name(config.train.export_dtype);
+  constexpr int64_t kMaxShardBytes = int64_t{5} << 30;  // as Hugging Face's save_pretrained
   if (config.lora.enabled) {
-    io::save_merged_hf_model(rt.model(), dir);
+    io::save_merged_hf_model(rt.model(), dir, dtype, kMaxShardBytes);
   } else if (rt.sharded() == nullptr) {
-    io::save_hf_model(rt.model(), dir);
+    io::save_hf_model(rt.model(), dir, kMaxShardBytes, dtype);
   } else {
     // Every rank gathers the weights one unit at a time and rank 0 streams them into the files:
     // no rank ever holds the full model.
-    io::save_hf_model(*rt.sharded(), dir);
+    io::save_hf_model(*rt.sharded(), dir, kMaxShardBytes, dtype);
   }
   // A model fine-tuned from released weights keeps their token ids and tokenizer.
   if (!config.model.from_hf.empty() && rt.dist().rank() == 0) {

@@ -250,6 +250,16 @@ TEST_P(ShardedExport, EqualsTheUnshardedExportOfTheSameWeightsHoldingOneUnitAtAT
     EXPECT_GE(files_in(dir / "sharded").size(), 6u) << "meant to write several shard files";
     EXPECT_TRUE(fs::exists(dir / "sharded/model.safetensors.index.json"));
   }
+
+  // In bf16 (train.export_dtype) as well: each gathered parameter is converted as it is written.
+  io::save_hf_model(sharded, dir / "sharded-bf16", kMaxShardBytes, DType::BF16);
+  if (env.rank() == 0) {
+    nn::LlamaModel full(config, Device::cpu());
+    full.init_weights(kSeed);
+    io::save_hf_model(full, dir / "full-bf16", kMaxShardBytes, DType::BF16);
+    expect_same_files(dir / "sharded-bf16", dir / "full-bf16");
+    EXPECT_GE(files_in(dir / "sharded-bf16").size(), 4u) << "meant to write several shard files";
+  }
 }
 
 // A trained run: the export the trainer writes from the shards is the export of an unsharded

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -666,6 +667,24 @@ TEST(Peft, MergedExportComputesWhatTheAdaptedModelComputes) {
   for (size_t i = 0; i < a.size(); ++i)
     base_diff = std::max(base_diff, static_cast<double>(std::fabs(a[i] - c[i])));
   EXPECT_GT(base_diff, 100 * max_diff);
+
+  // In bf16 (train.export_dtype) the merged weights are the fp32 ones rounded, and config.json
+  // says bfloat16.
+  io::save_merged_hf_model(*m, dir.str("merged-bf16"), DType::BF16);
+  const SafetensorsCheckpoint f32 = SafetensorsCheckpoint::open(dir.str("merged"));
+  const SafetensorsCheckpoint bf16 = SafetensorsCheckpoint::open(dir.str("merged-bf16"));
+  ASSERT_EQ(bf16.names(), f32.names());
+  for (const std::string& name : f32.names()) {
+    ASSERT_EQ(bf16.info(name).dtype, DType::BF16) << name;
+    const std::vector<float> want = f32.load(name, Device::host()).to_float_vector();
+    const std::vector<float> have = bf16.load(name, Device::host()).to_float_vector();
+    ASSERT_EQ(have.size(), want.size()) << name;
+    for (size_t i = 0; i < want.size(); ++i)
+      ASSERT_EQ(have[i], bf16_to_float(float_to_bf16(want[i]))) << name << "[" << i << "]";
+  }
+  std::ifstream config_json(dir.str("merged-bf16") + "/config.json");
+  const std::string text((std::istreambuf_iterator<char>(config_json)), {});
+  EXPECT_NE(text.find("\"torch_dtype\": \"bfloat16\""), std::string::npos) << text;
 }
 
 TEST(Peft, Nf4BaseRoundTrip) {

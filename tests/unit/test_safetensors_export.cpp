@@ -44,10 +44,10 @@ nn::LlamaConfig small_config(bool tied) {
 
 // The reference: the full model, initialised the usual way, exported the usual way.
 void export_full_model(const nn::LlamaConfig& config, const std::string& dir,
-                       int64_t max_shard_bytes) {
+                       int64_t max_shard_bytes, DType dtype = DType::F32) {
   nn::LlamaModel full(config, Device::cpu());
   full.init_weights(kSeed);
-  io::save_hf_model(full, dir, max_shard_bytes);
+  io::save_hf_model(full, dir, max_shard_bytes, dtype);
 }
 
 // Rank `rank` of a world of `size` whose all-gathers return the whole unit, as a real job's
@@ -98,24 +98,27 @@ int64_t rounded(int64_t bytes) {
 }  // the allocators' granularity
 
 // A single file, and shard files of at most 2 KB (a layer's 1284 elements are 5 KB) with the
-// index: the sharded export is the full model's, byte for byte.
+// index: the sharded export is the full model's, byte for byte, in every export dtype.
 TEST(ShardedExport, OneRankEqualsTheFullModelsExportByteForByte) {
   for (const bool tied : {false, true}) {
     const nn::LlamaConfig config = small_config(tied);
-    for (const int64_t max_shard_bytes : {int64_t{2000}, int64_t{5} << 30}) {
-      const std::string tag = std::string(tied ? "tied" : "untied") + ", shards of at most " +
+    for (const auto& [max_shard_bytes, dtype] :
+         {std::pair{int64_t{2000}, DType::F32}, std::pair{int64_t{5} << 30, DType::F32},
+          std::pair{int64_t{1000}, DType::BF16}, std::pair{int64_t{5} << 30, DType::F16}}) {
+      const std::string tag = std::string(tied ? "tied" : "untied") + ", " +
+                              std::string(dtype_name(dtype)) + ", shards of at most " +
                               std::to_string(max_shard_bytes) + " bytes";
       TempDir tmp("export");
-      export_full_model(config, tmp / "full", max_shard_bytes);
+      export_full_model(config, tmp / "full", max_shard_bytes, dtype);
 
       dist::LocalProcessGroup group;
       nn::LlamaModel model(config, Device::cpu(), nn::ParameterStorage::Deferred);
       ShardedModel sharded(model, group, nullptr, {}, seeded_init(model, kSeed));
-      io::save_hf_model(sharded, tmp / "sharded", max_shard_bytes);
+      io::save_hf_model(sharded, tmp / "sharded", max_shard_bytes, dtype);
 
       expect_same_files(tmp / "sharded", tmp / "full", tag);
       const std::vector<std::string> files = files_in(tmp / "sharded");
-      if (max_shard_bytes == 2000) {
+      if (max_shard_bytes < 5000) {
         EXPECT_GE(files.size(), 10u) << tag << ": meant to produce several shard files";
         EXPECT_TRUE(fs::exists(tmp / "sharded/model.safetensors.index.json")) << tag;
       } else {
@@ -218,6 +221,9 @@ TEST(ShardedExport, AFailedWritePublishesNothing) {
 namespace shardtrain::io {
 namespace {
 
+namespace fs = std::filesystem;
+using shardtrain::testing::read_file_bytes;
+
 // Loading weights with a NaN or an infinity names the tensor at once, instead of a diverged loss
 // some steps later.
 TEST(HfWeights, NonFiniteValuesNameTheTensor) {
@@ -241,6 +247,78 @@ TEST(HfWeights, NonFiniteValuesNameTheTensor) {
   save_hf_model(saved, tmp / "model");
   nn::LlamaModel loaded(config, Device::cpu());
   load_hf_weights(loaded, tmp / "model");  // finite weights load
+}
+
+// An export in bf16 or fp16 holds each weight rounded to nearest even, and config.json says which
+// dtype it is; a weight past fp16's range (here 1e5, which bf16 holds) is refused by name in an
+// fp16 export, and nothing is published, rather than written as infinity.
+TEST(HfWeights, AnExportInBf16OrFp16HoldsTheRoundedWeightsAndSaysSo) {
+  const nn::LlamaConfig config = shardtrain::testing::uneven_llama_config(3, false);
+  nn::LlamaModel saved(config, Device::cpu());
+  saved.init_weights(9);
+  for (auto& [name, slot] : saved.named_parameters())
+    if (name == "model.norm.weight") slot->data<float>()[2] = 1.0e5f;
+  struct Case {
+    DType dtype;
+    const char* torch_dtype;
+    float (*rounded)(float);
+  };
+  for (const Case& c :
+       {Case{DType::BF16, "bfloat16", [](float x) { return bf16_to_float(float_to_bf16(x)); }},
+        Case{DType::F32, "float32", [](float x) { return x; }}}) {
+    shardtrain::testing::TempDir tmp("narrow");
+    save_hf_model(saved, tmp / "model", int64_t{5} << 30, c.dtype);
+    const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(tmp / "model");
+    for (const std::string& name : ckpt.names()) EXPECT_EQ(ckpt.info(name).dtype, c.dtype) << name;
+    EXPECT_NE(read_file_bytes(tmp / "model/config.json")
+                  .find(std::string("\"torch_dtype\": \"") + c.torch_dtype + "\""),
+              std::string::npos);
+    nn::LlamaModel loaded(config, Device::cpu());
+    load_hf_weights(loaded, tmp / "model");
+    auto loaded_params = loaded.named_parameters();
+    int64_t changed = 0;
+    for (auto& [name, slot] : saved.named_parameters()) {
+      const std::vector<float> want = slot->to_float_vector();
+      const Tensor* got = nullptr;
+      for (auto& [other, other_slot] : loaded_params)
+        if (other == name) got = other_slot;
+      ASSERT_NE(got, nullptr) << name;
+      const std::vector<float> have = got->to_float_vector();
+      for (size_t i = 0; i < want.size(); ++i) {
+        ASSERT_EQ(have[i], c.rounded(want[i])) << name << "[" << i << "]";
+        changed += have[i] != want[i];
+      }
+    }
+    // The bf16 case rounds most weights (else this would not test the conversion).
+    if (c.dtype == DType::BF16) {
+      EXPECT_GT(changed, 100);
+    }
+  }
+
+  shardtrain::testing::TempDir tmp("overflow");
+  shardtrain::testing::expect_error<ConfigError>(
+      [&] { save_hf_model(saved, tmp / "model", int64_t{5} << 30, DType::F16); },
+      {"tensor 'model.norm.weight'", "fp16's range (65504)", "train.export_dtype to bf16 or fp32"});
+  EXPECT_FALSE(fs::exists(tmp / "model/model.safetensors"));
+  EXPECT_FALSE(fs::exists(tmp / "model/config.json"));
+  // In range, fp16 holds the rounded weights too.
+  for (auto& [name, slot] : saved.named_parameters())
+    if (name == "model.norm.weight") slot->data<float>()[2] = 3.0f;
+  save_hf_model(saved, tmp / "model", int64_t{5} << 30, DType::F16);
+  nn::LlamaModel loaded(config, Device::cpu());
+  load_hf_weights(loaded, tmp / "model");
+  for (auto& [name, slot] : loaded.named_parameters())
+    if (name == "model.layers.0.self_attn.q_proj.weight") {
+      nn::LlamaModel again(config, Device::cpu());
+      again.init_weights(9);
+      for (auto& [other, original] : again.named_parameters())
+        if (other == name) {
+          const std::vector<float> want = original->to_float_vector(),
+                                   have = slot->to_float_vector();
+          for (size_t i = 0; i < want.size(); ++i)
+            ASSERT_EQ(have[i], f16_to_float(float_to_f16(want[i]))) << name << "[" << i << "]";
+        }
+    }
 }
 
 }  // namespace

@@ -37,21 +37,28 @@ std::string hf_weights_fingerprint(const std::string& dir);
 std::vector<std::string> carry_hf_metadata(const std::string& source_dir,
                                            const std::string& export_dir, int64_t trained_seq_len);
 
-// Writes config.json and the weights (in the parameters' dtype, fp32 for training; split into
-// shard files past `max_shard_bytes`, see ShardedSafetensorsWriter) into `dir`.
+// Writes config.json and the weights, converted to `dtype` (f32, bf16 or f16; config.json's
+// torch_dtype says which) and split into shard files past `max_shard_bytes` (see
+// ShardedSafetensorsWriter), into `dir`. One tensor at a time is converted and copied to the
+// host, so the export needs at most one weight's worth of memory beyond the model.
 void save_hf_model(nn::LlamaModel& model, const std::string& dir,
-                   int64_t max_shard_bytes = int64_t{5} << 30);
+                   int64_t max_shard_bytes = int64_t{5} << 30, DType dtype = DType::F32);
 
 // The same for a sharded model, byte for byte the files save_hf_model writes for the equivalent
-// full model (fp32 weights), without ever building it. Collective: every rank calls it. The
-// files are declared from the units' names and shapes, then every rank gathers the weights one
-// unit at a time and the writing rank (rank 0 of both the shard and the replicate group: world
-// rank 0 in a training job) streams each parameter into its place, so it holds at most one
-// gathered unit, plus one parameter in host memory when the model is on a GPU. A failure on the
-// writing rank (a full disk, an unwritable `dir`) throws Error on every rank once the gathers
-// are done, so no rank is left waiting in a collective; nothing is published under `dir` then
-// (the files stay under temporary names, which are removed).
+// full model, without ever building it. Collective: every rank calls it. The files are declared
+// from the units' names and shapes, then every rank gathers the weights one unit at a time and
+// the writing rank (rank 0 of both the shard and the replicate group: world rank 0 in a training
+// job) streams each parameter into its place, so it holds at most one gathered unit, plus one
+// parameter converted to `dtype` (unless f32) and one in host memory when the model is on a GPU.
+// A failure on the writing rank (a full disk, an unwritable `dir`, an fp16 overflow) throws Error
+// on every rank once the gathers are done, so no rank is left waiting in a collective; nothing
+// is published under `dir` then (the files stay under temporary names, which are removed).
 void save_hf_model(fsdp::ShardedModel& model, const std::string& dir,
-                   int64_t max_shard_bytes = int64_t{5} << 30);
+                   int64_t max_shard_bytes = int64_t{5} << 30, DType dtype = DType::F32);
+
+// `weight` (named `name`) converted to `dtype` for an export, on its device. Throws ConfigError
+// naming the tensor when a finite value is beyond the dtype's range (fp16: 65504), which the
+// conversion would have written as infinity.
+Tensor weight_for_export(const std::string& name, const Tensor& weight, DType dtype);
 
 }  // namespace shardtrain::io

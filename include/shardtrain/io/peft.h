@@ -46,8 +46,9 @@ void load_peft_adapter(nn::LlamaModel& model, const std::string& dir);
 
 // Writes the model in the Hugging Face layout (config.json + model.safetensors, sharded past
 // max_shard_bytes) with every projection dense: W + (alpha/r) B A for adapted ones, the
-// dequantized NF4 weight for quantized ones. Tensors are `dtype` (f32 or bf16); each is moved to
-// the host pool as it is produced so the device holds one dense weight at a time.
+// dequantized NF4 weight for quantized ones. Tensors are `dtype` (f32, bf16 or f16, as for
+// save_hf_model); each is moved to the host pool as it is produced so the device holds one dense
+// weight at a time.
 void save_merged_hf_model(nn::LlamaModel& model, const std::string& dir, DType dtype = DType::F32,
                           int64_t max_shard_bytes = int64_t{5} << 30);
 

@@ -51,7 +51,9 @@ struct LlamaConfig {
   // error is a FormatError naming the file, the field and the value.
   static LlamaConfig from_hf_json(const std::string& path);
   // config.json text for this config (rope_scaling included), read back by from_hf_json.
-  std::string to_hf_json() const;
+  // `weights` is the dtype of the tensors written beside it (torch_dtype: float32, bfloat16 or
+  // float16).
+  std::string to_hf_json(DType weights = DType::F32) const;
   int64_t num_parameters() const;
 };
 

@@ -77,9 +77,10 @@ struct TrainConfig {
   std::string device_memory;    // "" = unlimited; else a byte size such as "24GiB"
   // load_config() replaces this with runs/<config file stem> when the file does not set it.
   std::string out_dir = "runs/default";
-  std::string resume = "none";    // none | auto | <checkpoint path>
-  bool export_model = true;       // YAML key `export`
-  std::string progress = "auto";  // auto | bar | lines | none
+  std::string resume = "none";        // none | auto | <checkpoint path>
+  bool export_model = true;           // YAML key `export`
+  std::string export_dtype = "fp32";  // fp32 | bf16 | fp16: the exported weights' dtype
+  std::string progress = "auto";      // auto | bar | lines | none
 
   // device_memory in bytes; 0 = unlimited.
   int64_t device_memory_bytes() const;
