@@ -517,7 +517,8 @@ const std::vector<Key>& schema() {
                 "checkpoints stay fp32"),
       Key("train.progress", &C::train, &TrainConfig::progress)
           .one_of({"auto", "bar", "lines", "none"})
-          .help("progress display; auto = bar on a terminal, lines otherwise"),
+          .help("progress display; auto = bar on a terminal, lines otherwise (an evaluation "
+                "shows its batches on the bar, and as a line every 30 s once it has run 2 s)"),
 
       Key("optim.name", &C::optim, &OptimConfig::name).one_of({"adamw", "sgd"}).help("optimizer"),
       Key("optim.lr", &C::optim, &OptimConfig::lr).above(0).help("peak learning rate"),

@@ -43,6 +43,7 @@ void Progress::update(int64_t step, const std::string& text) {
             .c_str(),
         stderr);
     open_line_ = true;
+    eval_line_ = false;
   } else {
     std::fputs(
         fmt::format("{} step {}/{} {} eta {}\n", label_, step, total_, text, eta_text).c_str(),
@@ -54,15 +55,39 @@ void Progress::update(int64_t step, const std::string& text) {
 void Progress::message(const std::string& text) {
   auto begins = [&](const char* prefix) { return text.rfind(prefix, 0) == 0; };
   if (quiet_ && !begins("note: ") && !begins("warning: ") && !begins("refusing ")) return;
-  if (open_line_) std::fprintf(stderr, "\n");
-  open_line_ = false;
+  if (open_line_) std::fputs(eval_line_ ? "\r\033[K" : "\n", stderr);
+  open_line_ = eval_line_ = false;
   std::fprintf(stderr, "%s\n", text.c_str());
   std::fflush(stderr);
 }
 
+void Progress::evaluating(int64_t step, int64_t done, int64_t total) {
+  if (quiet_) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (done == 0) eval_start_ = eval_shown_ = now;
+  if (bar_) {
+    // At most ten redraws a second: a terminal redrawn per batch would slow a fast evaluation.
+    if (done != 0 && now - eval_shown_ < std::chrono::milliseconds(100)) return;
+    eval_shown_ = now;
+    if (open_line_ && !eval_line_) std::fputs("\n", stderr);  // keep the step's bar above
+    std::fputs(
+        fmt::format("\r\033[K{} eval step {}: {}/{} batches", label_, step, done, total).c_str(),
+        stderr);
+    open_line_ = eval_line_ = true;
+  } else {
+    const bool first = eval_shown_ == eval_start_;
+    if (now - eval_start_ < kEvalLineAfter || (!first && now - eval_shown_ < kEvalLineEvery))
+      return;
+    eval_shown_ = now;
+    std::fputs(fmt::format("evaluating step {}: {}/{} batches\n", step, done, total).c_str(),
+               stderr);
+  }
+  std::fflush(stderr);
+}
+
 void Progress::finish() {
-  if (open_line_) std::fprintf(stderr, "\n");
-  open_line_ = false;
+  if (open_line_) std::fputs(eval_line_ ? "\r\033[K" : "\n", stderr);
+  open_line_ = eval_line_ = false;
 }
 
 }  // namespace shardtrain::train

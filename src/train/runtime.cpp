@@ -592,8 +592,9 @@ double Runtime::eval_loss(const std::vector<Batch>& batches) {
   return *eval_loss(batches, nullptr);
 }
 
-std::optional<double> Runtime::eval_loss(const std::vector<Batch>& batches,
-                                         const std::function<bool()>& stop_requested) {
+std::optional<double> Runtime::eval_loss(
+    const std::vector<Batch>& batches, const std::function<bool()>& stop_requested,
+    const std::function<void(int64_t done, int64_t total)>& on_progress) {
   autograd::NoGrad no_grad;
   model_->train(false);  // no adapter dropout
   struct BackToTraining {
@@ -610,6 +611,7 @@ std::optional<double> Runtime::eval_loss(const std::vector<Batch>& batches,
   double total = 0;
   int64_t tokens = 0;
   for (int64_t round = 0; round < rounds; ++round) {
+    if (on_progress) on_progress(std::min(round * ranks, count), count);
     if (stop_requested &&
         world.all_reduce_host(int64_t{stop_requested() ? 1 : 0}, dist::ReduceOp::Max) != 0)
       return std::nullopt;

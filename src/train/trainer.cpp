@@ -521,7 +521,9 @@ TrainSummary train_with(const Config& config) {
   // saves and stops instead of waiting for the rest of the held-out set.
   double total_tokens = 0, total_seconds = 0, window_tokens = 0, window_seconds = 0;
   auto run_eval = [&](int64_t step) {
-    std::optional<double> evaluated = rt.eval_loss(eval_set, [] { return stop_signal() != 0; });
+    std::optional<double> evaluated = rt.eval_loss(
+        eval_set, [] { return stop_signal() != 0; },
+        [&](int64_t done, int64_t total) { progress.evaluating(step, done, total); });
     if (!evaluated) {
       progress.message("the evaluation at step " + std::to_string(step) +
                        " was abandoned: a stop was requested");

@@ -1174,22 +1174,22 @@ TEST_P(EvaluationSignals, ASignalAbandonsTheEvaluationAndSavesTheStepBeforeIt) {
   train::Config config = tiny_config(
       tmp / "run",
       {"train.progress=lines", "train.steps=" + std::to_string(steps), "data.eval_fraction=0.5",
-       "train.eval_batches=10000",
+       // Eight layers: the whole evaluation takes about 20 s here, far past the 2 s after which
+       // it says it is under way, on a machine several times faster too.
+       "train.eval_batches=10000", "model.num_layers=8",
        final_evaluation ? "train.eval_every=" + std::to_string(steps) : "train.eval_every=1"});
   const std::string log_path = tmp / "child.log";
   pid_t child = spawn_training_child(config, tmp.path.string(), log_path);
   ASSERT_GT(child, 0);
-  // Metrics are flushed every step: once a step's line is there, its evaluation (in the loop)
-  // is next.
+  // An evaluation still running after Progress::kEvalLineAfter says so (progress=lines): then it
+  // is under way, past the step's end-of-step checks (which would take the signal themselves),
+  // with most of its 40,000 sequences to go.
   const std::string metrics = tmp / "run/metrics.jsonl";
   const int64_t evaluated = final_evaluation ? steps : 1;
   ASSERT_TRUE(wait_until([&] {
-    return file_bytes(metrics).find("\"step\":" + std::to_string(evaluated) + ",") !=
+    return file_bytes(log_path).find("evaluating step " + std::to_string(evaluated) + ": ") !=
            std::string::npos;
   })) << file_bytes(log_path);
-  // The final evaluation starts after the step's end-of-step checks (which would take the
-  // signal themselves): give it a second to be under way. It takes several (40,000 sequences).
-  if (final_evaluation) std::this_thread::sleep_for(std::chrono::seconds(1));
   const auto sent = std::chrono::steady_clock::now();
   kill(child, SIGTERM);
   const int code = wait_child(child);

@@ -9,6 +9,7 @@
 #include "shardtrain/cli/cli.h"
 #include "shardtrain/cli/command.h"
 #include "shardtrain/train/config.h"
+#include "shardtrain/train/progress.h"
 #include "temp_dir.h"
 
 namespace cli = shardtrain::cli;
@@ -217,6 +218,40 @@ TEST(Cli, PlanTakesTheDeviceSizeFromTheConfigAndRefusesOverflowingNumbers) {
            "--set", "dist.ranks_per_node=3"});
   EXPECT_EQ(r.code, 1);
   EXPECT_CONTAINS(r.err, "dist.ranks_per_node=3 does not divide the 4 ranks planned for");
+}
+
+// An evaluation on the progress bar: one line, drawn below the step's bar (which stays), that
+// the evaluation's result then replaces. As plain lines, a short evaluation prints nothing of its
+// own (a long one says how far it got: the EvaluationSignals tests wait for that line).
+TEST(Progress, AnEvaluationTakesOneReplacedLineOnTheBarAndNoneInAShortPlainLog) {
+  ::testing::internal::CaptureStderr();
+  {
+    shardtrain::train::Progress bar("bar", 10, "train");
+    bar.update(3, "loss 1.0");
+    bar.evaluating(3, 0, 8);
+    bar.message("eval step 3: loss 0.9");
+    bar.update(4, "loss 0.8");
+    bar.finish();
+  }
+  const std::string drawn = ::testing::internal::GetCapturedStderr();
+  const std::string step3 = "\r\033[Ktrain [#######.................] 3/10 loss 1.0 eta ";
+  const std::string eval =
+      "\n\r\033[Ktrain eval step 3: 0/8 batches\r\033[Keval step 3: loss 0.9\n";
+  const std::string step4 = "\r\033[Ktrain [#########...............] 4/10 loss 0.8 eta ";
+  ASSERT_EQ(drawn.find(step3), 0u) << drawn;
+  const size_t at = drawn.find(eval);
+  ASSERT_NE(at, std::string::npos) << drawn;
+  EXPECT_EQ(drawn.find(step4), at + eval.size()) << drawn;
+  EXPECT_EQ(drawn.back(), '\n') << "finish ends the bar's line";
+
+  ::testing::internal::CaptureStderr();
+  {
+    shardtrain::train::Progress lines("lines", 10, "train");
+    lines.evaluating(3, 0, 8);
+    lines.evaluating(3, 8, 8);
+    lines.message("eval step 3: loss 0.9");
+  }
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "eval step 3: loss 0.9\n");
 }
 
 // The closing lines name the checkpoint that holds the run's weights, and say when the last

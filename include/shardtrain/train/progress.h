@@ -20,13 +20,21 @@ class Progress {
   // something about the run itself (a changed schedule, a damaged checkpoint passed over),
   // which turning the display off must not hide.
   void message(const std::string& text);
+  // Progress through the evaluation at `step`: `done` of `total` held-out batches (done = 0
+  // starts it). The bar shows it at once (a message then replaces that line). Plain lines
+  // ("evaluating step S: D/T batches") come only for an evaluation still running after
+  // kEvalLineAfter, then every kEvalLineEvery, so short evaluations add nothing to a log.
+  void evaluating(int64_t step, int64_t done, int64_t total);
   void finish();
+
+  static constexpr std::chrono::seconds kEvalLineAfter{2}, kEvalLineEvery{30};
 
  private:
   bool bar_ = false, quiet_ = false, open_line_ = false;
+  bool eval_line_ = false;  // the open line is an evaluation's, to be replaced, not kept
   int64_t total_, first_step_ = 0;
   std::string label_;
-  std::chrono::steady_clock::time_point start_;
+  std::chrono::steady_clock::time_point start_, eval_start_, eval_shown_;
 };
 
 }  // namespace shardtrain::train

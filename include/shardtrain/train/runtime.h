@@ -109,9 +109,11 @@ class Runtime {
   // The same, abandoned between batches once `stop_requested` is true on any rank (asked before
   // each round and agreed by a host all-reduce, so every rank leaves at the same round):
   // nullopt then. For a long evaluation that a stop signal should not have to wait for. An empty
-  // `stop_requested` never stops (and costs no all-reduce).
-  std::optional<double> eval_loss(const std::vector<Batch>& batches,
-                                  const std::function<bool()>& stop_requested);
+  // `stop_requested` never stops (and costs no all-reduce). `on_progress`, when given, is told
+  // before each round how many of the batches the ranks have evaluated so far, of how many.
+  std::optional<double> eval_loss(
+      const std::vector<Batch>& batches, const std::function<bool()>& stop_requested,
+      const std::function<void(int64_t done, int64_t total)>& on_progress = nullptr);
 
   nn::LlamaModel& model() { return *model_; }
   optim::Optimizer& optimizer() { return *optimizer_; }
