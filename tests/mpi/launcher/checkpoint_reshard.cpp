@@ -176,12 +176,12 @@ TEST(CheckpointSignals, Sigusr1ToMpirunStopsEveryRankWithACheckpoint) {
                                   {"train.steps=100000", "checkpoint.every_steps=0", kConstantRate},
                                   /*signals=*/true),
                     log);
-  // Rank 0 prints this after every rank has installed its handlers and built its model.
+  // A few steps in: the metrics record (flushed a step at a time) has step 3.
+  const std::string metrics = tmp / "run/metrics.jsonl";
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (read_file_bytes(log).find("parameters on") == std::string::npos &&
+  while (read_file_bytes(metrics).find("\"step\":3,") == std::string::npos &&
          std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // a few steps in
   kill(job, SIGUSR1);
   // Our own time limit: the job is not under timeout(1).
   std::thread watchdog([job] {
@@ -200,6 +200,7 @@ TEST(CheckpointSignals, Sigusr1ToMpirunStopsEveryRankWithACheckpoint) {
       std::regex_search(output, m, std::regex(R"(received SIGUSR1: stopped after step (\d+))")))
       << output;
   const int stopped = std::stoi(m[1].str());
+  EXPECT_GE(stopped, 3) << "the signal came after step 3";
   EXPECT_EQ(rank_files(tmp / "run/checkpoints", stopped).size(), 2u);
 
   // Another job shape picks it up.
