@@ -2,9 +2,11 @@
 // dataset that data.path can point at.
 #include <fmt/format.h>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 
 #include "shardtrain/cli/command.h"
+#include "shardtrain/core/files.h"
 #include "shardtrain/core/units.h"
 #include "shardtrain/data/prepare.h"
 #include "shardtrain/train/checkpointing.h"
@@ -28,6 +30,22 @@ Command prepare_data_command() {
     // SIGINT/SIGTERM end the tokenizing between chunks, and the writer removes its temporary
     // file: an interrupted run leaves nothing behind (a second SIGINT ends it at once).
     train::StopSignalHandlers stop_on_signal;
+    // A kill that no handler sees (SIGKILL, the OOM killer) leaves the temporary file, perhaps
+    // gigabytes. Another machine sharing the directory may be writing one right now, so they are
+    // named, not removed.
+    const std::filesystem::path output(args.get("output"));
+    for (const LeftoverTemporary& file :
+         leftover_temporaries(output.parent_path().empty() ? "." : output.parent_path().string(),
+                              output.filename().string()))
+      if (!process_runs_here(file.pid))
+        std::cerr << "note: "
+                  << (output.parent_path().empty()
+                          ? std::filesystem::path(file.path).filename().string()
+                          : file.path)
+                  << " (" << format_bytes(static_cast<int64_t>(file.bytes))
+                  << ") is the temporary file of an earlier prepare-data (process " << file.pid
+                  << ", no longer running on this machine) that was killed while writing; "
+                     "remove it to free the space\n";
     PrepareSummary s = prepare_data(args.get("input"), args.get("output"), args.get("tokenizer"),
                                     [] { return train::stop_signal() != 0; });
     const std::string entropy = fmt::format("{:.3f}", s.unigram_entropy_bits);

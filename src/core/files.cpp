@@ -1,12 +1,14 @@
 #include "shardtrain/core/files.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 
 #include "shardtrain/core/error.h"
 
@@ -33,12 +35,55 @@ void sync_to_disk(const std::string& path, bool directory) {
     throw Error("cannot sync '" + path + "' to disk: " + std::strerror(err));
 }
 
+namespace {
+
+// After a rename into it, the directory holding `path` is synced so the rename survives a power
+// loss. One that cannot be synced leaves a complete file under its final name either way, so
+// that is not worth a failure (which would tell the caller the file is not there when it is).
+void sync_directory_after_rename(const std::string& path) {
+  const fs::path dir = fs::path(path).parent_path();
+  try {
+    sync_to_disk(dir.empty() ? "." : dir.string(), true);
+  } catch (const Error&) {
+  }
+}
+
+}  // namespace
+
 void rename_durably(const std::string& from, const std::string& to) {
   std::error_code ec;
   fs::rename(from, to, ec);
   if (ec) throw Error("cannot rename '" + from + "' to '" + to + "': " + ec.message());
-  const fs::path dir = fs::path(to).parent_path();
-  sync_to_disk(dir.empty() ? "." : dir.string(), true);
+  sync_directory_after_rename(to);
+}
+
+std::vector<LeftoverTemporary> leftover_temporaries(const std::string& dir,
+                                                    const std::string& name) {
+  std::vector<LeftoverTemporary> found;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string file = it->path().filename().string();
+    const size_t at = file.rfind(".tmp.");
+    if (at == std::string::npos || at == 0 || (!name.empty() && file.substr(0, at) != name))
+      continue;
+    const std::string digits = file.substr(at + 5);
+    if (digits.empty() || digits.size() > 9 ||
+        !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      continue;
+    const int64_t pid = std::stoll(digits);
+    std::error_code status_ec;
+    if (pid == ::getpid() || !it->is_regular_file(status_ec)) continue;
+    const uintmax_t bytes = it->file_size(status_ec);
+    found.push_back({it->path().string(), pid, status_ec ? 0 : bytes});
+  }
+  std::sort(found.begin(), found.end(),
+            [](const LeftoverTemporary& a, const LeftoverTemporary& b) { return a.path < b.path; });
+  return found;
+}
+
+bool process_runs_here(int64_t pid) {
+  if (pid <= 0 || pid > std::numeric_limits<pid_t>::max()) return false;
+  return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM;
 }
 
 AtomicFileWriter::AtomicFileWriter(std::string path, std::string advice)
@@ -84,13 +129,7 @@ void AtomicFileWriter::commit() {
   if (::close(fd) != 0) fail(errno);
   if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) fail(errno);
   committed_ = true;
-  // The rename is durable once the directory's entries are; a directory that cannot be synced
-  // leaves a complete file under its final name either way, so that is not worth a failure.
-  const fs::path dir = fs::path(path_).parent_path();
-  try {
-    sync_to_disk(dir.empty() ? "." : dir.string(), true);
-  } catch (const Error&) {
-  }
+  sync_directory_after_rename(path_);
 }
 
 void AtomicFileWriter::fail(int err) const {

@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "shardtrain/core/error.h"
+#include "shardtrain/core/files.h"
+#include "shardtrain/core/units.h"
 #include "shardtrain/train/run_lock.h"
 
 namespace shardtrain::train {
@@ -25,6 +27,24 @@ void prepare_output_dir(const std::string& dir, const std::string& key) {
   fs::remove(probe, ec);
   ST_CHECK_AS(ConfigError, writable, key, " = '", dir,
               "': cannot write files there; choose a writable path");
+}
+
+std::string remove_leftover_temporaries(const std::vector<std::string>& dirs) {
+  std::vector<std::string> removed;
+  int64_t bytes = 0;
+  for (const std::string& dir : dirs)
+    for (const LeftoverTemporary& file : leftover_temporaries(dir)) {
+      std::error_code ec;
+      if (!std::filesystem::remove(file.path, ec) || ec) continue;
+      removed.push_back(file.path);
+      bytes += static_cast<int64_t>(file.bytes);
+    }
+  if (removed.empty()) return "";
+  std::string list;
+  for (size_t i = 0; i < removed.size() && i < 3; ++i) list += (i ? ", " : "") + removed[i];
+  if (removed.size() > 3) list += ", ...";
+  return "note: removed " + std::to_string(removed.size()) + " temporary file(s) (" +
+         format_bytes(bytes) + ") that an earlier run, killed while writing, left behind: " + list;
 }
 
 namespace {

@@ -288,6 +288,13 @@ TrainSummary train_with(const Config& config) {
          {out_lock ? &*out_lock : nullptr, checkpoint_lock ? &*checkpoint_lock : nullptr})
       if (lock != nullptr && !lock->unlocked_reason().empty())
         std::fprintf(stderr, "%s\n", lock->unlocked_reason().c_str());
+    // What an earlier run killed mid-write left in the directories this run now holds (the run
+    // directory, its export and default adapter directories; checkpoints clean up their own).
+    if (out_lock && out_lock->unlocked_reason().empty()) {
+      const std::string note =
+          remove_leftover_temporaries({t.out_dir, t.out_dir + "/export", t.out_dir + "/adapter"});
+      if (!note.empty()) std::fprintf(stderr, "%s\n", note.c_str());
+    }
   }
   // The adapter and the export are written after the last step: a path that cannot take them
   // fails now, not after the whole run.

@@ -1,5 +1,7 @@
 // The command-line framework: flag parsing, help, exit codes and error messages of `shardtrain`.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -282,6 +284,33 @@ TEST(Cli, TrainSaysWhetherTheLastStepIsInACheckpoint) {
                              "are in no checkpoint)");
 }
 
+// Temporary files that an earlier run killed mid-write left in its directory (an export's shard,
+// a config.yaml) are removed by the next run there, which holds the directory's lock, and named.
+TEST(Cli, TrainRemovesTheTemporaryFilesOfAKilledRun) {
+  const std::string config = std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/tiny.yaml";
+  const shardtrain::testing::TempDir tmp("cli-leftovers");
+  const std::filesystem::path run_dir = tmp.path / "run";
+  std::filesystem::create_directories(run_dir / "export");
+  std::ofstream(run_dir / "export/model.safetensors.tmp.4242") << std::string(3000, 'x');
+  std::ofstream(run_dir / "config.yaml.tmp.4243") << "train:\n";
+  std::ofstream(run_dir / "notes.txt") << "kept\n";
+  ::testing::internal::CaptureStderr();
+  Result r =
+      run({"train", "--config", config, "--set", "train.device=cpu", "--set", "train.seq_len=32",
+           "--set", "train.steps=1", "--set", "train.eval_every=0", "--set", "train.export=false",
+           "--set", "train.progress=none", "--set", "train.out_dir=" + run_dir.string()});
+  r.err += ::testing::internal::GetCapturedStderr();
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(r.err,
+                  "note: removed 2 temporary file(s) (2.94 KiB) that an earlier run, killed "
+                  "while writing, left behind: " +
+                      (run_dir / "config.yaml.tmp.4243").string() + ", " +
+                      (run_dir / "export/model.safetensors.tmp.4242").string());
+  EXPECT_FALSE(std::filesystem::exists(run_dir / "export/model.safetensors.tmp.4242"));
+  EXPECT_FALSE(std::filesystem::exists(run_dir / "config.yaml.tmp.4243"));
+  EXPECT_TRUE(std::filesystem::exists(run_dir / "notes.txt"));
+}
+
 TEST(Cli, ConfigCommandPrintsTheResolvedConfig) {
   const std::string tiny = std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/tiny.yaml";
   Result r = run({"config", "--config", tiny, "--set", "optim.lr=1e-4", "--set=train.steps=9"});
@@ -347,6 +376,26 @@ TEST(Cli, PrepareDataWritesATokenDataset) {
   EXPECT_CONTAINS(r.out, "wrote " + h5 + ": 13 tokens from " + text);
   EXPECT_CONTAINS(r.out, "tokenizer byte, vocabulary 256");
   EXPECT_GT(std::filesystem::file_size(h5), 13u);
+  EXPECT_EQ(r.err.find("note: "), std::string::npos) << r.err;
+
+  // A killed earlier run's temporary file is named (with its size), not removed: on a shared
+  // file system it may be another machine's, still being written. A live process's is not.
+  const pid_t reaped = ::fork();
+  if (reaped == 0) ::_exit(0);
+  ASSERT_GT(reaped, 0);
+  ::waitpid(reaped, nullptr, 0);
+  const std::string dead = h5 + ".tmp." + std::to_string(reaped);
+  const std::string live = h5 + ".tmp." + std::to_string(::getppid());
+  std::ofstream(dead) << std::string(2048, 'x');
+  std::ofstream(live) << "x";
+  r = run({"prepare-data", "--input", text, "--output", h5});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(r.err, "note: " + dead +
+                             " (2.00 KiB) is the temporary file of an earlier "
+                             "prepare-data (process " +
+                             std::to_string(reaped) + ", no longer running on this machine)");
+  EXPECT_EQ(r.err.find(live), std::string::npos) << r.err;
+  EXPECT_TRUE(std::filesystem::exists(dead));
 
   r = run({"prepare-data", "--input", text});
   EXPECT_EQ(r.code, 2);

@@ -1,6 +1,8 @@
 // Output files are written whole or not at all, and input files must be regular files.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -80,6 +82,45 @@ TEST(AtomicFileWriter, AFailureNamesThePathTheReasonAndTheAdvice) {
                       {"cannot write " + (dir / "taken") + " ("});
   EXPECT_TRUE(fs::is_directory(dir / "taken"));
   EXPECT_EQ(names_in(dir.str()), std::vector<std::string>{"taken"});
+}
+
+// What a writer killed before its rename leaves: `<name>.tmp.<pid>` regular files, this
+// process's own excepted, for one name or any; nothing else that looks like them.
+TEST(LeftoverTemporaries, FindsKilledWritersFilesByNameAndPid) {
+  TempDir tmp("leftovers");
+  auto make = [&](const std::string& name, size_t bytes) {
+    std::ofstream(tmp / name, std::ios::binary) << std::string(bytes, 'x');
+  };
+  make("data.h5.tmp.123", 1000);
+  make("data.h5.tmp." + std::to_string(::getpid()), 10);  // this process's: in use
+  make("data.h5", 5);
+  make("data.h5.tmp.12x", 5);
+  make("data.h5.tmp.", 5);
+  make("model.safetensors.tmp.77", 30);
+  make("data.h5x.tmp.9", 5);
+  fs::create_directory(tmp / "dir.tmp.5");
+  auto paths = [](const std::vector<LeftoverTemporary>& found) {
+    std::vector<std::string> names;
+    for (const LeftoverTemporary& f : found)
+      names.push_back(fs::path(f.path).filename().string() + " " + std::to_string(f.pid) + " " +
+                      std::to_string(f.bytes));
+    return names;
+  };
+  EXPECT_EQ(paths(leftover_temporaries(tmp.path.string(), "data.h5")),
+            std::vector<std::string>{"data.h5.tmp.123 123 1000"});
+  EXPECT_EQ(paths(leftover_temporaries(tmp.path.string())),
+            (std::vector<std::string>{"data.h5.tmp.123 123 1000", "data.h5x.tmp.9 9 5",
+                                      "model.safetensors.tmp.77 77 30"}));
+  EXPECT_TRUE(leftover_temporaries(tmp / "missing").empty());
+
+  EXPECT_TRUE(process_runs_here(::getpid()));
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ASSERT_GT(child, 0);
+  ::waitpid(child, nullptr, 0);  // reaped: the pid names no process now
+  EXPECT_FALSE(process_runs_here(child));
+  EXPECT_FALSE(process_runs_here(0));
+  EXPECT_FALSE(process_runs_here(int64_t{1} << 40));
 }
 
 TEST(CheckRegularFile, RefusesAFifoAndADirectoryButNotAFileOrAMissingPath) {

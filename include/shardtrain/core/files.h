@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace shardtrain {
 
@@ -22,8 +23,28 @@ void check_regular_file(const std::string& path, const std::string& what);
 void sync_to_disk(const std::string& path, bool directory);
 
 // Renames `from` over `to`, then syncs the directory holding `to` so the rename itself survives
-// a power loss. Throws Error naming both paths.
+// a power loss. Throws Error naming both paths when the rename fails. A directory that cannot be
+// synced once the rename is done is not a failure: the complete file is under its final name
+// either way (AtomicFileWriter::commit does the same).
 void rename_durably(const std::string& from, const std::string& to);
+
+// A temporary file of a writer that never committed: `<name>.tmp.<pid>` (AtomicFileWriter's and
+// TokenDatasetWriter's naming) left by a process killed before its rename (SIGKILL, the OOM
+// killer, a power loss). Its own stop signals remove it; these cannot.
+struct LeftoverTemporary {
+  std::string path;
+  int64_t pid = 0;  // of the process that wrote it
+  uintmax_t bytes = 0;
+};
+// The regular files in `dir` named `<name>.tmp.<pid>`, for the given `name` ("" = any), whose
+// pid is not this process's. Whether that process is still writing is for the
+// caller to know (a directory lock it holds) or ask (process_runs_here). Empty when `dir` cannot
+// be read.
+std::vector<LeftoverTemporary> leftover_temporaries(const std::string& dir,
+                                                    const std::string& name = "");
+// Whether a process with this pid runs on this machine (kill(pid, 0)). A file system shared
+// between machines may hold another machine's live writer's file.
+bool process_runs_here(int64_t pid);
 
 // A file written under `<path>.tmp.<pid>` and renamed over `path` by commit() once complete and
 // on disk. Dropped without commit(), it removes the temporary file and leaves `path` untouched.

@@ -17,6 +17,12 @@ void prepare_output_dir(const std::string& dir, const std::string& key);
 // leaves no empty ones behind. The writer creates them when it writes.
 void check_output_dir(const std::string& dir, const std::string& key);
 
+// Removes the temporary files (`<name>.tmp.<pid>`, see core/files.h) that an earlier run killed
+// mid-write (SIGKILL, the OOM killer, a power loss) left in `dirs`: an export's shard files may
+// be gigabytes. Only for directories whose run lock this process holds, so no other process can
+// be writing them. Returns a note naming what was removed and its size ("" when nothing was).
+std::string remove_leftover_temporaries(const std::vector<std::string>& dirs);
+
 // The directories a run creates as it starts, taken back at its end when they are still empty: a
 // run refused after start-up (data that does not fit the model, out of memory at the first step)
 // leaves nothing behind, and a run that saved no checkpoint no empty checkpoint directory. One
