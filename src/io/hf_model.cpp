@@ -16,6 +16,7 @@
 #include "shardtrain/core/files.h"
 #include "shardtrain/core/json_input.h"
 #include "shardtrain/core/word_hash.h"
+#include "shardtrain/io/bnb.h"
 #include "shardtrain/io/safetensors.h"
 #include "shardtrain/memory/category.h"
 
@@ -65,6 +66,14 @@ void check_hf_tensors(const SafetensorsCheckpoint& ckpt,
                       "' that this model does not (model section of the config does not match "
                       "the checkpoint)");
   }
+}
+// 4-bit weights are frozen: they load only as a QLoRA base (io/bnb.h), never as weights to train.
+void refuse_bnb_4bit(const SafetensorsCheckpoint& ckpt, const std::string& dir) {
+  if (holds_bnb_4bit_weights(ckpt))
+    throw ConfigError("'" + dir +
+                      "' holds weights quantized to 4 bits by bitsandbytes, which load only as "
+                      "the frozen base of a QLoRA run (lora.enabled: true with lora.quantize_base: "
+                      "nf4); to train every weight, start from the dense (unquantized) model");
 }
 }  // namespace
 
@@ -139,6 +148,7 @@ std::vector<std::string> carry_hf_metadata(const std::string& source_dir,
 
 void load_hf_weights(nn::LlamaModel& model, const std::string& dir) {
   SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(dir);
+  refuse_bnb_4bit(ckpt, dir);
   autograd::NoGrad no_grad;
   std::map<std::string, Shape> expected;
   for (auto& [name, slot] : model.named_parameters()) expected[name] = slot->shape();
@@ -157,6 +167,7 @@ void load_hf_weights(nn::LlamaModel& model, const std::string& dir) {
 
 void load_hf_weights(fsdp::ShardedModel& model, const std::string& dir) {
   SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(dir);
+  refuse_bnb_4bit(ckpt, dir);
   std::map<std::string, Shape> expected;
   for (int u = 0; u < model.num_units(); ++u)
     for (const auto& e : model.unit_layout(u).entries) expected[e.name] = e.shape;

@@ -26,6 +26,7 @@
 #endif
 #include "shardtrain/dist/env.h"
 #include "shardtrain/fsdp/fsdp.h"
+#include "shardtrain/io/bnb.h"
 #include "shardtrain/io/hf_model.h"
 #include "shardtrain/io/peft.h"
 #include "shardtrain/nn/lora.h"
@@ -367,7 +368,13 @@ Runtime::Runtime(const Config& config) : config_(config), device_(training_devic
   model_ = std::make_unique<nn::LlamaModel>(
       mc, device_, deferred ? nn::ParameterStorage::Deferred : nn::ParameterStorage::Allocated);
   if (!deferred) {  // a deferred model gets its values when it is sharded, below
-    if (!config_.model.from_hf.empty())
+    // A bitsandbytes 4-bit checkpoint is the NF4 base of a QLoRA run as it is stored: its codes
+    // are kept, not dequantized and quantized again (which would change the block statistics).
+    if (!config_.model.from_hf.empty() && config_.lora.enabled &&
+        nn::parse_base_quantization(config_.lora.quantize_base) == nn::BaseQuantization::Nf4 &&
+        io::holds_bnb_4bit_weights(SafetensorsCheckpoint::open(config_.model.from_hf)))
+      io::load_bnb_4bit_weights(*model_, config_.model.from_hf);
+    else if (!config_.model.from_hf.empty())
       io::load_hf_weights(*model_, config_.model.from_hf);
     else
       model_->init_weights(static_cast<uint64_t>(config_.train.seed));

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -24,6 +25,7 @@
 #include "shardtrain/autograd/grad_mode.h"
 #include "shardtrain/backend/backend.h"
 #include "shardtrain/backend/nf4_codebook.h"
+#include "shardtrain/io/bnb.h"
 #include "shardtrain/io/hf_model.h"
 #include "shardtrain/io/peft.h"
 #include "shardtrain/nn/lora.h"
@@ -882,6 +884,179 @@ TEST(Lora, ARunStartsFromASavedPeftAdapter) {
   expect_error<ConfigError>(
       [&] { train::Runtime r(golden_config(golden, dir.str("golden-adapter"))); },
       {"lora.init_from: ", "adapter_model.safetensors"});
+}
+
+// ---- bitsandbytes 4-bit checkpoints -----------------------------------------------------------
+
+// Writes `m` as bitsandbytes saves a 4-bit model (io/bnb.h): every projection quantized (here by
+// this runtime's quantizer, whose codes are bitsandbytes'), the other weights dense in bf16, and
+// config.json with bitsandbytes' quantization_config. `edit_state` changes a weight's JSON
+// quant state and `edit` the tensor list before they are written, to make damaged files.
+void save_like_bitsandbytes(
+    nn::LlamaModel& m, const std::string& dir,
+    const std::function<void(const std::string&, nlohmann::json&)>& edit_state = {},
+    const std::function<void(NamedTensors&)>& edit = {}) {
+  NamedTensors tensors;
+  for (auto& [name, slot] : m.named_parameters()) {
+    const bool projection = name.find("_proj.weight") != std::string::npos;
+    if (!projection) {
+      tensors.emplace_back(name, slot->to(DType::BF16));
+      continue;
+    }
+    const nn::Nf4Tensor q = nn::Nf4Tensor::quantize(*slot);
+    tensors.emplace_back(name, q.codes.view({q.codes.numel(), 1}));
+    tensors.emplace_back(name + ".absmax", q.absmax_q);
+    tensors.emplace_back(name + ".nested_absmax", q.absmax_scale);
+    tensors.emplace_back(
+        name + ".quant_map",
+        from_floats(std::vector<float>(nf4::kNf4Code.begin(), nf4::kNf4Code.end()), {16}));
+    const auto& dynamic = nf4::dynamic_map_8bit();
+    tensors.emplace_back(name + ".nested_quant_map",
+                         from_floats(std::vector<float>(dynamic.begin(), dynamic.end()), {256}));
+    nlohmann::json state = {{"quant_type", "nf4"},      {"blocksize", 64},
+                            {"dtype", "bfloat16"},      {"shape", q.shape},
+                            {"nested_blocksize", 256},  {"nested_offset", q.absmax_offset},
+                            {"nested_dtype", "float32"}};
+    if (edit_state) edit_state(name, state);
+    const std::string text = state.dump();
+    std::vector<int64_t> bytes(text.begin(), text.end());
+    tensors.emplace_back(name + ".quant_state.bitsandbytes__nf4",
+                         from_ints(bytes, {static_cast<int64_t>(bytes.size())}, DType::U8));
+  }
+  if (edit) edit(tensors);
+  save_sharded(dir, tensors, int64_t{5} << 30, {{"format", "pt"}});
+  nlohmann::json config = nlohmann::json::parse(m.config().to_hf_json(DType::BF16));
+  config["quantization_config"] = {{"quant_method", "bitsandbytes"},
+                                   {"load_in_4bit", true},
+                                   {"bnb_4bit_quant_type", "nf4"},
+                                   {"bnb_4bit_use_double_quant", true},
+                                   {"bnb_4bit_compute_dtype", "bfloat16"}};
+  std::ofstream(dir + "/config.json") << config.dump(2);
+}
+
+// The NF4 weight under a projection (adapted or not).
+const nn::Nf4Tensor& nf4_base(nn::LlamaModel& m, int layer, const std::string& name) {
+  nn::Linear* p = &projection(*m.layers[static_cast<size_t>(layer)], name);
+  if (auto* lora = dynamic_cast<nn::LoraLinear*>(p)) p = &lora->base();
+  auto* q = dynamic_cast<nn::Nf4Linear*>(p);
+  if (q == nullptr) throw Error("not an NF4 projection");
+  return q->quantized_weight();
+}
+
+// A QLoRA run on a bitsandbytes 4-bit checkpoint keeps its codes as they are stored: its base is
+// the one a run on the dense (bf16) weights quantizes for itself, bit for bit, and so is its
+// loss; the adapters train on it and save with it as their base.
+TEST(BnbCheckpoint, IsTheNf4BaseOfAQloraRunAsStored) {
+  TempDir dir;
+  auto m = tiny_model(21);
+  io::save_hf_model(*m, dir.str("dense"), int64_t{5} << 30, DType::BF16);
+  auto rounded = std::make_unique<nn::LlamaModel>(tiny_config(), Device::cpu());
+  io::load_hf_weights(*rounded, dir.str("dense"));  // the weights a bf16 release holds
+  save_like_bitsandbytes(*rounded, dir.str("bnb"));
+
+  auto run_config = [&](const std::string& from_hf, std::vector<std::string> sets = {}) {
+    sets.insert(sets.end(), {"lora.enabled=true", "lora.r=4", "train.device=cpu",
+                             "train.out_dir=" + dir.str("run")});
+    return train::Config::parse("model:\n  from_hf: " + from_hf + "\n", sets, "test_qlora");
+  };
+  train::Runtime from_dense(run_config(dir.str("dense")));
+  train::Runtime from_bnb(run_config(dir.str("bnb")));
+  for (int l = 0; l < 2; ++l)
+    for (const std::string& name : nn::lora_projection_names()) {
+      const nn::Nf4Tensor& a = nf4_base(from_bnb.model(), l, name);
+      const nn::Nf4Tensor& b = nf4_base(from_dense.model(), l, name);
+      EXPECT_EQ(a.shape, b.shape) << name;
+      EXPECT_EQ(a.codes.to_int_vector(), b.codes.to_int_vector()) << l << " " << name;
+      EXPECT_EQ(a.absmax_q.to_int_vector(), b.absmax_q.to_int_vector()) << l << " " << name;
+      EXPECT_TRUE(bitwise_equal(a.absmax_scale.to_float_vector(), b.absmax_scale.to_float_vector()))
+          << l << " " << name;
+      EXPECT_EQ(a.absmax_offset, b.absmax_offset) << l << " " << name;
+    }
+  const Batch batch = fixed_batch();
+  const float loss = loss_of(from_bnb.model(), batch);
+  EXPECT_TRUE(std::isfinite(loss));
+  EXPECT_EQ(loss, loss_of(from_dense.model(), batch));
+  // Quantization matters: the dense bf16 model computes something else.
+  EXPECT_NE(loss, loss_of(*rounded, batch));
+}
+
+// What the runtime cannot decode is refused before training, naming the tensor and the fix; a
+// 4-bit checkpoint is never trained as dense weights.
+TEST(BnbCheckpoint, RefusesWhatItCannotDecodeNamingTheTensorAndTheFix) {
+  TempDir dir;
+  auto m = tiny_model(21);
+  const std::string q0 = "model.layers.0.self_attn.q_proj.weight";
+  int variant = 0;
+  auto refused = [&](const std::function<void(const std::string&, nlohmann::json&)>& edit_state,
+                     const std::function<void(NamedTensors&)>& edit,
+                     const std::vector<std::string>& parts) {
+    const std::string path = dir.str("bad" + std::to_string(variant++));
+    save_like_bitsandbytes(*m, path, edit_state, edit);
+    auto fresh = tiny_model(1);
+    try {
+      io::load_bnb_4bit_weights(*fresh, path);
+      ADD_FAILURE() << "no FormatError for " << parts.front();
+    } catch (const FormatError& e) {
+      for (const std::string& part : parts)
+        EXPECT_NE(std::string(e.what()).find(part), std::string::npos)
+            << "'" << part << "' not in: " << e.what();
+    }
+  };
+  auto in_q0 = [&](const std::function<void(nlohmann::json&)>& change) {
+    return [=](const std::string& name, nlohmann::json& state) {
+      if (name == q0) change(state);
+    };
+  };
+  auto rename = [&](const std::string& from, const std::string& to) {
+    return [=](NamedTensors& tensors) {
+      for (auto& [name, t] : tensors)
+        if (name == from) name = to;
+    };
+  };
+  refused({}, rename(q0 + ".quant_state.bitsandbytes__nf4", q0 + ".quant_state.bitsandbytes__fp4"),
+          {"tensor '" + q0 + "'", "is quantized to FP4", "lora.base_model at the dense model"});
+  refused(in_q0([](nlohmann::json& s) { s["blocksize"] = 128; }), {},
+          {"tensor '" + q0 + "'", "has blocksize 128", "blocks are 64 weights"});
+  refused(in_q0([](nlohmann::json& s) {
+            s["shape"] = {64, 32};
+          }),
+          {}, {"tensor '" + q0 + "'", "has shape [64, 32] but the model expects [64, 64]"});
+  refused({},
+          [&](NamedTensors& tensors) {
+            std::erase_if(tensors, [&](const auto& t) {
+              return t.first == q0 + ".nested_absmax" || t.first == q0 + ".nested_quant_map";
+            });
+          },
+          {"tensor '" + q0 + "'", "not double-quantized", "bnb_4bit_use_double_quant"});
+  refused({},
+          [&](NamedTensors& tensors) {
+            for (auto& [name, t] : tensors)
+              if (name == q0 + ".quant_map") t.data<float>()[3] = 0.25f;
+          },
+          {"tensor '" + q0 + "'", "quant_map that is not the NF4 table (value 3 is 0.25"});
+  refused({},
+          [&](NamedTensors& tensors) {
+            for (auto& [name, t] : tensors)
+              if (name == q0 + ".nested_quant_map") t.data<float>()[200] *= 1.001f;
+          },
+          {"tensor '" + q0 + "'", "nested_quant_map that is not bitsandbytes' dynamic 8-bit map"});
+  refused({},
+          [&](NamedTensors& tensors) {
+            tensors.emplace_back("model.layers.0.extra.weight", from_floats({1.0f}, {1}));
+          },
+          {"have tensor 'model.layers.0.extra.weight' that this model does not"});
+
+  // Trained as dense weights, or under a LoRA run that keeps a dense base: refused at load.
+  save_like_bitsandbytes(*m, dir.str("bnb"));
+  auto config = [&](std::vector<std::string> sets) {
+    sets.insert(sets.end(), {"train.device=cpu", "train.out_dir=" + dir.str("run")});
+    return train::Config::parse("model:\n  from_hf: " + dir.str("bnb") + "\n", sets, "test_qlora");
+  };
+  for (const std::vector<std::string>& sets :
+       {std::vector<std::string>{}, {"lora.enabled=true", "lora.quantize_base=none"}})
+    expect_error<ConfigError>([&] { train::Runtime r(config(sets)); },
+                              {"holds weights quantized to 4 bits by bitsandbytes",
+                               "lora.enabled: true with lora.quantize_base: nf4"});
 }
 
 }  // namespace

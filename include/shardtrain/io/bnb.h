@@ -1,0 +1,46 @@
+// Llama checkpoints quantized by bitsandbytes to 4 bits (Transformers' BitsAndBytesConfig with
+// load_in_4bit, bnb_4bit_quant_type "nf4" and bnb_4bit_use_double_quant, saved with
+// save_pretrained), read as the frozen NF4 base of a QLoRA run without a dense copy on disk. Each
+// quantized weight W (a projection's "<module>.weight") is stored as
+//   W                                        U8  [ceil(n/2), 1]  the packed 4-bit codes
+//   W.absmax                                 U8  [ceil(n/64)]    double-quantized block absmax
+//   W.nested_absmax                          F32 [ceil(n/64/256)]
+//   W.quant_map                              F32 [16]            the NF4 table
+//   W.nested_quant_map                       F32 [256]           the dynamic 8-bit map
+//   W.quant_state.bitsandbytes__nf4          U8  [k]             JSON: quant_type, blocksize,
+//                                                                dtype, shape, nested_blocksize,
+//                                                                nested_offset, nested_dtype
+// which is this project's NF4 layout (backend/nf4_codebook.h) under other names: the codes, the
+// absmax indices, the group scales and the offset are taken as they are. Everything else
+// (embeddings, norms, the head) is stored dense, in the model's dtype.
+#pragma once
+#include <string>
+
+#include "shardtrain/io/safetensors.h"
+#include "shardtrain/nn/llama.h"
+#include "shardtrain/nn/nf4.h"
+
+namespace shardtrain::io {
+
+// Whether `ckpt` holds bitsandbytes 4-bit weights (any "*.quant_state.bitsandbytes__*" tensor).
+bool holds_bnb_4bit_weights(const SafetensorsCheckpoint& ckpt);
+
+// The NF4 weight stored under `weight_name` (e.g. "model.layers.0.self_attn.q_proj.weight") on
+// `device`, counted as Parameters memory. Throws FormatError naming the directory, the tensor and
+// what is wrong: a missing piece, FP4 or another quant type, a block size other than 64 (nested:
+// 256), block statistics that are not double-quantized, a quant map that is not the NF4 table or
+// a nested map that is not the dynamic 8-bit map (beyond float rounding), another shape than
+// `expected`, or pieces of the wrong size or dtype.
+nn::Nf4Tensor read_bnb_nf4(const SafetensorsCheckpoint& ckpt, const std::string& weight_name,
+                           const Shape& expected, Device device);
+
+// Loads `model` (dense, not yet adapted) from the bitsandbytes 4-bit checkpoint in `dir`: each
+// projection stored quantized is replaced by an nn::Nf4Linear holding the stored codes (its dense
+// weight is freed; apply_lora with quantize_base nf4 keeps it as the base), a projection stored
+// dense is loaded as it is (apply_lora quantizes it), and the other parameters are loaded dense,
+// a weight stored quantized (a head bitsandbytes was told to quantize) dequantized into them. The
+// checks of load_hf_weights apply: every parameter present at its shape, no tensor the model does
+// not have, no NaN or infinite values.
+void load_bnb_4bit_weights(nn::LlamaModel& model, const std::string& dir);
+
+}  // namespace shardtrain::io

@@ -1,0 +1,239 @@
+#include "shardtrain/io/bnb.h"
+
+#include <cmath>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <typeinfo>
+#include <vector>
+
+#include "shardtrain/autograd/grad_mode.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/backend/nf4_codebook.h"
+#include "shardtrain/core/json_input.h"
+#include "shardtrain/memory/category.h"
+#include "shardtrain/nn/lora.h"
+
+namespace shardtrain::io {
+
+namespace {
+
+constexpr const char* kQuantStatePrefix = ".quant_state.bitsandbytes__";
+// The tensors bitsandbytes stores beside a quantized weight W, as suffixes of W's name.
+constexpr const char* kPieces[] = {".absmax", ".nested_absmax", ".quant_map", ".nested_quant_map",
+                                   ".quant_state.bitsandbytes__nf4"};
+
+// The quantized weights of `ckpt`: the W of every "W.quant_state.bitsandbytes__<type>".
+std::set<std::string> quantized_weights(const SafetensorsCheckpoint& ckpt) {
+  std::set<std::string> out;
+  for (const std::string& name : ckpt.names()) {
+    const size_t at = name.rfind(kQuantStatePrefix);
+    if (at != std::string::npos) out.insert(name.substr(0, at));
+  }
+  return out;
+}
+
+std::vector<float> floats_of(const SafetensorsCheckpoint& ckpt, const std::string& name) {
+  return ckpt.load(name, Device::host(), DType::F32).to_float_vector();
+}
+
+}  // namespace
+
+bool holds_bnb_4bit_weights(const SafetensorsCheckpoint& ckpt) {
+  return !quantized_weights(ckpt).empty();
+}
+
+nn::Nf4Tensor read_bnb_nf4(const SafetensorsCheckpoint& ckpt, const std::string& weight_name,
+                           const Shape& expected, Device device) {
+  const std::string where =
+      "bitsandbytes weights in '" + ckpt.path() + "': tensor '" + weight_name + "'";
+  auto fail = [&](const std::string& what) { throw FormatError(where + " " + what); };
+  if (ckpt.contains(weight_name + kQuantStatePrefix + "fp4"))
+    fail(
+        "is quantized to FP4; only NF4 (bnb_4bit_quant_type \"nf4\") is read: quantize the "
+        "dense model with NF4, or point lora.base_model at the dense model and let the run "
+        "quantize it");
+  for (const char* piece : kPieces)
+    if (!ckpt.contains(weight_name + piece)) {
+      if (std::string(piece) == ".nested_absmax" || std::string(piece) == ".nested_quant_map")
+        fail(
+            "has block statistics that are not double-quantized (bnb_4bit_use_double_quant "
+            "false), which this runtime does not store; save it with double quantization, or "
+            "point lora.base_model at the dense model and let the run quantize it");
+      fail("is missing its piece '" + weight_name + piece + "'");
+    }
+  if (!ckpt.contains(weight_name)) fail("is missing (only its quantization state is stored)");
+
+  // The non-tensor state, a JSON text stored as bytes.
+  const std::string state_name = weight_name + kQuantStatePrefix + "nf4";
+  if (ckpt.info(state_name).dtype != DType::U8) fail("has a quant_state that is not U8 bytes");
+  const std::string_view state_bytes = ckpt.file_of(state_name).bytes(state_name);
+  nlohmann::json state;
+  try {
+    state = parse_json_input(state_bytes);
+  } catch (const std::exception& e) {
+    fail("has a quant_state that is not JSON: " + std::string(e.what()));
+  }
+  auto integer = [&](const char* key) -> int64_t {
+    const auto it = state.find(key);
+    if (it == state.end() || !it->is_number_integer())
+      fail(std::string("has a quant_state without an integer '") + key + "'");
+    return it->get<int64_t>();
+  };
+  const auto quant_type = state.find("quant_type");
+  if (quant_type == state.end() || !quant_type->is_string() || *quant_type != "nf4")
+    fail("has quant_type " + (quant_type == state.end() ? "(none)" : quant_type->dump()) +
+         " in its quant_state; only nf4 is read");
+  if (integer("blocksize") != nf4::kNf4BlockSize)
+    fail("has blocksize " + std::to_string(integer("blocksize")) +
+         "; this runtime's NF4 blocks are 64 weights (bitsandbytes' default on CUDA)");
+  if (integer("nested_blocksize") != nf4::kAbsmaxGroupSize)
+    fail("has nested_blocksize " + std::to_string(integer("nested_blocksize")) +
+         "; double quantization here groups 256 block statistics (bitsandbytes' value)");
+  const auto offset = state.find("nested_offset");
+  if (offset == state.end() || !offset->is_number() || !std::isfinite(offset->get<double>()))
+    fail("has a quant_state without a finite nested_offset");
+  const auto shape = state.find("shape");
+  Shape stored_shape;
+  if (shape == state.end() || !shape->is_array()) fail("has a quant_state without a shape");
+  for (const auto& d : *shape) {
+    if (!d.is_number_integer() || d.get<int64_t>() <= 0)
+      fail("has a quant_state shape " + shape->dump() + " that is not sizes");
+    stored_shape.push_back(d.get<int64_t>());
+  }
+  if (stored_shape != expected)
+    fail("has shape " + shape_str(stored_shape) + " but the model expects " + shape_str(expected) +
+         " (is the checkpoint for a different model shape?)");
+
+  // The code books: the NF4 table and the dynamic map, as bitsandbytes computes them. Its
+  // float32 arithmetic may differ from this runtime's in the last bits of a dynamic-map entry;
+  // anything more is another code book, which the kernels (fixed tables) cannot decode.
+  const std::vector<float> quant_map = floats_of(ckpt, weight_name + ".quant_map");
+  if (quant_map.size() != nf4::kNf4Code.size())
+    fail("has a quant_map of " + std::to_string(quant_map.size()) + " values, not 16");
+  for (size_t i = 0; i < quant_map.size(); ++i)
+    if (!(std::fabs(quant_map[i] - nf4::kNf4Code[i]) <= 2e-7f))
+      fail("has a quant_map that is not the NF4 table (value " + std::to_string(i) + " is " +
+           std::to_string(quant_map[i]) + ")");
+  const std::vector<float> nested_map = floats_of(ckpt, weight_name + ".nested_quant_map");
+  const std::array<float, 256>& dynamic = nf4::dynamic_map_8bit();
+  if (nested_map.size() != dynamic.size())
+    fail("has a nested_quant_map of " + std::to_string(nested_map.size()) + " values, not 256");
+  for (size_t i = 0; i < nested_map.size(); ++i)
+    if (!(std::fabs(nested_map[i] - dynamic[i]) <= 5e-7f * std::fabs(dynamic[i]) + 1e-12f))
+      fail("has a nested_quant_map that is not bitsandbytes' dynamic 8-bit map (value " +
+           std::to_string(i) + " is " + std::to_string(nested_map[i]) + ", expected " +
+           std::to_string(dynamic[i]) + ")");
+
+  const int64_t n = numel(expected);
+  auto check_piece = [&](const std::string& name, DType dtype, int64_t count) {
+    const TensorInfo& info = ckpt.info(name);
+    if (info.dtype != dtype || numel(info.shape) != count)
+      fail("has '" + name + "' of " + std::string(safetensors_dtype_name(info.dtype)) + " " +
+           shape_str(info.shape) + "; a weight of " + std::to_string(n) + " elements needs " +
+           std::string(safetensors_dtype_name(dtype)) + " with " + std::to_string(count) +
+           " elements" +
+           (name == weight_name && info.dtype != DType::U8
+                ? " (quantized with bnb_4bit_quant_storage other than uint8, which is not read)"
+                : ""));
+  };
+  check_piece(weight_name, DType::U8, nf4::num_code_bytes(n));
+  check_piece(weight_name + ".absmax", DType::U8, nf4::num_blocks(n));
+  check_piece(weight_name + ".nested_absmax", DType::F32, nf4::num_absmax_groups(n));
+
+  nn::Nf4Tensor q;
+  q.shape = expected;
+  q.absmax_offset = static_cast<float>(offset->get<double>());
+  {
+    CategoryScope as_parameters(MemoryCategory::Parameters);
+    q.codes = ckpt.load(weight_name, device).view({nf4::num_code_bytes(n)});
+    q.absmax_q = ckpt.load(weight_name + ".absmax", device).view({nf4::num_blocks(n)});
+    q.absmax_scale =
+        ckpt.load(weight_name + ".nested_absmax", device).view({nf4::num_absmax_groups(n)});
+  }
+  for (float scale : q.absmax_scale.to_float_vector())
+    if (!std::isfinite(scale)) fail("has a nested_absmax that holds NaN or infinite values");
+  q.validate(where);
+  return q;
+}
+
+void load_bnb_4bit_weights(nn::LlamaModel& model, const std::string& dir) {
+  const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(dir);
+  const std::set<std::string> quantized = quantized_weights(ckpt);
+  autograd::NoGrad no_grad;
+  model.materialize();
+  std::set<std::string> consumed;
+  auto consume_quantized = [&](const std::string& weight) {
+    consumed.insert(weight);
+    for (const char* piece : kPieces) consumed.insert(weight + piece);
+  };
+
+  // Projections stored quantized become NF4 projections holding the stored codes.
+  for (int l = 0; l < model.num_layers(); ++l) {
+    nn::DecoderLayer& layer = *model.layers[static_cast<size_t>(l)];
+    for (const std::string& name : nn::lora_projection_names()) {
+      const bool attention =
+          name == "q_proj" || name == "k_proj" || name == "v_proj" || name == "o_proj";
+      const std::string weight = "model.layers." + std::to_string(l) +
+                                 (attention ? ".self_attn." : ".mlp.") + name + ".weight";
+      if (!quantized.count(weight)) continue;
+      nn::Linear& dense = attention ? layer.self_attn.projection(name) : layer.mlp.projection(name);
+      ST_CHECK_AS(ConfigError, typeid(dense) == typeid(nn::Linear),
+                  "load_bnb_4bit_weights: ", weight,
+                  " is not a dense projection (load the base before apply_lora)");
+      const Shape shape = {dense.out_features(), dense.in_features()};
+      auto nf4 = std::make_unique<nn::Nf4Linear>(read_bnb_nf4(ckpt, weight, shape, model.device()));
+      if (attention)
+        layer.self_attn.replace_projection(name, std::move(nf4));
+      else
+        layer.mlp.replace_projection(name, std::move(nf4));
+      consume_quantized(weight);
+    }
+  }
+
+  // Every other parameter dense: as stored, or dequantized when bitsandbytes quantized it.
+  const bool tied = model.config().tie_embeddings;
+  for (auto& [name, slot] : model.named_parameters()) {
+    const std::string where = "model weights in '" + dir + "': tensor '" + name + "'";
+    if (quantized.count(name)) {
+      CategoryScope workspace(MemoryCategory::Workspace);
+      slot->copy_from(
+          read_bnb_nf4(ckpt, name, slot->shape(), model.device()).dequantize(slot->dtype()));
+      consume_quantized(name);
+    } else {
+      if (!ckpt.contains(name))
+        throw FormatError("model weights in '" + dir + "' have no tensor '" + name +
+                          "' (is the checkpoint for a different model shape?)");
+      const TensorInfo& info = ckpt.info(name);
+      if (!is_floating(info.dtype))
+        throw FormatError(where + " is stored as " +
+                          std::string(safetensors_dtype_name(info.dtype)) +
+                          ", an integer type, without bitsandbytes' quantization state beside it");
+      if (info.shape != slot->shape())
+        throw FormatError(where + " has shape " + shape_str(info.shape) +
+                          " but the model expects " + shape_str(slot->shape()) +
+                          " (is the checkpoint for a different model shape?)");
+      ckpt.load_into(name, *slot);
+      consumed.insert(name);
+    }
+    if (!std::isfinite(backend_for(slot->device()).sum_squares(*slot)))
+      throw FormatError(where +
+                        " holds NaN or infinite values (a damaged or wrongly converted file)");
+  }
+  for (const std::string& name : ckpt.names()) {
+    if (consumed.count(name) || name.find("rotary_emb.inv_freq") != std::string::npos) continue;
+    // Tied: a stored head must be a copy of the embedding, or it would be silently replaced.
+    if (name == "lm_head.weight" && tied && !quantized.count(name) &&
+        ckpt.contains("model.embed_tokens.weight") &&
+        ckpt.info(name).shape == ckpt.info("model.embed_tokens.weight").shape &&
+        ckpt.load(name).to_float_vector() ==
+            ckpt.load("model.embed_tokens.weight").to_float_vector())
+      continue;
+    throw FormatError("model weights in '" + dir + "' have tensor '" + name +
+                      "' that this model does not (model section of the config does not match "
+                      "the checkpoint)");
+  }
+}
+
+}  // namespace shardtrain::io
