@@ -28,6 +28,7 @@
 #include "shardtrain/data/tokenizer.h"
 #include "shardtrain/dist/env.h"
 #include "shardtrain/fsdp/fsdp.h"
+#include "shardtrain/io/bnb.h"
 #include "shardtrain/io/hf_model.h"
 #include "shardtrain/io/peft.h"
 #include "shardtrain/io/safetensors.h"
@@ -197,15 +198,6 @@ TrainSummary run_training(const Config& given) {
 
 namespace {
 
-// The bytes of the tensors a Hugging Face directory's checkpoint holds (what loading it reads),
-// found the way loading finds them: the index, or model.safetensors.
-int64_t safetensors_bytes(const std::string& dir) {
-  const SafetensorsCheckpoint checkpoint = SafetensorsCheckpoint::open(dir);
-  int64_t total = 0;
-  for (const std::string& name : checkpoint.names()) total += checkpoint.info(name).nbytes();
-  return total;
-}
-
 // Writes the trained model in the Hugging Face layout to `dir` (a LoRA model merged).
 void export_model(const Config& config, Runtime& rt, const std::string& dir, Progress& progress) {
   const DType dtype = dtype_from_name(config.train.export_dtype);
@@ -349,16 +341,22 @@ TrainSummary train_with(const Config& config) {
               "train.global_batch, train.micro_batch or train.seq_len");
 
   // Released weights take a while to read (and, for QLoRA, to quantize): minutes for billions
-  // of parameters, which would otherwise pass without a word.
+  // of parameters, which would otherwise pass without a word. The size is the bytes of the
+  // tensors the directory's checkpoint holds (what loading reads), found as loading finds them.
   const bool loads_weights = !config.model.from_hf.empty();
   const bool tells = leader && t.progress != "none";
   const auto load_start = std::chrono::steady_clock::now();
-  if (loads_weights && tells)
-    std::fprintf(
-        stderr, "loading the model from %s (%s of safetensors)%s ...\n",
-        config.model.from_hf.c_str(), format_bytes(safetensors_bytes(config.model.from_hf)).c_str(),
-        config.lora.enabled && config.lora.quantize_base == "nf4" ? ", quantizing the base to NF4"
-                                                                  : "");
+  if (loads_weights && tells) {
+    const SafetensorsCheckpoint weights = SafetensorsCheckpoint::open(config.model.from_hf);
+    int64_t bytes = 0;
+    for (const std::string& name : weights.names()) bytes += weights.info(name).nbytes();
+    const bool quantizes = config.lora.enabled && config.lora.quantize_base == "nf4";
+    std::fprintf(stderr, "loading the model from %s (%s of safetensors)%s ...\n",
+                 config.model.from_hf.c_str(), format_bytes(bytes).c_str(),
+                 !quantizes                            ? ""
+                 : io::holds_bnb_4bit_weights(weights) ? ", its projections already in NF4"
+                                                       : ", quantizing the base to NF4");
+  }
   Runtime rt(config);
   if (loads_weights && tells)
     std::fprintf(
