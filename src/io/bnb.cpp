@@ -1,19 +1,14 @@
 #include "shardtrain/io/bnb.h"
 
 #include <cmath>
-#include <map>
-#include <memory>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <typeinfo>
 #include <vector>
 
-#include "shardtrain/autograd/grad_mode.h"
-#include "shardtrain/backend/backend.h"
 #include "shardtrain/backend/nf4_codebook.h"
 #include "shardtrain/core/json_input.h"
 #include "shardtrain/memory/category.h"
-#include "shardtrain/nn/lora.h"
 
 namespace shardtrain::io {
 
@@ -24,8 +19,13 @@ constexpr const char* kQuantStatePrefix = ".quant_state.bitsandbytes__";
 constexpr const char* kPieces[] = {".absmax", ".nested_absmax", ".quant_map", ".nested_quant_map",
                                    ".quant_state.bitsandbytes__nf4"};
 
-// The quantized weights of `ckpt`: the W of every "W.quant_state.bitsandbytes__<type>".
-std::set<std::string> quantized_weights(const SafetensorsCheckpoint& ckpt) {
+std::vector<float> floats_of(const SafetensorsCheckpoint& ckpt, const std::string& name) {
+  return ckpt.load(name, Device::host(), DType::F32).to_float_vector();
+}
+
+}  // namespace
+
+std::set<std::string> bnb_quantized_weights(const SafetensorsCheckpoint& ckpt) {
   std::set<std::string> out;
   for (const std::string& name : ckpt.names()) {
     const size_t at = name.rfind(kQuantStatePrefix);
@@ -34,14 +34,14 @@ std::set<std::string> quantized_weights(const SafetensorsCheckpoint& ckpt) {
   return out;
 }
 
-std::vector<float> floats_of(const SafetensorsCheckpoint& ckpt, const std::string& name) {
-  return ckpt.load(name, Device::host(), DType::F32).to_float_vector();
+std::vector<std::string> bnb_tensor_names(const std::string& weight_name) {
+  std::vector<std::string> names = {weight_name};
+  for (const char* piece : kPieces) names.push_back(weight_name + piece);
+  return names;
 }
 
-}  // namespace
-
 bool holds_bnb_4bit_weights(const SafetensorsCheckpoint& ckpt) {
-  return !quantized_weights(ckpt).empty();
+  return !bnb_quantized_weights(ckpt).empty();
 }
 
 nn::Nf4Tensor read_bnb_nf4(const SafetensorsCheckpoint& ckpt, const std::string& weight_name,
@@ -133,12 +133,19 @@ nn::Nf4Tensor read_bnb_nf4(const SafetensorsCheckpoint& ckpt, const std::string&
       fail("has '" + name + "' of " + std::string(safetensors_dtype_name(info.dtype)) + " " +
            shape_str(info.shape) + "; a weight of " + std::to_string(n) + " elements needs " +
            std::string(safetensors_dtype_name(dtype)) + " with " + std::to_string(count) +
-           " elements" +
-           (name == weight_name && info.dtype != DType::U8
-                ? " (quantized with bnb_4bit_quant_storage other than uint8, which is not read)"
-                : ""));
+           " elements");
   };
-  check_piece(weight_name, DType::U8, nf4::num_code_bytes(n));
+  // The packed codes are bytes whatever dtype holds them: bnb_4bit_quant_storage (bf16, say,
+  // for sharded QLoRA) views the same bytes as wider elements.
+  const TensorInfo& codes_info = ckpt.info(weight_name);
+  const bool codes_as_bytes = codes_info.dtype == DType::U8;
+  if (codes_as_bytes)
+    check_piece(weight_name, DType::U8, nf4::num_code_bytes(n));
+  else if (codes_info.nbytes() != nf4::num_code_bytes(n))
+    fail("holds " + std::to_string(codes_info.nbytes()) + " bytes of packed codes (" +
+         std::string(safetensors_dtype_name(codes_info.dtype)) + " " + shape_str(codes_info.shape) +
+         "); a weight of " + std::to_string(n) + " elements needs " +
+         std::to_string(nf4::num_code_bytes(n)));
   check_piece(weight_name + ".absmax", DType::U8, nf4::num_blocks(n));
   check_piece(weight_name + ".nested_absmax", DType::F32, nf4::num_absmax_groups(n));
 
@@ -147,7 +154,14 @@ nn::Nf4Tensor read_bnb_nf4(const SafetensorsCheckpoint& ckpt, const std::string&
   q.absmax_offset = static_cast<float>(offset->get<double>());
   {
     CategoryScope as_parameters(MemoryCategory::Parameters);
-    q.codes = ckpt.load(weight_name, device).view({nf4::num_code_bytes(n)});
+    if (codes_as_bytes) {
+      q.codes = ckpt.load(weight_name, device).view({nf4::num_code_bytes(n)});
+    } else {
+      const std::string_view bytes = ckpt.file_of(weight_name).bytes(weight_name);
+      Tensor codes = empty({nf4::num_code_bytes(n)}, DType::U8, Device::cpu());
+      std::memcpy(codes.data_ptr(), bytes.data(), bytes.size());
+      q.codes = codes.to(device);
+    }
     q.absmax_q = ckpt.load(weight_name + ".absmax", device).view({nf4::num_blocks(n)});
     q.absmax_scale =
         ckpt.load(weight_name + ".nested_absmax", device).view({nf4::num_absmax_groups(n)});
@@ -156,84 +170,6 @@ nn::Nf4Tensor read_bnb_nf4(const SafetensorsCheckpoint& ckpt, const std::string&
     if (!std::isfinite(scale)) fail("has a nested_absmax that holds NaN or infinite values");
   q.validate(where);
   return q;
-}
-
-void load_bnb_4bit_weights(nn::LlamaModel& model, const std::string& dir) {
-  const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(dir);
-  const std::set<std::string> quantized = quantized_weights(ckpt);
-  autograd::NoGrad no_grad;
-  model.materialize();
-  std::set<std::string> consumed;
-  auto consume_quantized = [&](const std::string& weight) {
-    consumed.insert(weight);
-    for (const char* piece : kPieces) consumed.insert(weight + piece);
-  };
-
-  // Projections stored quantized become NF4 projections holding the stored codes.
-  for (int l = 0; l < model.num_layers(); ++l) {
-    nn::DecoderLayer& layer = *model.layers[static_cast<size_t>(l)];
-    for (const std::string& name : nn::lora_projection_names()) {
-      const bool attention =
-          name == "q_proj" || name == "k_proj" || name == "v_proj" || name == "o_proj";
-      const std::string weight = "model.layers." + std::to_string(l) +
-                                 (attention ? ".self_attn." : ".mlp.") + name + ".weight";
-      if (!quantized.count(weight)) continue;
-      nn::Linear& dense = attention ? layer.self_attn.projection(name) : layer.mlp.projection(name);
-      ST_CHECK_AS(ConfigError, typeid(dense) == typeid(nn::Linear),
-                  "load_bnb_4bit_weights: ", weight,
-                  " is not a dense projection (load the base before apply_lora)");
-      const Shape shape = {dense.out_features(), dense.in_features()};
-      auto nf4 = std::make_unique<nn::Nf4Linear>(read_bnb_nf4(ckpt, weight, shape, model.device()));
-      if (attention)
-        layer.self_attn.replace_projection(name, std::move(nf4));
-      else
-        layer.mlp.replace_projection(name, std::move(nf4));
-      consume_quantized(weight);
-    }
-  }
-
-  // Every other parameter dense: as stored, or dequantized when bitsandbytes quantized it.
-  const bool tied = model.config().tie_embeddings;
-  for (auto& [name, slot] : model.named_parameters()) {
-    const std::string where = "model weights in '" + dir + "': tensor '" + name + "'";
-    if (quantized.count(name)) {
-      CategoryScope workspace(MemoryCategory::Workspace);
-      slot->copy_from(
-          read_bnb_nf4(ckpt, name, slot->shape(), model.device()).dequantize(slot->dtype()));
-      consume_quantized(name);
-    } else {
-      if (!ckpt.contains(name))
-        throw FormatError("model weights in '" + dir + "' have no tensor '" + name +
-                          "' (is the checkpoint for a different model shape?)");
-      const TensorInfo& info = ckpt.info(name);
-      if (!is_floating(info.dtype))
-        throw FormatError(where + " is stored as " +
-                          std::string(safetensors_dtype_name(info.dtype)) +
-                          ", an integer type, without bitsandbytes' quantization state beside it");
-      if (info.shape != slot->shape())
-        throw FormatError(where + " has shape " + shape_str(info.shape) +
-                          " but the model expects " + shape_str(slot->shape()) +
-                          " (is the checkpoint for a different model shape?)");
-      ckpt.load_into(name, *slot);
-      consumed.insert(name);
-    }
-    if (!std::isfinite(backend_for(slot->device()).sum_squares(*slot)))
-      throw FormatError(where +
-                        " holds NaN or infinite values (a damaged or wrongly converted file)");
-  }
-  for (const std::string& name : ckpt.names()) {
-    if (consumed.count(name) || name.find("rotary_emb.inv_freq") != std::string::npos) continue;
-    // Tied: a stored head must be a copy of the embedding, or it would be silently replaced.
-    if (name == "lm_head.weight" && tied && !quantized.count(name) &&
-        ckpt.contains("model.embed_tokens.weight") &&
-        ckpt.info(name).shape == ckpt.info("model.embed_tokens.weight").shape &&
-        ckpt.load(name).to_float_vector() ==
-            ckpt.load("model.embed_tokens.weight").to_float_vector())
-      continue;
-    throw FormatError("model weights in '" + dir + "' have tensor '" + name +
-                      "' that this model does not (model section of the config does not match "
-                      "the checkpoint)");
-  }
 }
 
 }  // namespace shardtrain::io

@@ -9,6 +9,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <vector>
 
 #include "shardtrain/autograd/grad_mode.h"
@@ -19,32 +20,35 @@
 #include "shardtrain/io/bnb.h"
 #include "shardtrain/io/safetensors.h"
 #include "shardtrain/memory/category.h"
+#include "shardtrain/nn/lora.h"
 
 namespace shardtrain::io {
 
 namespace {
-// Checks that the checkpoint holds exactly the tensors `expected` names, at their shapes.
-void check_hf_tensors(const SafetensorsCheckpoint& ckpt,
-                      const std::map<std::string, Shape>& expected, bool tied_embeddings,
-                      const std::string& dir) {
-  for (const auto& [name, shape] : expected) {
-    if (!ckpt.contains(name))
-      throw FormatError("model weights in '" + dir + "' have no tensor '" + name +
-                        "' (is the checkpoint for a different model shape?)");
-    const DType stored_dtype = ckpt.info(name).dtype;
-    if (!is_floating(stored_dtype))
-      throw FormatError("model weights in '" + dir + "': tensor '" + name + "' is stored as " +
-                        std::string(safetensors_dtype_name(stored_dtype)) +
-                        ", an integer type; weights must be F32, BF16 or F16 (a wrongly "
-                        "converted or mislabelled file)");
-    const Shape& stored = ckpt.info(name).shape;
-    if (stored != shape)
-      throw FormatError("model weights in '" + dir + "': tensor '" + name + "' has shape " +
-                        shape_str(stored) + " but the model expects " + shape_str(shape) +
-                        " (is the checkpoint for a different model shape?)");
-  }
+// Checks that the checkpoint holds the dense weight `name` at `shape`, in a float dtype.
+void check_dense_tensor(const SafetensorsCheckpoint& ckpt, const std::string& name,
+                        const Shape& shape, const std::string& dir) {
+  if (!ckpt.contains(name))
+    throw FormatError("model weights in '" + dir + "' have no tensor '" + name +
+                      "' (is the checkpoint for a different model shape?)");
+  const DType stored_dtype = ckpt.info(name).dtype;
+  if (!is_floating(stored_dtype))
+    throw FormatError("model weights in '" + dir + "': tensor '" + name + "' is stored as " +
+                      std::string(safetensors_dtype_name(stored_dtype)) +
+                      ", an integer type; weights must be F32, BF16 or F16 (a wrongly "
+                      "converted or mislabelled file)");
+  const Shape& stored = ckpt.info(name).shape;
+  if (stored != shape)
+    throw FormatError("model weights in '" + dir + "': tensor '" + name + "' has shape " +
+                      shape_str(stored) + " but the model expects " + shape_str(shape) +
+                      " (is the checkpoint for a different model shape?)");
+}
+
+// Refuses a tensor in the checkpoint that is not in `loaded` (the names the model took).
+void check_no_other_tensors(const SafetensorsCheckpoint& ckpt, const std::set<std::string>& loaded,
+                            bool tied_embeddings, const std::string& dir) {
   for (const std::string& name : ckpt.names()) {
-    if (expected.count(name)) continue;
+    if (loaded.count(name)) continue;
     // Hugging Face stores rotary inverse frequencies in some exports; they are recomputed here.
     if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;
     // Tied: the head is the embedding. An export may store it anyway, as a copy; a head that
@@ -66,6 +70,26 @@ void check_hf_tensors(const SafetensorsCheckpoint& ckpt,
                       "' that this model does not (model section of the config does not match "
                       "the checkpoint)");
   }
+}
+
+// Checks that the checkpoint holds exactly the tensors `expected` names, at their shapes.
+void check_hf_tensors(const SafetensorsCheckpoint& ckpt,
+                      const std::map<std::string, Shape>& expected, bool tied_embeddings,
+                      const std::string& dir) {
+  std::set<std::string> names;
+  for (const auto& [name, shape] : expected) {
+    check_dense_tensor(ckpt, name, shape, dir);
+    names.insert(name);
+  }
+  check_no_other_tensors(ckpt, names, tied_embeddings, dir);
+}
+
+// A NaN or infinity in the weights would surface steps later as a diverged loss; name the tensor
+// now (the sum of squares of finite weights stays finite in double precision).
+void check_finite(const Tensor& weights, const std::string& name, const std::string& dir) {
+  if (!std::isfinite(backend_for(weights.device()).sum_squares(weights)))
+    throw FormatError("model weights in '" + dir + "': tensor '" + name +
+                      "' holds NaN or infinite values (a damaged or wrongly converted file)");
 }
 // 4-bit weights are frozen: they load only as a QLoRA base (io/bnb.h), never as weights to train.
 void refuse_bnb_4bit(const SafetensorsCheckpoint& ckpt, const std::string& dir) {
@@ -156,13 +180,45 @@ void load_hf_weights(nn::LlamaModel& model, const std::string& dir) {
   model.materialize();  // a deferred model gets its storage here
   for (auto& [name, slot] : model.named_parameters()) {
     ckpt.load_into(name, *slot);
-    // A NaN or infinity in the weights would surface steps later as a diverged loss; name the
-    // tensor now (the sum of squares of finite weights stays finite in double precision).
-    const double squares = backend_for(slot->device()).sum_squares(*slot);
-    if (!std::isfinite(squares))
-      throw FormatError("model weights in '" + dir + "': tensor '" + name +
-                        "' holds NaN or infinite values (a damaged or wrongly converted file)");
+    check_finite(*slot, name, dir);
   }
+}
+
+void load_nf4_base_from_hf(nn::LlamaModel& model, const std::string& dir) {
+  const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(dir);
+  const std::set<std::string> quantized = bnb_quantized_weights(ckpt);
+  autograd::NoGrad no_grad;
+  std::set<std::string> loaded;
+  auto take_quantized = [&](const std::string& weight, const Shape& shape, Device device) {
+    for (const std::string& name : bnb_tensor_names(weight)) loaded.insert(name);
+    return read_bnb_nf4(ckpt, weight, shape, device);
+  };
+  // The projections, one at a time: as stored, or quantized on the host from the dense weight
+  // (the bits apply_lora's quantization of a loaded model gives).
+  nn::install_nf4_projections(model, [&](const std::string& weight, const Shape& shape) {
+    if (quantized.count(weight)) return take_quantized(weight, shape, model.device());
+    check_dense_tensor(ckpt, weight, shape, dir);
+    CategoryScope workspace(MemoryCategory::Workspace);
+    const Tensor dense = ckpt.load(weight, Device::cpu(), DType::F32);
+    check_finite(dense, weight, dir);
+    loaded.insert(weight);
+    return nn::Nf4Tensor::quantize(dense);
+  });
+  // Everything else dense: as stored, or dequantized when bitsandbytes quantized it too.
+  model.materialize();
+  for (auto& [name, slot] : model.named_parameters()) {
+    if (quantized.count(name)) {
+      CategoryScope workspace(MemoryCategory::Workspace);
+      slot->copy_from(
+          take_quantized(name, slot->shape(), model.device()).dequantize(slot->dtype()));
+    } else {
+      check_dense_tensor(ckpt, name, slot->shape(), dir);
+      ckpt.load_into(name, *slot);
+      loaded.insert(name);
+    }
+    check_finite(*slot, name, dir);
+  }
+  check_no_other_tensors(ckpt, loaded, model.config().tie_embeddings, dir);
 }
 
 void load_hf_weights(fsdp::ShardedModel& model, const std::string& dir) {

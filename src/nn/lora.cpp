@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <typeinfo>
 
 #include "shardtrain/autograd/grad_mode.h"
 #include "shardtrain/autograd/node.h"
@@ -243,6 +244,33 @@ LoraSummary apply_lora(LlamaModel& model, const LoraOptions& options) {
       }
     }
   return summary;
+}
+
+void install_nf4_projections(
+    LlamaModel& model,
+    const std::function<Nf4Tensor(const std::string&, const Shape&)>& weight_of) {
+  autograd::NoGrad no_grad;
+  for (int l = 0; l < model.num_layers(); ++l) {
+    DecoderLayer& layer = *model.layers[static_cast<size_t>(l)];
+    for (const std::string& name : lora_projection_names()) {
+      Linear& dense = *projection_slot(layer, name);
+      if (typeid(dense) != typeid(Linear)) continue;  // already NF4, or adapted
+      const std::string weight = "model.layers." + std::to_string(l) +
+                                 (is_attention_projection(name) ? ".self_attn." : ".mlp.") + name +
+                                 ".weight";
+      const Shape shape = {dense.out_features(), dense.in_features()};
+      Nf4Tensor q = weight_of(weight, shape);
+      ST_CHECK_SHAPE(q.shape == shape, "install_nf4_projections: the NF4 weight for ", weight,
+                     " has shape ", shape_str(q.shape), ", the projection ", shape_str(shape));
+      if (q.device() != model.device()) {
+        CategoryScope as_parameters(MemoryCategory::Parameters);
+        q.codes = q.codes.to(model.device());
+        q.absmax_q = q.absmax_q.to(model.device());
+        q.absmax_scale = q.absmax_scale.to(model.device());
+      }
+      install(layer, name, std::make_unique<Nf4Linear>(std::move(q)));
+    }
+  }
 }
 
 std::vector<std::pair<std::string, LoraLinear*>> lora_modules(LlamaModel& model) {

@@ -26,7 +26,6 @@
 #endif
 #include "shardtrain/dist/env.h"
 #include "shardtrain/fsdp/fsdp.h"
-#include "shardtrain/io/bnb.h"
 #include "shardtrain/io/hf_model.h"
 #include "shardtrain/io/peft.h"
 #include "shardtrain/nn/lora.h"
@@ -365,19 +364,34 @@ Runtime::Runtime(const Config& config) : config_(config), device_(training_devic
       fsdp::parse_sharding_strategy(config_.dist.sharding) != fsdp::ShardingStrategy::NoShard;
   if (!config_.lora.init_from.empty()) check_initial_adapter(config_, frozen_base());
   nn::LlamaConfig mc = llama_config_from(config_.model);
+  // A QLoRA base is built projection by projection in NF4 (below), so it too starts deferred:
+  // built dense first, an 8B model would need 32 GB of device memory for a moment.
+  const bool nf4_base =
+      config_.lora.enabled &&
+      nn::parse_base_quantization(config_.lora.quantize_base) == nn::BaseQuantization::Nf4;
   model_ = std::make_unique<nn::LlamaModel>(
-      mc, device_, deferred ? nn::ParameterStorage::Deferred : nn::ParameterStorage::Allocated);
-  if (!deferred) {  // a deferred model gets its values when it is sharded, below
-    // A bitsandbytes 4-bit checkpoint is the NF4 base of a QLoRA run as it is stored: its codes
-    // are kept, not dequantized and quantized again (which would change the block statistics).
-    if (!config_.model.from_hf.empty() && config_.lora.enabled &&
-        nn::parse_base_quantization(config_.lora.quantize_base) == nn::BaseQuantization::Nf4 &&
-        io::holds_bnb_4bit_weights(SafetensorsCheckpoint::open(config_.model.from_hf)))
-      io::load_bnb_4bit_weights(*model_, config_.model.from_hf);
-    else if (!config_.model.from_hf.empty())
+      mc, device_,
+      deferred || nf4_base ? nn::ParameterStorage::Deferred : nn::ParameterStorage::Allocated);
+  const auto seed = static_cast<uint64_t>(config_.train.seed);
+  if (nf4_base && !config_.model.from_hf.empty()) {
+    // A bitsandbytes 4-bit checkpoint's codes are kept as stored, not dequantized and quantized
+    // again (which would change the block statistics); dense weights are quantized one
+    // projection at a time.
+    io::load_nf4_base_from_hf(*model_, config_.model.from_hf);
+  } else if (nf4_base) {
+    // The random base init_weights would draw, one projection at a time on the host.
+    nn::install_nf4_projections(*model_, [&](const std::string& weight, const Shape& shape) {
+      CategoryScope workspace(MemoryCategory::Workspace);
+      Tensor dense = empty(shape, DType::F32, Device::cpu());
+      model_->init_parameter_range(seed, weight, 0, numel(shape), dense.data<float>());
+      return nn::Nf4Tensor::quantize(dense);
+    });
+    model_->init_weights(seed);
+  } else if (!deferred) {  // a deferred model gets its values when it is sharded, below
+    if (!config_.model.from_hf.empty())
       io::load_hf_weights(*model_, config_.model.from_hf);
     else
-      model_->init_weights(static_cast<uint64_t>(config_.train.seed));
+      model_->init_weights(seed);
   }
   model_->set_attention_impl(ops::parse_attention_impl(config_.activation.attention),
                              parse_attention_backward(config_.activation.attention_backward));

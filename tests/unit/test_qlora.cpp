@@ -886,6 +886,57 @@ TEST(Lora, ARunStartsFromASavedPeftAdapter) {
       {"lora.init_from: ", "adapter_model.safetensors"});
 }
 
+// ---- building the NF4 base ---------------------------------------------------------------------
+
+// A run builds its NF4 base one projection at a time on the host (random here, as without
+// lora.base_model): the bits of initialising the whole model and quantizing it, in a fraction of
+// the memory of the dense model, which never exists whole.
+TEST(QloraRuntime, BuildsItsNf4BaseOneProjectionAtATime) {
+  TempDir dir;
+  const nn::LlamaConfig c = tiny_config();
+  const std::string yaml =
+      "model:\n  vocab_size: 64\n  hidden_size: 64\n  intermediate_size: 128\n"
+      "  num_layers: 2\n  num_heads: 4\n  num_kv_heads: 2\n  max_seq_len: 32\n"
+      "  init_std: 0.05\n";
+  Allocator& cpu = allocator_for(Device::cpu());
+  const int64_t before = cpu.stats().total_in_use;
+  cpu.reset_peak();
+  train::Runtime rt(
+      train::Config::parse(yaml,
+                           {"lora.enabled=true", "lora.r=4", "train.device=cpu", "train.seed=21",
+                            "train.seq_len=32", "train.out_dir=" + dir.str("run")},
+                           "test_qlora"));
+  const int64_t built_peak = cpu.stats().total_peak - before;
+  const int64_t dense_model = c.num_parameters() * 4;
+  // Built whole, the dense fp32 model alone would have been the peak (its projections are 90%
+  // of it); here the projections are NF4 but for one at a time (the rest is adapters, their
+  // optimizer state and the dense embeddings, norms and head).
+  EXPECT_LT(built_peak, dense_model) << "the dense fp32 model is " << dense_model << " bytes";
+
+  auto whole = tiny_model(21);  // initialised whole, then quantized by apply_lora
+  nn::apply_lora(*whole, options(nn::BaseQuantization::Nf4));
+  for (int l = 0; l < 2; ++l)
+    for (const std::string& name : nn::lora_projection_names()) {
+      nn::Linear* p = &projection(*rt.model().layers[static_cast<size_t>(l)], name);
+      nn::Linear* q = &projection(*whole->layers[static_cast<size_t>(l)], name);
+      if (auto* lora = dynamic_cast<nn::LoraLinear*>(p)) p = &lora->base();
+      if (auto* lora = dynamic_cast<nn::LoraLinear*>(q)) q = &lora->base();
+      const auto* a = dynamic_cast<nn::Nf4Linear*>(p);
+      const auto* b = dynamic_cast<nn::Nf4Linear*>(q);
+      ASSERT_TRUE(a != nullptr && b != nullptr) << name;
+      EXPECT_EQ(a->quantized_weight().codes.to_int_vector(),
+                b->quantized_weight().codes.to_int_vector())
+          << l << " " << name;
+      EXPECT_EQ(a->quantized_weight().absmax_q.to_int_vector(),
+                b->quantized_weight().absmax_q.to_int_vector())
+          << l << " " << name;
+      EXPECT_EQ(a->quantized_weight().absmax_offset, b->quantized_weight().absmax_offset);
+    }
+  // B = 0: both compute their base, the same bits.
+  const Batch batch = fixed_batch();
+  EXPECT_EQ(loss_of(rt.model(), batch), loss_of(*whole, batch));
+}
+
 // ---- bitsandbytes 4-bit checkpoints -----------------------------------------------------------
 
 // Writes `m` as bitsandbytes saves a 4-bit model (io/bnb.h): every projection quantized (here by
@@ -976,6 +1027,11 @@ TEST(BnbCheckpoint, IsTheNf4BaseOfAQloraRunAsStored) {
   const float loss = loss_of(from_bnb.model(), batch);
   EXPECT_TRUE(std::isfinite(loss));
   EXPECT_EQ(loss, loss_of(from_dense.model(), batch));
+  // The same as loading the dense model whole and quantizing it in apply_lora.
+  auto whole = std::make_unique<nn::LlamaModel>(tiny_config(), Device::cpu());
+  io::load_hf_weights(*whole, dir.str("dense"));
+  nn::apply_lora(*whole, options(nn::BaseQuantization::Nf4));
+  EXPECT_EQ(loss, loss_of(*whole, batch));
   // Quantization matters: the dense bf16 model computes something else.
   EXPECT_NE(loss, loss_of(*rounded, batch));
 }
@@ -994,7 +1050,7 @@ TEST(BnbCheckpoint, RefusesWhatItCannotDecodeNamingTheTensorAndTheFix) {
     save_like_bitsandbytes(*m, path, edit_state, edit);
     auto fresh = tiny_model(1);
     try {
-      io::load_bnb_4bit_weights(*fresh, path);
+      io::load_nf4_base_from_hf(*fresh, path);
       ADD_FAILURE() << "no FormatError for " << parts.front();
     } catch (const FormatError& e) {
       for (const std::string& part : parts)

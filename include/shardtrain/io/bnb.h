@@ -14,7 +14,9 @@
 // absmax indices, the group scales and the offset are taken as they are. Everything else
 // (embeddings, norms, the head) is stored dense, in the model's dtype.
 #pragma once
+#include <set>
 #include <string>
+#include <vector>
 
 #include "shardtrain/io/safetensors.h"
 #include "shardtrain/nn/llama.h"
@@ -23,6 +25,7 @@
 namespace shardtrain::io {
 
 // Whether `ckpt` holds bitsandbytes 4-bit weights (any "*.quant_state.bitsandbytes__*" tensor).
+// io::load_nf4_base_from_hf (hf_model.h) loads such a checkpoint as a QLoRA base.
 bool holds_bnb_4bit_weights(const SafetensorsCheckpoint& ckpt);
 
 // The NF4 weight stored under `weight_name` (e.g. "model.layers.0.self_attn.q_proj.weight") on
@@ -30,17 +33,14 @@ bool holds_bnb_4bit_weights(const SafetensorsCheckpoint& ckpt);
 // what is wrong: a missing piece, FP4 or another quant type, a block size other than 64 (nested:
 // 256), block statistics that are not double-quantized, a quant map that is not the NF4 table or
 // a nested map that is not the dynamic 8-bit map (beyond float rounding), another shape than
-// `expected`, or pieces of the wrong size or dtype.
+// `expected`, or pieces of the wrong size or dtype. The packed codes are read as bytes whatever
+// dtype stores them (bnb_4bit_quant_storage).
 nn::Nf4Tensor read_bnb_nf4(const SafetensorsCheckpoint& ckpt, const std::string& weight_name,
                            const Shape& expected, Device device);
 
-// Loads `model` (dense, not yet adapted) from the bitsandbytes 4-bit checkpoint in `dir`: each
-// projection stored quantized is replaced by an nn::Nf4Linear holding the stored codes (its dense
-// weight is freed; apply_lora with quantize_base nf4 keeps it as the base), a projection stored
-// dense is loaded as it is (apply_lora quantizes it), and the other parameters are loaded dense,
-// a weight stored quantized (a head bitsandbytes was told to quantize) dequantized into them. The
-// checks of load_hf_weights apply: every parameter present at its shape, no tensor the model does
-// not have, no NaN or infinite values.
-void load_bnb_4bit_weights(nn::LlamaModel& model, const std::string& dir);
+// The weights of `ckpt` stored quantized: the W of every "W.quant_state.bitsandbytes__<type>".
+std::set<std::string> bnb_quantized_weights(const SafetensorsCheckpoint& ckpt);
+// The names of the tensors that store the quantized weight W (W itself included).
+std::vector<std::string> bnb_tensor_names(const std::string& weight_name);
 
 }  // namespace shardtrain::io

@@ -19,6 +19,15 @@ void load_hf_weights(nn::LlamaModel& model, const std::string& dir);
 // memory-mapped files, so no rank ever holds the full model.
 void load_hf_weights(fsdp::ShardedModel& model, const std::string& dir);
 
+// Loads the base of a QLoRA run from the Hugging Face directory `dir` into `model` (best built
+// nn::ParameterStorage::Deferred; not yet adapted): each decoder projection becomes an
+// nn::Nf4Linear (nn::install_nf4_projections), its codes taken as stored from a bitsandbytes
+// 4-bit checkpoint (io/bnb.h) or quantized on the host from the dense weight, one projection at a
+// time, so the model never exists dense on the device; then the other parameters are allocated
+// and loaded dense (a weight bitsandbytes quantized outside the projections is dequantized into
+// its parameter). The checks of load_hf_weights apply. apply_lora keeps these NF4 projections.
+void load_nf4_base_from_hf(nn::LlamaModel& model, const std::string& dir);
+
 // A fingerprint of the weights in `dir` (hex): every tensor's name, dtype and shape and 1 KiB of
 // its bytes sampled evenly across it. It tells two models of the same shape apart without
 // reading them whole (a LoRA checkpoint records its frozen base this way); it is not a hash of

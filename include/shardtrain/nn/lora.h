@@ -7,13 +7,16 @@
 // wrappers (activation checkpointing, mixed precision) and the optimizer over the parameters that
 // require a gradient (only the adapters). Loading base weights with io::load_hf_weights must come
 // before apply_lora: afterwards the projections have new parameter names and NF4 bases have none.
+// A base loaded already quantized (install_nf4_projections, io::load_nf4_base_from_hf) is kept.
 #pragma once
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "shardtrain/nn/llama.h"
+#include "shardtrain/nn/nf4.h"
 
 namespace shardtrain::nn {
 
@@ -87,6 +90,16 @@ struct LoraSummary {
 // options.frozen_dtype. Throws ConfigError for invalid options and when a projection already
 // has an adapter.
 LoraSummary apply_lora(LlamaModel& model, const LoraOptions& options);
+
+// Replaces every decoder projection that is still a plain Linear (dense or deferred, see
+// ParameterStorage) by an Nf4Linear holding `weight_of(weight name, shape)`, moved to the
+// model's device if it was produced elsewhere; weight names are Hugging Face's
+// ("model.layers.0.self_attn.q_proj.weight"), in layer and projection order. With a model built
+// Deferred no projection is ever dense on the device: a base of billions of weights is built in
+// the memory of its NF4 codes plus whatever `weight_of` holds for one projection. apply_lora
+// keeps these projections as its NF4 bases.
+void install_nf4_projections(
+    LlamaModel& model, const std::function<Nf4Tensor(const std::string&, const Shape&)>& weight_of);
 
 // Every adapted projection with its module path ("model.layers.3.self_attn.q_proj"), in layer
 // and projection order.
