@@ -138,11 +138,13 @@ std::vector<std::string> carry_hf_metadata(const std::string& source_dir,
   const fs::path source_config = fs::path(source_dir) / "config.json";
   const fs::path export_config = fs::path(export_dir) / "config.json";
   json source = read_json(source_config), exported = read_json(export_config);
-  // Not carried: what the exported weights no longer are (quantized), and Transformers 5's
-  // rope_parameters, which the written rope_theta and rope_scaling state already (a copy could
-  // only repeat them, or contradict them where the run changed the RoPE).
+  // Not carried: what the exported weights no longer are (quantized; in the source's dtype,
+  // which Transformers 5 writes as `dtype` beside or instead of torch_dtype), and Transformers
+  // 5's rope_parameters, which the written rope_theta and rope_scaling state already (a copy
+  // could only repeat them, or contradict them where the run changed the RoPE).
   for (const auto& [key, value] : source.items()) {
-    if (exported.contains(key) || key == "quantization_config" || key == "rope_parameters")
+    if (exported.contains(key) || key == "quantization_config" || key == "rope_parameters" ||
+        key == "dtype" || key == "torch_dtype")
       continue;
     exported[key] = value;
     carried.push_back("config.json:" + key);

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <regex>
 #include <vector>
 
 #include "shardtrain/core/error.h"
@@ -30,12 +31,22 @@ void prepare_output_dir(const std::string& dir, const std::string& key) {
 }
 
 std::string remove_leftover_temporaries(const std::vector<std::string>& dirs) {
+  namespace fs = std::filesystem;
+  // The files a run writes under temporary names (AtomicFileWriter) outside its checkpoints.
+  static const std::regex ours(
+      R"((config\.yaml|metrics\.jsonl|config\.json|adapter_config\.json|adapter_model\.safetensors|)"
+      R"(model(-\d+-of-\d+)?\.safetensors(\.index\.json)?)\.tmp\.\d+)");
   std::vector<std::string> removed;
   int64_t bytes = 0;
   for (const std::string& dir : dirs)
     for (const LeftoverTemporary& file : leftover_temporaries(dir)) {
       std::error_code ec;
-      if (!std::filesystem::remove(file.path, ec) || ec) continue;
+      const auto modified = fs::last_write_time(file.path, ec);
+      if (ec || !std::regex_match(fs::path(file.path).filename().string(), ours) ||
+          process_runs_here(file.pid) ||
+          fs::file_time_type::clock::now() - modified < kLeftoverQuietFor)
+        continue;
+      if (!fs::remove(file.path, ec) || ec) continue;
       removed.push_back(file.path);
       bytes += static_cast<int64_t>(file.bytes);
     }

@@ -646,6 +646,7 @@ std::optional<double> Runtime::eval_loss(
     total += loss_sum;
     tokens += b.num_target_tokens;
   }
+  if (on_progress) on_progress(count, count);
   total = world.all_reduce_host(total, dist::ReduceOp::Sum);
   tokens = world.all_reduce_host(tokens, dist::ReduceOp::Sum);
   return tokens > 0 ? total / static_cast<double>(tokens) : 0.0;

@@ -280,13 +280,6 @@ TrainSummary train_with(const Config& config) {
          {out_lock ? &*out_lock : nullptr, checkpoint_lock ? &*checkpoint_lock : nullptr})
       if (lock != nullptr && !lock->unlocked_reason().empty())
         std::fprintf(stderr, "%s\n", lock->unlocked_reason().c_str());
-    // What an earlier run killed mid-write left in the directories this run now holds (the run
-    // directory, its export and default adapter directories; checkpoints clean up their own).
-    if (out_lock && out_lock->unlocked_reason().empty()) {
-      const std::string note =
-          remove_leftover_temporaries({t.out_dir, t.out_dir + "/export", t.out_dir + "/adapter"});
-      if (!note.empty()) std::fprintf(stderr, "%s\n", note.c_str());
-    }
   }
   // The adapter and the export are written after the last step: a path that cannot take them
   // fails now, not after the whole run.
@@ -302,6 +295,14 @@ TrainSummary train_with(const Config& config) {
   // A fresh run in a directory of an earlier run's checkpoints is refused now, before the model
   // is built (or loaded from model.from_hf).
   refuse_fresh_run_over_checkpoints(config);
+  // What an earlier run killed mid-write left in the directories this run holds (the run
+  // directory, its export and its default adapter directory; checkpoints clean up their own).
+  if (leader && out_lock && out_lock->unlocked_reason().empty()) {
+    std::vector<std::string> held = {t.out_dir, t.out_dir + "/export"};
+    if (config.lora.adapter_out.empty()) held.push_back(adapter_dir);
+    const std::string note = remove_leftover_temporaries(held);
+    if (!note.empty()) std::fprintf(stderr, "%s\n", note.c_str());
+  }
 
   TokenDataset data = load_token_source(config.data.path);
   check_data_fits_model(data, config);

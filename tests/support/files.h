@@ -12,6 +12,14 @@
 
 namespace shardtrain::testing {
 
+// A pid no process can have: one past the kernel's pid_max (a reaped child's pid may be reused).
+inline int64_t pid_of_no_process() {
+  std::ifstream in("/proc/sys/kernel/pid_max");
+  int64_t pid_max = int64_t{1} << 22;  // the largest pid_max Linux allows
+  in >> pid_max;
+  return pid_max + 1;
+}
+
 // The whole file as bytes ("" when it cannot be read).
 inline std::string read_file_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

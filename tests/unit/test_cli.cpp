@@ -1,13 +1,14 @@
 // The command-line framework: flag parsing, help, exit codes and error messages of `shardtrain`.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
 
+#include "files.h"
 #include "shardtrain/cli/cli.h"
 #include "shardtrain/cli/command.h"
 #include "shardtrain/train/config.h"
@@ -286,14 +287,31 @@ TEST(Cli, TrainSaysWhetherTheLastStepIsInACheckpoint) {
 
 // Temporary files that an earlier run killed mid-write left in its directory (an export's shard,
 // a config.yaml) are removed by the next run there, which holds the directory's lock, and named.
+// Kept: a file of a process still running, one written in the last minute (perhaps by another
+// machine), and files whose names are not the run's own.
 TEST(Cli, TrainRemovesTheTemporaryFilesOfAKilledRun) {
+  namespace fs = std::filesystem;
   const std::string config = std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/tiny.yaml";
   const shardtrain::testing::TempDir tmp("cli-leftovers");
-  const std::filesystem::path run_dir = tmp.path / "run";
-  std::filesystem::create_directories(run_dir / "export");
-  std::ofstream(run_dir / "export/model.safetensors.tmp.4242") << std::string(3000, 'x');
-  std::ofstream(run_dir / "config.yaml.tmp.4243") << "train:\n";
-  std::ofstream(run_dir / "notes.txt") << "kept\n";
+  const fs::path run_dir = tmp.path / "run";
+  fs::create_directories(run_dir / "export");
+  const std::string dead = std::to_string(shardtrain::testing::pid_of_no_process());
+  const std::string live = std::to_string(::getppid());
+  auto write = [&](const fs::path& path, size_t bytes, bool old) {
+    std::ofstream(path) << std::string(bytes, 'x');
+    if (old) fs::last_write_time(path, fs::file_time_type::clock::now() - std::chrono::minutes(5));
+  };
+  const fs::path shard = run_dir / ("export/model-00001-of-00002.safetensors.tmp." + dead);
+  const fs::path config_yaml = run_dir / ("config.yaml.tmp." + dead);
+  write(shard, 3000, true);
+  write(config_yaml, 10, true);
+  const std::vector<fs::path> kept = {run_dir / ("export/config.json.tmp." + live),
+                                      run_dir / ("metrics.jsonl.tmp." + dead),
+                                      run_dir / ("data.h5.tmp." + dead), run_dir / "notes.txt"};
+  write(kept[0], 10, true);   // its process runs
+  write(kept[1], 10, false);  // written just now
+  write(kept[2], 10, true);   // not a file a run writes (a prepare-data output, say)
+  write(kept[3], 10, true);
   ::testing::internal::CaptureStderr();
   Result r =
       run({"train", "--config", config, "--set", "train.device=cpu", "--set", "train.seq_len=32",
@@ -304,11 +322,10 @@ TEST(Cli, TrainRemovesTheTemporaryFilesOfAKilledRun) {
   EXPECT_CONTAINS(r.err,
                   "note: removed 2 temporary file(s) (2.94 KiB) that an earlier run, killed "
                   "while writing, left behind: " +
-                      (run_dir / "config.yaml.tmp.4243").string() + ", " +
-                      (run_dir / "export/model.safetensors.tmp.4242").string());
-  EXPECT_FALSE(std::filesystem::exists(run_dir / "export/model.safetensors.tmp.4242"));
-  EXPECT_FALSE(std::filesystem::exists(run_dir / "config.yaml.tmp.4243"));
-  EXPECT_TRUE(std::filesystem::exists(run_dir / "notes.txt"));
+                      config_yaml.string() + ", " + shard.string() + "\n");
+  EXPECT_FALSE(fs::exists(shard));
+  EXPECT_FALSE(fs::exists(config_yaml));
+  for (const fs::path& path : kept) EXPECT_TRUE(fs::exists(path)) << path;
 }
 
 TEST(Cli, ConfigCommandPrintsTheResolvedConfig) {
@@ -380,10 +397,7 @@ TEST(Cli, PrepareDataWritesATokenDataset) {
 
   // A killed earlier run's temporary file is named (with its size), not removed: on a shared
   // file system it may be another machine's, still being written. A live process's is not.
-  const pid_t reaped = ::fork();
-  if (reaped == 0) ::_exit(0);
-  ASSERT_GT(reaped, 0);
-  ::waitpid(reaped, nullptr, 0);
+  const int64_t reaped = shardtrain::testing::pid_of_no_process();
   const std::string dead = h5 + ".tmp." + std::to_string(reaped);
   const std::string live = h5 + ".tmp." + std::to_string(::getppid());
   std::ofstream(dead) << std::string(2048, 'x');

@@ -427,6 +427,9 @@ TEST(HfConfig, IntegerWeightsAreRefusedFingerprintsAndMetadataCarry) {
   source["quantization_config"] = {{"load_in_4bit", true}};
   // Transformers 5's form of the RoPE settings is not copied next to the written rope_theta.
   source["rope_parameters"] = {{"rope_theta", c.rope_theta}, {"rope_type", "default"}};
+  // Nor the source's dtype, in either spelling: the export's own torch_dtype says what it holds.
+  source["dtype"] = "bfloat16";
+  source["torch_dtype"] = "bfloat16";
   dir.write("a/config.json", source.dump());
   dir.write("a/tokenizer.json", "{\"version\": \"1.0\"}");
   io::save_hf_model(model, dir.str("export"));
@@ -439,6 +442,8 @@ TEST(HfConfig, IntegerWeightsAreRefusedFingerprintsAndMetadataCarry) {
   EXPECT_EQ(exported["eos_token_id"], json({128001, 128009}));
   EXPECT_FALSE(exported.contains("quantization_config"));
   EXPECT_FALSE(exported.contains("rope_parameters"));
+  EXPECT_FALSE(exported.contains("dtype"));
+  EXPECT_EQ(exported["torch_dtype"], "float32");
   EXPECT_EQ(testing::read_file_bytes(dir.str("export/tokenizer.json")), "{\"version\": \"1.0\"}");
   // Floats are written as the shortest decimal that reads back as the same fp32 value.
   EXPECT_NE(testing::read_file_bytes(dir.str("export/config.json")).find("\"rms_norm_eps\": 1e-05"),

@@ -1,6 +1,7 @@
 // Directories a run or a benchmark writes into, checked when it starts: a path that cannot serve
 // fails before the first step (or the first combination), not at the first write hours later.
 #pragma once
+#include <chrono>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -19,10 +20,14 @@ void check_output_dir(const std::string& dir, const std::string& key);
 
 // Removes the temporary files (`<name>.tmp.<pid>`, see core/files.h) that an earlier run killed
 // mid-write (SIGKILL, the OOM killer, a power loss) left in `dirs`: an export's shard files may
-// be gigabytes. Only for directories whose run lock this process holds, so no other process can
-// be writing them. Returns a note naming what was removed and its size ("" when nothing was).
+// be gigabytes. For directories whose run lock this process holds. A file goes only when all of
+// these say no one is writing it: its name is one a run writes (config.yaml, metrics.jsonl,
+// config.json, model*.safetensors, the index, the adapter's files), its pid runs no process on
+// this machine, and it has not changed for kLeftoverQuietFor (a writer on another machine of a
+// shared file system, which the lock may not see, keeps it changing). Returns a note naming what
+// was removed and its size ("" when nothing was).
+inline constexpr std::chrono::seconds kLeftoverQuietFor{60};
 std::string remove_leftover_temporaries(const std::vector<std::string>& dirs);
-
 // The directories a run creates as it starts, taken back at its end when they are still empty: a
 // run refused after start-up (data that does not fit the model, out of memory at the first step)
 // leaves nothing behind, and a run that saved no checkpoint no empty checkpoint directory. One

@@ -110,7 +110,8 @@ class Runtime {
   // each round and agreed by a host all-reduce, so every rank leaves at the same round):
   // nullopt then. For a long evaluation that a stop signal should not have to wait for. An empty
   // `stop_requested` never stops (and costs no all-reduce). `on_progress`, when given, is told
-  // before each round how many of the batches the ranks have evaluated so far, of how many.
+  // before each round and once at the end how many of the batches the ranks have evaluated so
+  // far, of how many.
   std::optional<double> eval_loss(
       const std::vector<Batch>& batches, const std::function<bool()>& stop_requested,
       const std::function<void(int64_t done, int64_t total)>& on_progress = nullptr);
