@@ -25,11 +25,12 @@ Command train_command();
 Command check_command();
 Command bench_command();
 Command plan_command();
+Command quantize_command();
 
 const std::vector<Command>& commands() {
   static const std::vector<Command> all = {
-      train_command(), check_command(),  bench_command(),
-      plan_command(),  config_command(), prepare_data_command(),
+      train_command(),  check_command(),        bench_command(),    plan_command(),
+      config_command(), prepare_data_command(), quantize_command(),
   };
   return all;
 }

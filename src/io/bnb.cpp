@@ -6,9 +6,12 @@
 #include <set>
 #include <vector>
 
+#include "shardtrain/autograd/grad_mode.h"
 #include "shardtrain/backend/nf4_codebook.h"
+#include "shardtrain/core/files.h"
 #include "shardtrain/core/json_input.h"
 #include "shardtrain/memory/category.h"
+#include "shardtrain/nn/lora.h"
 
 namespace shardtrain::io {
 
@@ -170,6 +173,78 @@ nn::Nf4Tensor read_bnb_nf4(const SafetensorsCheckpoint& ckpt, const std::string&
     if (!std::isfinite(scale)) fail("has a nested_absmax that holds NaN or infinite values");
   q.validate(where);
   return q;
+}
+
+void save_bnb_4bit_model(nn::LlamaModel& model, const std::string& dir, DType dense_dtype) {
+  ST_CHECK_AS(ConfigError,
+              dense_dtype == DType::BF16 || dense_dtype == DType::F16 || dense_dtype == DType::F32,
+              "a 4-bit model's dense weights are bf16, fp16 or fp32, not ",
+              dtype_name(dense_dtype));
+  const std::string torch_dtype = dense_dtype == DType::BF16  ? "bfloat16"
+                                  : dense_dtype == DType::F16 ? "float16"
+                                                              : "float32";
+  autograd::NoGrad no_grad;
+  CategoryScope workspace(MemoryCategory::Workspace);
+  NamedTensors tensors;
+  const std::vector<float> nf4_table(nf4::kNf4Code.begin(), nf4::kNf4Code.end());
+  const std::vector<float> dynamic(nf4::dynamic_map_8bit().begin(), nf4::dynamic_map_8bit().end());
+  auto on_host = [](const Tensor& t) { return t.device().is_host() ? t : t.to(Device::host()); };
+  for (int l = 0; l < model.num_layers(); ++l) {
+    nn::DecoderLayer& layer = *model.layers[static_cast<size_t>(l)];
+    for (const std::string& name : nn::lora_projection_names()) {
+      const bool attention =
+          name == "q_proj" || name == "k_proj" || name == "v_proj" || name == "o_proj";
+      const std::string weight = "model.layers." + std::to_string(l) +
+                                 (attention ? ".self_attn." : ".mlp.") + name + ".weight";
+      const auto* q = dynamic_cast<const nn::Nf4Linear*>(
+          attention ? &layer.self_attn.projection(name) : &layer.mlp.projection(name));
+      ST_CHECK_AS(ConfigError, q != nullptr, "save_bnb_4bit_model: ", weight,
+                  " is not an NF4 projection (load the model with io::load_nf4_base_from_hf, "
+                  "and save it before apply_lora)");
+      const nn::Nf4Tensor& w = q->quantized_weight();
+      const nlohmann::json state = {{"quant_type", "nf4"},
+                                    {"blocksize", nf4::kNf4BlockSize},
+                                    {"dtype", torch_dtype},
+                                    {"shape", w.shape},
+                                    {"nested_blocksize", nf4::kAbsmaxGroupSize},
+                                    {"nested_offset", w.absmax_offset},
+                                    {"nested_dtype", "float32"}};
+      const std::string text = state.dump();
+      Tensor state_bytes = empty({static_cast<int64_t>(text.size())}, DType::U8, Device::host());
+      std::memcpy(state_bytes.data_ptr(), text.data(), text.size());
+      tensors.emplace_back(weight, on_host(w.codes).view({w.codes.numel(), 1}));
+      tensors.emplace_back(weight + ".absmax", on_host(w.absmax_q));
+      tensors.emplace_back(weight + ".nested_absmax", on_host(w.absmax_scale));
+      tensors.emplace_back(weight + ".quant_map", from_floats(nf4_table, {16}));
+      tensors.emplace_back(weight + ".nested_quant_map", from_floats(dynamic, {256}));
+      tensors.emplace_back(weight + kQuantStatePrefix + "nf4", state_bytes);
+    }
+  }
+  for (auto& [name, slot] : model.named_parameters()) {
+    ST_CHECK_AS(ConfigError, name.find(".lora_") == std::string::npos,
+                "save_bnb_4bit_model: ", "the model has LoRA adapters (", name,
+                "); save the base before apply_lora");
+    tensors.emplace_back(
+        name, on_host(slot->dtype() == dense_dtype ? slot->detach() : slot->to(dense_dtype)));
+  }
+  save_sharded(dir, tensors, int64_t{5} << 30, {{"format", "pt"}});
+  // Transformers' BitsAndBytesConfig as save_pretrained writes it for such a model.
+  nlohmann::ordered_json config =
+      nlohmann::ordered_json::parse(model.config().to_hf_json(dense_dtype));
+  config["quantization_config"] = {{"_load_in_4bit", true},
+                                   {"_load_in_8bit", false},
+                                   {"bnb_4bit_compute_dtype", torch_dtype},
+                                   {"bnb_4bit_quant_storage", "uint8"},
+                                   {"bnb_4bit_quant_type", "nf4"},
+                                   {"bnb_4bit_use_double_quant", true},
+                                   {"llm_int8_enable_fp32_cpu_offload", false},
+                                   {"llm_int8_has_fp16_weight", false},
+                                   {"llm_int8_skip_modules", nullptr},
+                                   {"llm_int8_threshold", 6.0},
+                                   {"load_in_4bit", true},
+                                   {"load_in_8bit", false},
+                                   {"quant_method", "bitsandbytes"}};
+  write_file_atomically(dir + "/config.json", config.dump(2) + "\n");
 }
 
 }  // namespace shardtrain::io

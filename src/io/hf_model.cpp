@@ -186,7 +186,8 @@ void load_hf_weights(nn::LlamaModel& model, const std::string& dir) {
   }
 }
 
-void load_nf4_base_from_hf(nn::LlamaModel& model, const std::string& dir) {
+void load_nf4_base_from_hf(nn::LlamaModel& model, const std::string& dir,
+                           const std::function<void(int64_t done, int64_t total)>& on_projection) {
   const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(dir);
   const std::set<std::string> quantized = bnb_quantized_weights(ckpt);
   autograd::NoGrad no_grad;
@@ -197,7 +198,7 @@ void load_nf4_base_from_hf(nn::LlamaModel& model, const std::string& dir) {
   };
   // The projections, one at a time: as stored, or quantized on the host from the dense weight
   // (the bits apply_lora's quantization of a loaded model gives).
-  nn::install_nf4_projections(model, [&](const std::string& weight, const Shape& shape) {
+  auto nf4_of = [&](const std::string& weight, const Shape& shape) {
     if (quantized.count(weight)) return take_quantized(weight, shape, model.device());
     check_dense_tensor(ckpt, weight, shape, dir);
     CategoryScope workspace(MemoryCategory::Workspace);
@@ -205,6 +206,14 @@ void load_nf4_base_from_hf(nn::LlamaModel& model, const std::string& dir) {
     check_finite(dense, weight, dir);
     loaded.insert(weight);
     return nn::Nf4Tensor::quantize(dense);
+  };
+  const int64_t total =
+      model.num_layers() * static_cast<int64_t>(nn::lora_projection_names().size());
+  int64_t done = 0;
+  nn::install_nf4_projections(model, [&](const std::string& weight, const Shape& shape) {
+    nn::Nf4Tensor q = nf4_of(weight, shape);
+    if (on_projection) on_projection(++done, total);
+    return q;
   });
   // Everything else dense: as stored, or dequantized when bitsandbytes quantized it too.
   model.materialize();

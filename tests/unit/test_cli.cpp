@@ -328,6 +328,42 @@ TEST(Cli, TrainRemovesTheTemporaryFilesOfAKilledRun) {
   for (const fs::path& path : kept) EXPECT_TRUE(fs::exists(path)) << path;
 }
 
+// quantize writes a model's NF4 base in bitsandbytes' layout, which a QLoRA run then reads as
+// its base; the output may not be the model's own directory.
+TEST(Cli, QuantizeWritesABaseAQloraRunReads) {
+  namespace fs = std::filesystem;
+  const std::string golden = std::string(SHARDTRAIN_TEST_DATA) + "/golden/llama-tiny-gqa";
+  const shardtrain::testing::TempDir tmp("cli-quantize");
+  const std::string out = (tmp.path / "nf4").string();
+  ::testing::internal::CaptureStderr();
+  Result r = run({"quantize", "--model", golden, "--output", out});
+  r.err += ::testing::internal::GetCapturedStderr();
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(r.out, "wrote " + out + ": ");
+  EXPECT_CONTAINS(r.err, "quantized 14/14 projections\n");
+  EXPECT_CONTAINS(shardtrain::testing::read_file_bytes(out + "/config.json"),
+                  "\"quant_method\": \"bitsandbytes\"");
+  const std::string run_yaml = (tmp.path / "qlora.yaml").string();
+  std::ofstream(run_yaml) << "model:\n  from_hf: " << out
+                          << "\ntrain:\n  steps: 1\n  seq_len: 16\n  micro_batch: 2\n"
+                             "  device: cpu\n  progress: lines\n  eval_every: 0\n"
+                             "lora:\n  enabled: true\n  r: 4\n";
+  ::testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  r = run({"train", "--config", run_yaml, "--set", "train.out_dir=" + (tmp.path / "run").string()});
+  r.out += ::testing::internal::GetCapturedStdout();
+  r.err += ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(r.err, "its projections already in NF4");
+
+  r = run({"quantize", "--model", golden, "--output", golden});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "is --model's directory");
+  r = run({"quantize", "--model", golden, "--output", out, "--dtype", "int8"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "--dtype must be bf16, fp16 or fp32, got 'int8'");
+}
+
 TEST(Cli, ConfigCommandPrintsTheResolvedConfig) {
   const std::string tiny = std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/tiny.yaml";
   Result r = run({"config", "--config", tiny, "--set", "optim.lr=1e-4", "--set=train.steps=9"});

@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 #include "expect_error.h"
+#include "files.h"
 #include "temp_dir.h"
 #include "tiny_run.h"
 
@@ -1047,6 +1048,45 @@ TEST(BnbCheckpoint, IsTheNf4BaseOfAQloraRunAsStored) {
   EXPECT_EQ(loss, loss_of(*whole, batch));
   // Quantization matters: the dense bf16 model computes something else.
   EXPECT_NE(loss, loss_of(*rounded, batch));
+}
+
+// The runtime writes the layout bitsandbytes does (`shardtrain quantize`): byte for byte the file
+// the test's own rendering of bitsandbytes' format gives for the same weights, and a run reads it
+// back as the base it quantizes from the dense weights.
+TEST(BnbCheckpoint, TheRuntimeWritesItsNf4BaseInBitsandbytesLayout) {
+  TempDir dir;
+  auto m = tiny_model(23);
+  io::save_hf_model(*m, dir.str("dense"), int64_t{5} << 30, DType::BF16);
+  auto rounded = std::make_unique<nn::LlamaModel>(tiny_config(), Device::cpu());
+  io::load_hf_weights(*rounded, dir.str("dense"));
+  save_like_bitsandbytes(*rounded, dir.str("reference"));
+
+  nn::LlamaModel base(tiny_config(), Device::cpu(), nn::ParameterStorage::Deferred);
+  std::vector<int64_t> told;
+  io::load_nf4_base_from_hf(base, dir.str("dense"), [&](int64_t done, int64_t total) {
+    told.push_back(done * 100 + total);
+  });
+  EXPECT_EQ(told.size(), 14u);
+  EXPECT_EQ(told.back(), 14 * 100 + 14);
+  io::save_bnb_4bit_model(base, dir.str("written"));
+  EXPECT_TRUE(testing::read_file_bytes(dir.str("written/model.safetensors")) ==
+              testing::read_file_bytes(dir.str("reference/model.safetensors")))
+      << "the written tensors differ from bitsandbytes' layout";
+  const nlohmann::json config =
+      nlohmann::json::parse(testing::read_file_bytes(dir.str("written/config.json")));
+  EXPECT_EQ(config["quantization_config"]["quant_method"], "bitsandbytes");
+  EXPECT_EQ(config["quantization_config"]["load_in_4bit"], true);
+  EXPECT_EQ(config["quantization_config"]["bnb_4bit_quant_type"], "nf4");
+  EXPECT_EQ(config["quantization_config"]["bnb_4bit_use_double_quant"], true);
+  EXPECT_EQ(config["torch_dtype"], "bfloat16");
+
+  nn::LlamaModel again(tiny_config(), Device::cpu(), nn::ParameterStorage::Deferred);
+  io::load_nf4_base_from_hf(again, dir.str("written"));
+  const Batch batch = fixed_batch();
+  EXPECT_EQ(loss_of(again, batch), loss_of(base, batch));
+  // An adapted model, or one whose projections are dense, is refused.
+  expect_error<ConfigError>([&] { io::save_bnb_4bit_model(*rounded, dir.str("dense-out")); },
+                            {"model.layers.0.self_attn.q_proj.weight is not an NF4 projection"});
 }
 
 // What the runtime cannot decode is refused before training, naming the tensor and the fix; a

@@ -43,4 +43,14 @@ std::set<std::string> bnb_quantized_weights(const SafetensorsCheckpoint& ckpt);
 // The names of the tensors that store the quantized weight W (W itself included).
 std::vector<std::string> bnb_tensor_names(const std::string& weight_name);
 
+// Writes `model`, whose decoder projections are all nn::Nf4Linear (not adapted: an
+// io::load_nf4_base_from_hf result), into `dir` in the layout above: each projection's codes,
+// absmax indices, group scales and offset as bitsandbytes stores them, the other parameters dense
+// in `dense_dtype` (bf16, f16 or f32), and config.json with bitsandbytes' quantization_config, so
+// that Transformers loads it as a 4-bit model and lora.base_model skips the quantization. Files
+// are written whole or not at all (temporary names, renamed when complete). Throws ConfigError
+// when a projection is dense or adapted.
+void save_bnb_4bit_model(nn::LlamaModel& model, const std::string& dir,
+                         DType dense_dtype = DType::BF16);
+
 }  // namespace shardtrain::io

@@ -1,6 +1,7 @@
 // A Llama in the Hugging Face layout on disk: config.json + model.safetensors (or shards with
 // model.safetensors.index.json), under the parameter names the model already uses.
 #pragma once
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -26,7 +27,10 @@ void load_hf_weights(fsdp::ShardedModel& model, const std::string& dir);
 // time, so the model never exists dense on the device; then the other parameters are allocated
 // and loaded dense (a weight bitsandbytes quantized outside the projections is dequantized into
 // its parameter). The checks of load_hf_weights apply. apply_lora keeps these NF4 projections.
-void load_nf4_base_from_hf(nn::LlamaModel& model, const std::string& dir);
+// `on_projection`, when given, is told after each projection how many of how many are done.
+void load_nf4_base_from_hf(
+    nn::LlamaModel& model, const std::string& dir,
+    const std::function<void(int64_t done, int64_t total)>& on_projection = nullptr);
 
 // A fingerprint of the weights in `dir` (hex): every tensor's name, dtype and shape and 1 KiB of
 // its bytes sampled evenly across it. It tells two models of the same shape apart without
