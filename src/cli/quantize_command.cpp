@@ -60,9 +60,7 @@ Command quantize_command() {
     });
     io::save_bnb_4bit_model(model, output, dtype_from_name(dtype_flag));
     io::carry_hf_metadata(model_dir, output, /*trained_seq_len=*/0);
-    int64_t bytes = 0;
-    const SafetensorsCheckpoint written = SafetensorsCheckpoint::open(output);
-    for (const std::string& name : written.names()) bytes += written.info(name).nbytes();
+    const int64_t bytes = SafetensorsCheckpoint::open(output).tensor_bytes();
     std::cout
         << "wrote " << output << ": " << config.num_parameters() << " weights in "
         << format_bytes(bytes) << " ("

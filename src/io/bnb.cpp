@@ -189,36 +189,29 @@ void save_bnb_4bit_model(nn::LlamaModel& model, const std::string& dir, DType de
   const std::vector<float> nf4_table(nf4::kNf4Code.begin(), nf4::kNf4Code.end());
   const std::vector<float> dynamic(nf4::dynamic_map_8bit().begin(), nf4::dynamic_map_8bit().end());
   auto on_host = [](const Tensor& t) { return t.device().is_host() ? t : t.to(Device::host()); };
-  for (int l = 0; l < model.num_layers(); ++l) {
-    nn::DecoderLayer& layer = *model.layers[static_cast<size_t>(l)];
-    for (const std::string& name : nn::lora_projection_names()) {
-      const bool attention =
-          name == "q_proj" || name == "k_proj" || name == "v_proj" || name == "o_proj";
-      const std::string weight = "model.layers." + std::to_string(l) +
-                                 (attention ? ".self_attn." : ".mlp.") + name + ".weight";
-      const auto* q = dynamic_cast<const nn::Nf4Linear*>(
-          attention ? &layer.self_attn.projection(name) : &layer.mlp.projection(name));
-      ST_CHECK_AS(ConfigError, q != nullptr, "save_bnb_4bit_model: ", weight,
-                  " is not an NF4 projection (load the model with io::load_nf4_base_from_hf, "
-                  "and save it before apply_lora)");
-      const nn::Nf4Tensor& w = q->quantized_weight();
-      const nlohmann::json state = {{"quant_type", "nf4"},
-                                    {"blocksize", nf4::kNf4BlockSize},
-                                    {"dtype", torch_dtype},
-                                    {"shape", w.shape},
-                                    {"nested_blocksize", nf4::kAbsmaxGroupSize},
-                                    {"nested_offset", w.absmax_offset},
-                                    {"nested_dtype", "float32"}};
-      const std::string text = state.dump();
-      Tensor state_bytes = empty({static_cast<int64_t>(text.size())}, DType::U8, Device::host());
-      std::memcpy(state_bytes.data_ptr(), text.data(), text.size());
-      tensors.emplace_back(weight, on_host(w.codes).view({w.codes.numel(), 1}));
-      tensors.emplace_back(weight + ".absmax", on_host(w.absmax_q));
-      tensors.emplace_back(weight + ".nested_absmax", on_host(w.absmax_scale));
-      tensors.emplace_back(weight + ".quant_map", from_floats(nf4_table, {16}));
-      tensors.emplace_back(weight + ".nested_quant_map", from_floats(dynamic, {256}));
-      tensors.emplace_back(weight + kQuantStatePrefix + "nf4", state_bytes);
-    }
+  for (auto& [path, projection] : nn::decoder_projections(model)) {
+    const std::string weight = path + ".weight";
+    const auto* q = dynamic_cast<const nn::Nf4Linear*>(projection);
+    ST_CHECK_AS(ConfigError, q != nullptr, "save_bnb_4bit_model: ", weight,
+                " is not an NF4 projection (load the model with io::load_nf4_base_from_hf, "
+                "and save it before apply_lora)");
+    const nn::Nf4Tensor& w = q->quantized_weight();
+    const nlohmann::json state = {{"quant_type", "nf4"},
+                                  {"blocksize", nf4::kNf4BlockSize},
+                                  {"dtype", torch_dtype},
+                                  {"shape", w.shape},
+                                  {"nested_blocksize", nf4::kAbsmaxGroupSize},
+                                  {"nested_offset", w.absmax_offset},
+                                  {"nested_dtype", "float32"}};
+    const std::string text = state.dump();
+    Tensor state_bytes = empty({static_cast<int64_t>(text.size())}, DType::U8, Device::host());
+    std::memcpy(state_bytes.data_ptr(), text.data(), text.size());
+    tensors.emplace_back(weight, on_host(w.codes).view({w.codes.numel(), 1}));
+    tensors.emplace_back(weight + ".absmax", on_host(w.absmax_q));
+    tensors.emplace_back(weight + ".nested_absmax", on_host(w.absmax_scale));
+    tensors.emplace_back(weight + ".quant_map", from_floats(nf4_table, {16}));
+    tensors.emplace_back(weight + ".nested_quant_map", from_floats(dynamic, {256}));
+    tensors.emplace_back(weight + kQuantStatePrefix + "nf4", state_bytes);
   }
   for (auto& [name, slot] : model.named_parameters()) {
     ST_CHECK_AS(ConfigError, name.find(".lora_") == std::string::npos,

@@ -20,25 +20,6 @@ namespace {
 using nlohmann::json;
 using nlohmann::ordered_json;
 
-bool is_attention_projection(const std::string& name) {
-  return name == "q_proj" || name == "k_proj" || name == "v_proj" || name == "o_proj";
-}
-
-// Every projection of the model with its Hugging Face module path, in layer order.
-std::vector<std::pair<std::string, nn::Linear*>> projections(nn::LlamaModel& model) {
-  std::vector<std::pair<std::string, nn::Linear*>> out;
-  for (int l = 0; l < model.num_layers(); ++l) {
-    nn::DecoderLayer& layer = *model.layers[static_cast<size_t>(l)];
-    for (const std::string& name : nn::lora_projection_names()) {
-      const bool attn = is_attention_projection(name);
-      out.emplace_back(
-          "model.layers." + std::to_string(l) + (attn ? ".self_attn." : ".mlp.") + name,
-          attn ? &layer.self_attn.projection(name) : &layer.mlp.projection(name));
-    }
-  }
-  return out;
-}
-
 // The NF4 weight behind a projection (itself or an adapter's base), or null.
 nn::Nf4Linear* nf4_of(nn::Linear* linear) {
   if (auto* lora = dynamic_cast<nn::LoraLinear*>(linear)) linear = &lora->base();
@@ -258,7 +239,7 @@ void save_merged_hf_model(nn::LlamaModel& model, const std::string& dir, DType d
     tensors.emplace_back(name, out.device().is_host() ? out : out.to(Device::host()));
   };
   add("model.embed_tokens.weight", model.embed_tokens.weight);
-  auto projs = projections(model);
+  auto projs = nn::decoder_projections(model);
   size_t next = 0;
   for (int l = 0; l < model.num_layers(); ++l) {
     nn::DecoderLayer& layer = *model.layers[static_cast<size_t>(l)];
@@ -322,7 +303,7 @@ nn::Nf4Tensor read_nf4(const SafetensorsFile& file, const std::string& name, Dev
 
 void save_nf4_base(nn::LlamaModel& model, const std::string& path) {
   NamedTensors tensors;
-  for (auto& [module, linear] : projections(model))
+  for (auto& [module, linear] : nn::decoder_projections(model))
     if (nn::Nf4Linear* q = nf4_of(linear))
       append_nf4(tensors, module + ".weight", q->quantized_weight());
   ST_CHECK_AS(ConfigError, !tensors.empty(), "save_nf4_base: the model has no NF4 projections ",
@@ -333,7 +314,7 @@ void save_nf4_base(nn::LlamaModel& model, const std::string& path) {
 void load_nf4_base(nn::LlamaModel& model, const std::string& path) {
   SafetensorsFile file = SafetensorsFile::open(path);
   std::set<std::string> expected;
-  for (auto& [module, linear] : projections(model)) {
+  for (auto& [module, linear] : nn::decoder_projections(model)) {
     nn::Nf4Linear* q = nf4_of(linear);
     if (q == nullptr) continue;
     const std::string name = module + ".weight";

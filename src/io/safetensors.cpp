@@ -711,6 +711,12 @@ std::vector<std::string> SafetensorsCheckpoint::names() const {
   return out;
 }
 
+int64_t SafetensorsCheckpoint::tensor_bytes() const {
+  int64_t total = 0;
+  for (const auto& [name, file] : file_index_) total += files_[file].info(name).nbytes();
+  return total;
+}
+
 bool SafetensorsCheckpoint::contains(const std::string& name) const {
   return file_index_.count(name) > 0;
 }

@@ -246,6 +246,24 @@ LoraSummary apply_lora(LlamaModel& model, const LoraOptions& options) {
   return summary;
 }
 
+namespace {
+// A projection's Hugging Face module path: "model.layers.<layer>.self_attn.q_proj", ...
+std::string projection_path(int layer, const std::string& name) {
+  return "model.layers." + std::to_string(layer) +
+         (is_attention_projection(name) ? ".self_attn." : ".mlp.") + name;
+}
+}  // namespace
+
+std::vector<std::pair<std::string, Linear*>> decoder_projections(LlamaModel& model) {
+  std::vector<std::pair<std::string, Linear*>> out;
+  for (int l = 0; l < model.num_layers(); ++l) {
+    DecoderLayer& layer = *model.layers[static_cast<size_t>(l)];
+    for (const std::string& name : lora_projection_names())
+      out.emplace_back(projection_path(l, name), projection_slot(layer, name).get());
+  }
+  return out;
+}
+
 void install_nf4_projections(
     LlamaModel& model,
     const std::function<Nf4Tensor(const std::string&, const Shape&)>& weight_of) {
@@ -255,9 +273,7 @@ void install_nf4_projections(
     for (const std::string& name : lora_projection_names()) {
       Linear& dense = *projection_slot(layer, name);
       if (typeid(dense) != typeid(Linear)) continue;  // already NF4, or adapted
-      const std::string weight = "model.layers." + std::to_string(l) +
-                                 (is_attention_projection(name) ? ".self_attn." : ".mlp.") + name +
-                                 ".weight";
+      const std::string weight = projection_path(l, name) + ".weight";
       const Shape shape = {dense.out_features(), dense.in_features()};
       Nf4Tensor q = weight_of(weight, shape);
       ST_CHECK_SHAPE(q.shape == shape, "install_nf4_projections: the NF4 weight for ", weight,
@@ -275,16 +291,8 @@ void install_nf4_projections(
 
 std::vector<std::pair<std::string, LoraLinear*>> lora_modules(LlamaModel& model) {
   std::vector<std::pair<std::string, LoraLinear*>> out;
-  for (int l = 0; l < model.num_layers(); ++l) {
-    DecoderLayer& layer = *model.layers[static_cast<size_t>(l)];
-    for (const std::string& name : lora_projection_names()) {
-      auto* lora = dynamic_cast<LoraLinear*>(projection_slot(layer, name).get());
-      if (lora == nullptr) continue;
-      out.emplace_back("model.layers." + std::to_string(l) +
-                           (is_attention_projection(name) ? ".self_attn." : ".mlp.") + name,
-                       lora);
-    }
-  }
+  for (auto& [path, projection] : decoder_projections(model))
+    if (auto* lora = dynamic_cast<LoraLinear*>(projection)) out.emplace_back(path, lora);
   return out;
 }
 

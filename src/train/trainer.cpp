@@ -349,11 +349,9 @@ TrainSummary train_with(const Config& config) {
   const auto load_start = std::chrono::steady_clock::now();
   if (loads_weights && tells) {
     const SafetensorsCheckpoint weights = SafetensorsCheckpoint::open(config.model.from_hf);
-    int64_t bytes = 0;
-    for (const std::string& name : weights.names()) bytes += weights.info(name).nbytes();
     const bool quantizes = config.lora.enabled && config.lora.quantize_base == "nf4";
     std::fprintf(stderr, "loading the model from %s (%s of safetensors)%s ...\n",
-                 config.model.from_hf.c_str(), format_bytes(bytes).c_str(),
+                 config.model.from_hf.c_str(), format_bytes(weights.tensor_bytes()).c_str(),
                  !quantizes                            ? ""
                  : io::holds_bnb_4bit_weights(weights) ? ", its projections already in NF4"
                                                        : ", quantizing the base to NF4");

@@ -188,6 +188,8 @@ class SafetensorsCheckpoint {
   std::vector<std::string> names() const;  // sorted
   bool contains(const std::string& name) const;
   const TensorInfo& info(const std::string& name) const;
+  // The bytes of all its tensors: what loading every one reads.
+  int64_t tensor_bytes() const;
   // The file that holds `name`.
   const SafetensorsFile& file_of(const std::string& name) const;
   // __metadata__ of the shards, merged (they normally agree).

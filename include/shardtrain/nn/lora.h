@@ -91,6 +91,10 @@ struct LoraSummary {
 // has an adapter.
 LoraSummary apply_lora(LlamaModel& model, const LoraOptions& options);
 
+// Every decoder projection of the model (whatever it is now: dense, NF4, adapted) with its
+// Hugging Face module path ("model.layers.3.self_attn.q_proj"), in layer and projection order.
+std::vector<std::pair<std::string, Linear*>> decoder_projections(LlamaModel& model);
+
 // Replaces every decoder projection that is still a plain Linear (dense or deferred, see
 // ParameterStorage) by an Nf4Linear holding `weight_of(weight name, shape)`, moved to the
 // model's device if it was produced elsewhere; weight names are Hugging Face's
