@@ -7,10 +7,14 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <iterator>
+#include <nlohmann/json.hpp>
 
 #include "shardtrain/cli/command.h"
 #include "shardtrain/core/dtype.h"
+#include "shardtrain/core/json_input.h"
 #include "shardtrain/core/units.h"
 #include "shardtrain/io/bnb.h"
 #include "shardtrain/io/hf_model.h"
@@ -33,13 +37,15 @@ Command quantize_command() {
       Flag("model", "DIR", "Hugging Face model directory (config.json + safetensors)").mandatory(),
       Flag("output", "DIR", "directory to write (created; its files replaced atomically)")
           .mandatory(),
-      Flag("dtype", "bf16|fp16|fp32", "dtype of the dense weights").defaults_to("bf16"),
+      Flag("dtype", "bf16|fp16|fp32", "dtype of the dense weights (default: the source's)"),
   };
   c.run = [](const Args& args) {
     namespace fs = std::filesystem;
     const std::string model_dir = args.get("model"), output = args.get("output");
-    const std::string dtype_flag = args.get("dtype");
-    if (dtype_flag != "bf16" && dtype_flag != "fp16" && dtype_flag != "fp32")
+    // The source's dtype unless told otherwise (config.json's torch_dtype, or Transformers 5's
+    // dtype): its embeddings, norms and head are then stored as they were.
+    std::string dtype_flag = args.has("dtype") ? args.get("dtype") : "";
+    if (!dtype_flag.empty() && dtype_flag != "bf16" && dtype_flag != "fp16" && dtype_flag != "fp32")
       throw UsageError("--dtype must be bf16, fp16 or fp32, got '" + dtype_flag + "'");
     std::error_code ec;
     if (fs::equivalent(model_dir, output, ec))
@@ -47,13 +53,31 @@ Command quantize_command() {
                        "model to another directory");
     const nn::LlamaConfig config =
         nn::LlamaConfig::from_hf_json((fs::path(model_dir) / "config.json").string());
+    if (dtype_flag.empty()) {
+      // A regular file that from_hf_json has read: the dtype is all that is left to learn.
+      std::ifstream in(fs::path(model_dir) / "config.json");
+      const std::string text((std::istreambuf_iterator<char>(in)),
+                             std::istreambuf_iterator<char>());
+      nlohmann::json source = nlohmann::json::object();
+      try {
+        source = parse_json_input(text);
+      } catch (const std::exception&) {
+      }
+      if (!source.is_object()) source = nlohmann::json::object();
+      auto named = [&](const char* key) {
+        const auto it = source.find(key);
+        return it != source.end() && it->is_string() ? it->get<std::string>() : std::string();
+      };
+      const std::string stored = !named("dtype").empty() ? named("dtype") : named("torch_dtype");
+      dtype_flag = stored == "float32" ? "fp32" : stored == "float16" ? "fp16" : "bf16";
+    }
     const auto start = std::chrono::steady_clock::now();
     nn::LlamaModel model(config, Device::cpu(), nn::ParameterStorage::Deferred);
     // Minutes for billions of weights: a redrawn count on a terminal, a line per tenth in a log.
     const bool terminal = isatty(STDERR_FILENO) != 0;
     io::load_nf4_base_from_hf(model, model_dir, [&](int64_t done, int64_t total) {
       if (!terminal && done != total && done * 10 / total == (done - 1) * 10 / total) return;
-      std::fprintf(stderr, "%squantized %lld/%lld projections%s", terminal ? "\r" : "",
+      std::fprintf(stderr, "%sNF4 projections: %lld/%lld%s", terminal ? "\r" : "",
                    static_cast<long long>(done), static_cast<long long>(total),
                    terminal && done != total ? "" : "\n");
       std::fflush(stderr);

@@ -2,6 +2,7 @@
 #include <cstdio>
 
 #include "shardtrain/cli/command.h"
+#include "shardtrain/core/units.h"
 #include "shardtrain/dist/env.h"
 #include "shardtrain/train/checkpointing.h"
 #include "shardtrain/train/trainer.h"
@@ -56,7 +57,8 @@ Command train_command() {
     else if (s.final_eval_loss >= 0)
       std::printf(", eval loss %.4f (unigram entropy of the data %.4f nats)", s.final_eval_loss,
                   s.unigram_entropy_nats);
-    std::printf(", %.0f tokens/s\nmetrics: %s\n", s.tokens_per_second, s.metrics_path.c_str());
+    std::printf(", %s tokens/s\nmetrics: %s\n", format_rate(s.tokens_per_second).c_str(),
+                s.metrics_path.c_str());
     if (!s.export_dir.empty()) std::printf("model: %s\n", s.export_dir.c_str());
     // The weights of the last step may be in no checkpoint (checkpoint.every_steps=0, or not a
     // multiple of the steps): the newest is then an earlier step's, perhaps the one resumed from.

@@ -21,6 +21,11 @@ std::string format_bytes(int64_t bytes) {
   return fmt::format("{:.2f} {}", v, units[u]);
 }
 
+std::string format_rate(double per_second) {
+  if (!(std::fabs(per_second) < 100.0)) return fmt::format("{:.0f}", per_second);
+  return fmt::format("{:.3g}", per_second);
+}
+
 int64_t parse_bytes(const std::string& text) {
   size_t i = 0;
   while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.'))

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <vector>
@@ -10,6 +11,7 @@
 #include "shardtrain/backend/nf4_codebook.h"
 #include "shardtrain/core/files.h"
 #include "shardtrain/core/json_input.h"
+#include "shardtrain/io/hf_model.h"
 #include "shardtrain/memory/category.h"
 #include "shardtrain/nn/lora.h"
 
@@ -213,14 +215,13 @@ void save_bnb_4bit_model(nn::LlamaModel& model, const std::string& dir, DType de
     tensors.emplace_back(weight + ".nested_quant_map", from_floats(dynamic, {256}));
     tensors.emplace_back(weight + kQuantStatePrefix + "nf4", state_bytes);
   }
-  for (auto& [name, slot] : model.named_parameters()) {
-    ST_CHECK_AS(ConfigError, name.find(".lora_") == std::string::npos,
-                "save_bnb_4bit_model: ", "the model has LoRA adapters (", name,
-                "); save the base before apply_lora");
-    tensors.emplace_back(
-        name, on_host(slot->dtype() == dense_dtype ? slot->detach() : slot->to(dense_dtype)));
-  }
-  save_sharded(dir, tensors, int64_t{5} << 30, {{"format", "pt"}});
+  // (An adapted model fails above: its projections are LoraLinear, not NF4.)
+  for (auto& [name, slot] : model.named_parameters())
+    tensors.emplace_back(name, on_host(weight_for_export(name, *slot, dense_dtype)));
+  // One file, however large: shards split in name order could part a weight's codes from its
+  // quant state, which Transformers' per-shard loading refuses. (A 70B model's 4-bit file is
+  // about 40 GB, within the Hub's 50 GB a file.)
+  save_sharded(dir, tensors, std::numeric_limits<int64_t>::max(), {{"format", "pt"}});
   // Transformers' BitsAndBytesConfig as save_pretrained writes it for such a model.
   nlohmann::ordered_json config =
       nlohmann::ordered_json::parse(model.config().to_hf_json(dense_dtype));

@@ -191,6 +191,23 @@ void load_nf4_base_from_hf(nn::LlamaModel& model, const std::string& dir,
   const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(dir);
   const std::set<std::string> quantized = bnb_quantized_weights(ckpt);
   autograd::NoGrad no_grad;
+  // Every name and shape first, as load_hf_weights does: a wrong checkpoint is refused before
+  // minutes of reading and quantizing (the quantized weights' pieces are checked as they are
+  // read).
+  {
+    std::set<std::string> expected;
+    for (auto& [name, slot] : model.named_parameters()) {
+      if (quantized.count(name)) {  // its pieces, whatever they are, are read (and refused) later
+        expected.insert(name);
+        for (const std::string& stored : ckpt.names())
+          if (stored.starts_with(name + ".")) expected.insert(stored);
+        continue;
+      }
+      check_dense_tensor(ckpt, name, slot->shape(), dir);
+      expected.insert(name);
+    }
+    check_no_other_tensors(ckpt, expected, model.config().tie_embeddings, dir);
+  }
   std::set<std::string> loaded;
   auto take_quantized = [&](const std::string& weight, const Shape& shape, Device device) {
     for (const std::string& name : bnb_tensor_names(weight)) loaded.insert(name);

@@ -272,8 +272,10 @@ void install_nf4_projections(
     DecoderLayer& layer = *model.layers[static_cast<size_t>(l)];
     for (const std::string& name : lora_projection_names()) {
       Linear& dense = *projection_slot(layer, name);
-      if (typeid(dense) != typeid(Linear)) continue;  // already NF4, or adapted
       const std::string weight = projection_path(l, name) + ".weight";
+      ST_CHECK_AS(ConfigError, typeid(dense) == typeid(Linear), "install_nf4_projections: ", weight,
+                  " is already NF4 or adapted (install the NF4 base once, before "
+                  "apply_lora)");
       const Shape shape = {dense.out_features(), dense.in_features()};
       Nf4Tensor q = weight_of(weight, shape);
       ST_CHECK_SHAPE(q.shape == shape, "install_nf4_projections: the NF4 weight for ", weight,

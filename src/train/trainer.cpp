@@ -617,8 +617,8 @@ TrainSummary train_with(const Config& config) {
     window_tokens += tokens;
     window_seconds += seconds;
     if ((step + 1) % std::max<int64_t>(t.log_every, 1) == 0 || step + 1 == t.steps) {
-      progress.update(step + 1, fmt::format("loss {:.4f} lr {:.2e} | {:.0f} tok/s | peak {}",
-                                            r.loss, r.lr, window_tokens / window_seconds,
+      progress.update(step + 1, fmt::format("loss {:.4f} lr {:.2e} | {} tok/s | peak {}", r.loss,
+                                            r.lr, format_rate(window_tokens / window_seconds),
                                             format_bytes(r.device_memory.total_peak)));
       window_tokens = window_seconds = 0;
     }

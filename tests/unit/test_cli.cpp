@@ -340,7 +340,7 @@ TEST(Cli, QuantizeWritesABaseAQloraRunReads) {
   r.err += ::testing::internal::GetCapturedStderr();
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_CONTAINS(r.out, "wrote " + out + ": ");
-  EXPECT_CONTAINS(r.err, "quantized 14/14 projections\n");
+  EXPECT_CONTAINS(r.err, "NF4 projections: 14/14\n");
   EXPECT_CONTAINS(shardtrain::testing::read_file_bytes(out + "/config.json"),
                   "\"quant_method\": \"bitsandbytes\"");
   const std::string run_yaml = (tmp.path / "qlora.yaml").string();
@@ -356,7 +356,13 @@ TEST(Cli, QuantizeWritesABaseAQloraRunReads) {
   EXPECT_EQ(r.code, 0) << r.err;
   EXPECT_CONTAINS(r.err, "its projections already in NF4");
 
-  r = run({"quantize", "--model", golden, "--output", golden});
+  // The golden model's torch_dtype is float32: its dense weights stay fp32.
+  EXPECT_CONTAINS(shardtrain::testing::read_file_bytes(out + "/config.json"),
+                  "\"torch_dtype\": \"float32\"");
+  // On a copy: were the check ever broken, the source itself would be overwritten.
+  const std::string copy = (tmp.path / "golden-copy").string();
+  fs::copy(golden, copy);
+  r = run({"quantize", "--model", copy, "--output", copy + "/."});
   EXPECT_EQ(r.code, 2);
   EXPECT_CONTAINS(r.err, "is --model's directory");
   r = run({"quantize", "--model", golden, "--output", out, "--dtype", "int8"});

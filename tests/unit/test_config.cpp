@@ -13,6 +13,7 @@
 #include <string>
 
 #include "shardtrain/core/error.h"
+#include "shardtrain/core/units.h"
 #include "shardtrain/core/suggest.h"
 #include "shardtrain/train/config.h"
 
@@ -51,6 +52,16 @@ TEST(Suggest, EditDistanceAndClosest) {
   EXPECT_EQ(shardtrain::edit_distance("lr", "lr"), 0u);
   EXPECT_EQ(shardtrain::closest_match("cosin", {"cosine", "constant", "linear"}), "cosine");
   EXPECT_EQ(shardtrain::closest_match("zzzzzz", {"cosine", "constant", "linear"}), "");
+}
+
+// Rates read as whole numbers when large and with three significant digits when small, so a
+// slow step shows 0.812 tokens/s, not 0.
+TEST(Units, RatesKeepThreeSignificantDigitsBelowAHundred) {
+  EXPECT_EQ(shardtrain::format_rate(12345.6), "12346");
+  EXPECT_EQ(shardtrain::format_rate(100.0), "100");
+  EXPECT_EQ(shardtrain::format_rate(45.26), "45.3");
+  EXPECT_EQ(shardtrain::format_rate(0.8123), "0.812");
+  EXPECT_EQ(shardtrain::format_rate(0.0), "0");
 }
 
 TEST(Config, DefaultsMatchTheDocumentedValues) {

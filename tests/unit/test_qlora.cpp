@@ -1041,6 +1041,19 @@ TEST(BnbCheckpoint, IsTheNf4BaseOfAQloraRunAsStored) {
     train::Runtime from_float32_map(run_config(dir.str("bnb-float32-map")));
     EXPECT_EQ(loss_of(from_float32_map.model(), batch), loss);
   }
+  // Packed codes stored as bf16 elements (bnb_4bit_quant_storage) are the same bytes.
+  save_like_bitsandbytes(*rounded, dir.str("bnb-bf16-storage"), {}, [](NamedTensors& tensors) {
+    for (auto& [name, t] : tensors)
+      if (name.ends_with("_proj.weight")) {
+        Tensor wide = empty({t.numel() / 2, 1}, DType::BF16, Device::cpu());
+        std::memcpy(wide.data_ptr(), t.data_ptr(), static_cast<size_t>(t.nbytes()));
+        t = wide;
+      }
+  });
+  {
+    train::Runtime from_bf16_storage(run_config(dir.str("bnb-bf16-storage")));
+    EXPECT_EQ(loss_of(from_bf16_storage.model(), batch), loss);
+  }
   // The same as loading the dense model whole and quantizing it in apply_lora.
   auto whole = std::make_unique<nn::LlamaModel>(tiny_config(), Device::cpu());
   io::load_hf_weights(*whole, dir.str("dense"));
@@ -1084,7 +1097,7 @@ TEST(BnbCheckpoint, TheRuntimeWritesItsNf4BaseInBitsandbytesLayout) {
   io::load_nf4_base_from_hf(again, dir.str("written"));
   const Batch batch = fixed_batch();
   EXPECT_EQ(loss_of(again, batch), loss_of(base, batch));
-  // An adapted model, or one whose projections are dense, is refused.
+  // A model whose projections are dense is refused (an adapted one too: they are not NF4).
   expect_error<ConfigError>([&] { io::save_bnb_4bit_model(*rounded, dir.str("dense-out")); },
                             {"model.layers.0.self_attn.q_proj.weight is not an NF4 projection"});
 }

@@ -95,9 +95,10 @@ LoraSummary apply_lora(LlamaModel& model, const LoraOptions& options);
 // Hugging Face module path ("model.layers.3.self_attn.q_proj"), in layer and projection order.
 std::vector<std::pair<std::string, Linear*>> decoder_projections(LlamaModel& model);
 
-// Replaces every decoder projection that is still a plain Linear (dense or deferred, see
-// ParameterStorage) by an Nf4Linear holding `weight_of(weight name, shape)`, moved to the
-// model's device if it was produced elsewhere; weight names are Hugging Face's
+// Replaces every decoder projection, each a plain Linear (dense or deferred, see
+// ParameterStorage; anything else is a ConfigError), by an Nf4Linear holding `weight_of(weight
+// name, shape)`, moved to the model's device if it was produced elsewhere; weight names are Hugging
+// Face's
 // ("model.layers.0.self_attn.q_proj.weight"), in layer and projection order. With a model built
 // Deferred no projection is ever dense on the device: a base of billions of weights is built in
 // the memory of its NF4 codes plus whatever `weight_of` holds for one projection. apply_lora
