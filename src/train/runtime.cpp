@@ -335,7 +335,9 @@ void check_initial_adapter(const Config& config, const std::string& frozen_base)
 
 }  // namespace
 
-Runtime::Runtime(const Config& config) : config_(config), device_(training_device(config)) {
+Runtime::Runtime(const Config& config,
+                 const std::function<void(int64_t done, int64_t total)>& on_base_projection)
+    : config_(config), device_(training_device(config)) {
 #ifdef SHARDTRAIN_HAVE_CUDA
   // This rank's GPU becomes the process's current device, so that nothing (a device guard
   // restoring "the previous device", NCCL, a library call) creates a context on GPU 0 in every
@@ -377,14 +379,18 @@ Runtime::Runtime(const Config& config) : config_(config), device_(training_devic
     // A bitsandbytes 4-bit checkpoint's codes are kept as stored, not dequantized and quantized
     // again (which would change the block statistics); dense weights are quantized one
     // projection at a time.
-    io::load_nf4_base_from_hf(*model_, config_.model.from_hf);
+    io::load_nf4_base_from_hf(*model_, config_.model.from_hf, on_base_projection);
   } else if (nf4_base) {
     // The random base init_weights would draw, one projection at a time on the host.
+    const int64_t total = mc.num_layers * static_cast<int64_t>(nn::lora_projection_names().size());
+    int64_t done = 0;
     nn::install_nf4_projections(*model_, [&](const std::string& weight, const Shape& shape) {
       CategoryScope workspace(MemoryCategory::Workspace);
       Tensor dense = empty(shape, DType::F32, Device::cpu());
       model_->init_parameter_range(seed, weight, 0, numel(shape), dense.data<float>());
-      return nn::Nf4Tensor::quantize(dense);
+      nn::Nf4Tensor q = nn::Nf4Tensor::quantize(dense);
+      if (on_base_projection) on_base_projection(++done, total);
+      return q;
     });
     model_->init_weights(seed);
   } else if (!deferred) {  // a deferred model gets its values when it is sharded, below

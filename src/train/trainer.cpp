@@ -356,7 +356,22 @@ TrainSummary train_with(const Config& config) {
                  : io::holds_bnb_4bit_weights(weights) ? ", its projections already in NF4"
                                                        : ", quantizing the base to NF4");
   }
-  Runtime rt(config);
+  // Building a QLoRA base (quantizing, or reading a 4-bit one) is counted in projections once it
+  // has taken Progress::kEvalLineAfter, as an evaluation is: redrawn on a terminal, a line every
+  // Progress::kEvalLineEvery in a log, and the last count.
+  const bool nf4_base = config.lora.enabled && config.lora.quantize_base == "nf4";
+  const bool redraw = t.progress == "bar" || (t.progress == "auto" && isatty(STDERR_FILENO) != 0);
+  std::optional<std::chrono::steady_clock::time_point> shown;
+  Runtime rt(config, [&](int64_t done, int64_t total) {
+    const auto now = std::chrono::steady_clock::now();
+    if (!tells || !nf4_base || now - load_start < Progress::kEvalLineAfter) return;
+    if (!redraw && shown && done != total && now - *shown < Progress::kEvalLineEvery) return;
+    shown = now;
+    std::fprintf(stderr, "%sNF4 base: %lld/%lld projections%s", redraw ? "\r\033[K" : "",
+                 static_cast<long long>(done), static_cast<long long>(total),
+                 redraw && done != total ? "" : "\n");
+    std::fflush(stderr);
+  });
   if (loads_weights && tells)
     std::fprintf(
         stderr, "loaded the model in %.1f s\n",

@@ -902,12 +902,17 @@ TEST(QloraRuntime, BuildsItsNf4BaseOneProjectionAtATime) {
   Allocator& cpu = allocator_for(Device::cpu());
   const int64_t before = cpu.stats().total_in_use;
   cpu.reset_peak();
+  std::vector<std::pair<int64_t, int64_t>> told;  // the progress the trainer shows
   train::Runtime rt(
       train::Config::parse(yaml,
                            {"lora.enabled=true", "lora.r=4", "train.device=cpu", "train.seed=21",
                             "train.seq_len=32", "train.out_dir=" + dir.str("run")},
-                           "test_qlora"));
+                           "test_qlora"),
+      [&](int64_t done, int64_t total) { told.emplace_back(done, total); });
   const int64_t built_peak = cpu.stats().total_peak - before;
+  ASSERT_EQ(told.size(), 14u);  // 2 layers x 7 projections, each told once, in order
+  for (size_t i = 0; i < told.size(); ++i)
+    EXPECT_EQ(told[i], std::make_pair(static_cast<int64_t>(i + 1), int64_t{14}));
   const int64_t dense_model = c.num_parameters() * 4;
   // Built whole, the dense fp32 model alone would have been the peak (its projections are 90%
   // of it); here the projections are NF4 but for one at a time (the rest is adapters, their

@@ -88,8 +88,12 @@ class Runtime {
   // Builds the model (from model.from_hf when set, else initialised from train.seed), applies
   // the activation strategy and precision policy, and creates the optimizer. Under a sharding
   // strategy other than no_shard (more than one rank) the full model is never built: each rank
-  // creates only its shards, from the seed or from the checkpoint's files.
-  explicit Runtime(const Config& config);
+  // creates only its shards, from the seed or from the checkpoint's files. A QLoRA base is built
+  // one projection at a time; `on_base_projection`, when given, is told after each how many of
+  // how many are done (minutes for billions of weights).
+  explicit Runtime(
+      const Config& config,
+      const std::function<void(int64_t done, int64_t total)>& on_base_projection = nullptr);
   ~Runtime();
 
   // One optimizer step over this rank's micro-batches. An inf or nan gradient skips the step
