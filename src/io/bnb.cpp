@@ -40,7 +40,7 @@ std::set<std::string> bnb_quantized_weights(const SafetensorsCheckpoint& ckpt) {
 }
 
 std::vector<std::string> bnb_tensor_names(const std::string& weight_name) {
-  std::vector<std::string> names = {weight_name};
+  std::vector<std::string> names = {weight_name, weight_name + kQuantStatePrefix + "fp4"};
   for (const char* piece : kPieces) names.push_back(weight_name + piece);
   return names;
 }

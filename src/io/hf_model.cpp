@@ -191,16 +191,14 @@ void load_nf4_base_from_hf(nn::LlamaModel& model, const std::string& dir,
   const SafetensorsCheckpoint ckpt = SafetensorsCheckpoint::open(dir);
   const std::set<std::string> quantized = bnb_quantized_weights(ckpt);
   autograd::NoGrad no_grad;
-  // Every name and shape first, as load_hf_weights does: a wrong checkpoint is refused before
-  // minutes of reading and quantizing (the quantized weights' pieces are checked as they are
-  // read).
+  // Every name and shape first, once, as load_hf_weights does: a wrong checkpoint is refused
+  // before minutes of reading and quantizing (the quantized weights' pieces are checked as they
+  // are read).
   {
     std::set<std::string> expected;
     for (auto& [name, slot] : model.named_parameters()) {
-      if (quantized.count(name)) {  // its pieces, whatever they are, are read (and refused) later
-        expected.insert(name);
-        for (const std::string& stored : ckpt.names())
-          if (stored.starts_with(name + ".")) expected.insert(stored);
+      if (quantized.count(name)) {
+        for (const std::string& stored : bnb_tensor_names(name)) expected.insert(stored);
         continue;
       }
       check_dense_tensor(ckpt, name, slot->shape(), dir);
@@ -208,20 +206,13 @@ void load_nf4_base_from_hf(nn::LlamaModel& model, const std::string& dir,
     }
     check_no_other_tensors(ckpt, expected, model.config().tie_embeddings, dir);
   }
-  std::set<std::string> loaded;
-  auto take_quantized = [&](const std::string& weight, const Shape& shape, Device device) {
-    for (const std::string& name : bnb_tensor_names(weight)) loaded.insert(name);
-    return read_bnb_nf4(ckpt, weight, shape, device);
-  };
   // The projections, one at a time: as stored, or quantized on the host from the dense weight
   // (the bits apply_lora's quantization of a loaded model gives).
   auto nf4_of = [&](const std::string& weight, const Shape& shape) {
-    if (quantized.count(weight)) return take_quantized(weight, shape, model.device());
-    check_dense_tensor(ckpt, weight, shape, dir);
+    if (quantized.count(weight)) return read_bnb_nf4(ckpt, weight, shape, model.device());
     CategoryScope workspace(MemoryCategory::Workspace);
     const Tensor dense = ckpt.load(weight, Device::cpu(), DType::F32);
     check_finite(dense, weight, dir);
-    loaded.insert(weight);
     return nn::Nf4Tensor::quantize(dense);
   };
   const int64_t total =
@@ -238,15 +229,12 @@ void load_nf4_base_from_hf(nn::LlamaModel& model, const std::string& dir,
     if (quantized.count(name)) {
       CategoryScope workspace(MemoryCategory::Workspace);
       slot->copy_from(
-          take_quantized(name, slot->shape(), model.device()).dequantize(slot->dtype()));
+          read_bnb_nf4(ckpt, name, slot->shape(), model.device()).dequantize(slot->dtype()));
     } else {
-      check_dense_tensor(ckpt, name, slot->shape(), dir);
       ckpt.load_into(name, *slot);
-      loaded.insert(name);
     }
     check_finite(*slot, name, dir);
   }
-  check_no_other_tensors(ckpt, loaded, model.config().tie_embeddings, dir);
 }
 
 void load_hf_weights(fsdp::ShardedModel& model, const std::string& dir) {

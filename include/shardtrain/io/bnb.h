@@ -40,7 +40,8 @@ nn::Nf4Tensor read_bnb_nf4(const SafetensorsCheckpoint& ckpt, const std::string&
 
 // The weights of `ckpt` stored quantized: the W of every "W.quant_state.bitsandbytes__<type>".
 std::set<std::string> bnb_quantized_weights(const SafetensorsCheckpoint& ckpt);
-// The names of the tensors that store the quantized weight W (W itself included).
+// The names bitsandbytes may store for the quantized weight W: W, its NF4 pieces, and the FP4
+// quant state (which read_bnb_nf4 refuses by name).
 std::vector<std::string> bnb_tensor_names(const std::string& weight_name);
 
 // Writes `model`, whose decoder projections are all nn::Nf4Linear (not adapted: an
