@@ -11,6 +11,7 @@
 #include <new>
 #include <thread>
 
+#include "shardtrain/backend/cpu_threads.h"
 #include "shardtrain/cli/command.h"
 #include "shardtrain/core/suggest.h"
 #include "shardtrain/dist/env.h"
@@ -94,6 +95,18 @@ void check_openmp_threads() {
                     "unset it");
 }
 
+// Several ranks on one node, OMP_NUM_THREADS unset: each takes its share of the CPUs instead of
+// a thread per CPU (cpu_threads.h), and rank 0 says so, since it changes the speed of CPU work.
+void share_cpus_with_local_ranks() {
+  const dist::LaunchInfo launch = dist::detect_launch();
+  const CpuThreadShare share = share_cpu_threads(launch.local_size);
+  if (!share.changed || launch.rank != 0) return;
+  std::cerr << "note: OMP_NUM_THREADS is unset and " << launch.local_size
+            << " ranks share this node's " << share.node_cpus << " CPUs: each rank uses "
+            << share.threads << (share.threads == 1 ? " OpenMP thread" : " OpenMP threads")
+            << " (set OMP_NUM_THREADS to choose)\n";
+}
+
 // Under mpirun one failing rank must end the whole job: the others may be blocked in a
 // collective it will never join. Every rank usually fails alike (a refused configuration), and
 // rank 0, unwinding, takes back the directories the run created: the other ranks give it a
@@ -142,6 +155,7 @@ int run(const std::vector<std::string>& args) {
       return 0;
     }
     check_openmp_threads();
+    share_cpus_with_local_ranks();
     Args parsed = parse_args(*command, rest);
     int code = command->run(parsed);
     std::cout.flush();

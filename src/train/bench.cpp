@@ -15,6 +15,7 @@
 
 #include "shardtrain/activation/strategy.h"
 #include "shardtrain/backend/backend.h"
+#include "shardtrain/backend/cpu_threads.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/core/files.h"
 #include "shardtrain/core/suggest.h"
@@ -452,6 +453,7 @@ BenchReport run_bench(const Config& config, const BenchOptions& options) {
   BenchReport report;
   report.world_size = world;
   report.device = resolve_device(config.train.device).str();
+  if (training_device(config).is_cpu()) report.cpu_threads = cpu_thread_count();
   report.date = utc_now();
   report.host = host_name();
 #ifdef SHARDTRAIN_HAVE_CUDA
@@ -665,8 +667,13 @@ std::string markdown_rows(const std::vector<BenchRow>& rows, bool with_rank) {
 
 std::string BenchReport::markdown() const {
   std::string out = markdown_rows(rows, false);
-  out += "\n" + config_summary + "; device " + device +
-         (device_name.empty() ? "" : " (" + device_name + ")") + ", " + std::to_string(world_size) +
+  const std::string threads = cpu_threads > 0 ? std::to_string(cpu_threads) + " OpenMP thread" +
+                                                    (cpu_threads == 1 ? "" : "s") +
+                                                    (world_size == 1 ? "" : " a rank")
+                                              : "";
+  const std::string about = !device_name.empty() ? device_name : threads;
+  out += "\n" + config_summary + "; device " + device + (about.empty() ? "" : " (" + about + ")") +
+         ", " + std::to_string(world_size) +
          (world_size == 1 ? " rank" : " ranks (memory and step time: max over ranks)") + "; " +
          date + " on " + host + ".\n";
   out += "Model FLOPs per token " + fmt("%.4g", model_flops_per_token) +
@@ -732,6 +739,7 @@ std::string BenchReport::json() const {
   j["host"] = host;
   j["device"] = device;
   j["device_name"] = device_name;
+  j["cpu_threads"] = cpu_threads;
   j["world_size"] = world_size;
   j["config"] = config_summary;
   j["model_flops_per_token"] = model_flops_per_token;

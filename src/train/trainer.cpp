@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "shardtrain/backend/attention.h"
+#include "shardtrain/backend/cpu_threads.h"
 #ifdef SHARDTRAIN_HAVE_CUDA
 #include "shardtrain/backend/cuda.h"
 #endif
@@ -428,8 +429,16 @@ TrainSummary train_with(const Config& config) {
   }
   const std::string ranks =
       world > 1 ? std::to_string(world) + " ranks (" + config.dist.sharding + "), " : "";
+  // On the CPU the thread count sets the speed (and, with ranks sharing a node, was chosen for
+  // them when OMP_NUM_THREADS is unset): say it.
+  const int threads = rt.device().is_cpu() ? cpu_thread_count() : 0;
+  const std::string device_text =
+      rt.device().str() + (threads > 0
+                               ? concat(" (", threads, threads == 1 ? " thread" : " threads",
+                                        world > 1 ? " a rank)" : ")")
+                               : "");
   progress.message("shardtrain: " + std::to_string(num_parameters) + " parameters on " + ranks +
-                   rt.device().str() + trainable + ", " + std::to_string(global_batch) + " x " +
+                   device_text + trainable + ", " + std::to_string(global_batch) + " x " +
                    std::to_string(t.seq_len) + " tokens per step (" + std::to_string(accumulation) +
                    (accumulation == 1 ? " micro-batch" : " micro-batches") +
                    (world > 1 ? " a rank), data " : "), data ") + data.source() + " (" +

@@ -99,6 +99,7 @@ struct BenchReport {
   int world_size = 1;
   std::string device;       // "cpu", "cuda:0"
   std::string device_name;  // the GPU's description ("NVIDIA H100 80GB HBM3 (sm_90, ...)"), or ""
+  int cpu_threads = 0;      // OpenMP threads a rank's CPU work ran on (0: not on the CPU device)
   std::string config_summary;
   double model_flops_per_token = 0;
   int64_t flops_parameters = 0;  // N of model_flops_per_token
