@@ -71,6 +71,8 @@ Command quantize_command() {
       const std::string stored = !named("dtype").empty() ? named("dtype") : named("torch_dtype");
       dtype_flag = stored == "float32" ? "fp32" : stored == "float16" ? "fp16" : "bf16";
     }
+    // Before minutes of quantizing: an output that cannot be written fails now.
+    create_output_dir(output);
     const auto start = std::chrono::steady_clock::now();
     nn::LlamaModel model(config, Device::cpu(), nn::ParameterStorage::Deferred);
     // Minutes for billions of weights: a redrawn count on a terminal, a line per tenth in a log.

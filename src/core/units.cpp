@@ -64,6 +64,11 @@ int64_t parse_bytes(const std::string& text) {
     throw ConfigError("unknown byte unit '" + unit + "' in '" + text +
                       "': use B, KiB, MiB, GiB, TiB (or K, M, G, T: the same powers of 1024), "
                       "or KB, MB, GB, TB (powers of 1000)");
+  // A fraction of a larger unit ("1.5GiB") is a size; a fraction of one byte is a mistake.
+  if (mult == 1 && v != std::floor(v))
+    throw ConfigError("byte size '" + text +
+                      "' is not a whole number of bytes: write a whole number, or a fraction of "
+                      "a larger unit (1.5GiB)");
   // 2^63 bytes and more do not fit the signed 64-bit sizes used everywhere.
   if (!(v * mult < 9223372036854775808.0))
     throw ConfigError("byte size '" + text + "' is too large (at most 8 EiB)");

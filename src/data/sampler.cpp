@@ -115,7 +115,10 @@ Batch Sampler::next_batch_rows(int64_t batch_size, int64_t first, int64_t count)
 }
 
 void Sampler::restore(const SamplerState& state) {
-  ST_CHECK_AS(ConfigError, state.epoch >= 0 && state.position >= 0 && state.position < num_windows_,
+  ST_CHECK_AS(ConfigError, state.epoch >= 0, "cannot restore sampler state (epoch ", state.epoch,
+              ", position ", state.position,
+              "): the epoch is negative, which no run writes: the checkpoint is damaged");
+  ST_CHECK_AS(ConfigError, state.position >= 0 && state.position < num_windows_,
               "cannot restore sampler state (epoch ", state.epoch, ", position ", state.position,
               "): the position must be in [0, ", num_windows_,
               ") for this dataset and seq_len; was the checkpoint made with other data?");

@@ -4,6 +4,7 @@
 #include <unistd.h>
 #include <cctype>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -265,10 +266,25 @@ TokenDataset load_token_source(const std::string& path) {
                 "and point data.path at the text itself to train on text");
     return TokenDataset::open(path);
   }
-  ST_CHECK_AS(ConfigError, named_text, "data.path '", path,
-              "' is not an HDF5 token dataset: give a text file the .txt extension (it is then "
-              "trained on as bytes), or convert it with `shardtrain prepare-data --input ",
-              path, " --output DATA.h5`");
+  if (!named_text) {
+    // Renaming it .txt or converting it helps only if it is text: binary data (a raw token
+    // array, an archive) holds NUL bytes, which neither accepts.
+    std::ifstream head(path, std::ios::binary);
+    std::string start(64 * 1024, '\0');
+    head.read(start.data(), static_cast<std::streamsize>(start.size()));
+    start.resize(static_cast<size_t>(std::max<std::streamsize>(0, head.gcount())));
+    if (const size_t nul = start.find('\0'); nul != std::string::npos)
+      throw ConfigError(concat(
+          "data.path '", path, "' is neither an HDF5 token dataset nor text (a NUL byte at offset ",
+          nul,
+          ": binary data, such as a raw token array or an archive): give a token dataset "
+          "written by `shardtrain prepare-data` from the text, or the text itself named .txt"));
+    throw ConfigError(concat("data.path '", path,
+                             "' is not an HDF5 token dataset: give a text file the .txt extension "
+                             "(it is then trained on as bytes), or convert it with `shardtrain "
+                             "prepare-data --input ",
+                             path, " --output DATA.h5`"));
+  }
   check_regular_file(path, "data.path");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ConfigError("data.path: cannot open '" + path + "'");

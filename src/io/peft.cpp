@@ -161,11 +161,13 @@ nn::LoraOptions read_peft_config(const std::string& dir, std::string* base_model
   for (const char* key : {"layers_to_transform", "modules_to_save"})
     if (config.contains(key) && !config[key].is_null())
       fail(key, "is set; only adapters on every layer's projections are supported");
-  if (base_model != nullptr) {
-    const json& b =
-        config.contains("base_model_name_or_path") ? config["base_model_name_or_path"] : json();
-    *base_model = b.is_string() ? b.get<std::string>() : "";
-  }
+  const json& base =
+      config.contains("base_model_name_or_path") ? config["base_model_name_or_path"] : json();
+  // null (PEFT writes it for a model built in memory) records no base; a number or a list is a
+  // damaged file, not a missing name.
+  if (!base.is_null() && !base.is_string())
+    fail("base_model_name_or_path", "must be a string or null, got " + base.dump());
+  if (base_model != nullptr) *base_model = base.is_string() ? base.get<std::string>() : "";
   return options;
 }
 

@@ -120,6 +120,7 @@ CheckReport run_check(Config config, const CheckOptions& options) {
   // shape, say) describes another model and would be refused as contradicting it.
   config.model = ModelConfig{};
   config.model.from_hf = options.model_dir;
+  resolve_model_from_hf(config.model, {}, "check --model");
   SafetensorsFile batch = SafetensorsFile::open(options.batch_file);
   SafetensorsFile expected = SafetensorsFile::open(options.expected_file);
   const auto& meta = expected.metadata();
@@ -165,6 +166,25 @@ CheckReport run_check(Config config, const CheckOptions& options) {
               "): a reference case needs at least one sequence");
   full.num_target_tokens = count_target_tokens(full.targets);
   int64_t b = full.batch_size();
+  {
+    // Ids the model has no row for would stop the forward pass with a message that names no
+    // file: say which tensor of which file, and where.
+    const int64_t vocab = config.model.vocab_size;
+    auto check_ids = [&](const Tensor& t, const char* name, bool ignore_allowed) {
+      const std::vector<int64_t> ids = t.to_int_vector();
+      for (size_t i = 0; i < ids.size(); ++i) {
+        const int64_t id = ids[i];
+        if ((id >= 0 && id < vocab) || (ignore_allowed && id == -100)) continue;
+        const int64_t s = t.size(1);
+        throw FormatError(detail::concat(
+            "'", options.batch_file, "': ", name, "[", i / s, ", ", i % s, "] = ", id,
+            " is not a token id of the model's vocabulary of ", vocab, " (", options.model_dir,
+            "/config.json)", ignore_allowed ? "; -100 marks a position without a target" : ""));
+      }
+    };
+    check_ids(full.input_ids, "input_ids", false);
+    check_ids(full.targets, "targets", true);
+  }
 
   Runtime rt(config);
   const int rank = rt.dist().rank(), world = rt.dist().world_size();

@@ -734,11 +734,22 @@ void open_metrics(std::ofstream& out, const std::string& path, int64_t resumed_s
       if (line.empty()) continue;
       nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
       if (!j.is_object()) continue;
-      const int64_t step = j.value("step", int64_t{0});
+      // Every record this program writes has an event name and a whole step number: a line
+      // without them (edited, or written by something else) is dropped like one that is not
+      // JSON, rather than guessed at.
+      const auto step_it = j.find("step");
+      const auto event_it = j.find("event");
+      if (step_it == j.end() || event_it == j.end() || !event_it->is_string()) continue;
+      if (!step_it->is_number_integer() && !step_it->is_number_unsigned()) continue;
+      if (step_it->is_number_unsigned() &&
+          step_it->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+        continue;
+      const int64_t step = step_it->get<int64_t>();
+      if (step < 0) continue;
       // The resumed run evaluates its first step again when one was due there (it may have been
       // abandoned by the stop): the record it makes replaces the earlier one.
-      const bool eval_at_resumed_step =
-          reevaluates_resumed_step && step == resumed_step && j.value("event", "") == "eval";
+      const bool eval_at_resumed_step = reevaluates_resumed_step && step == resumed_step &&
+                                        event_it->get<std::string>() == "eval";
       if (step <= resumed_step && !eval_at_resumed_step) kept.push_back(line);
     }
   }

@@ -23,6 +23,7 @@
 #include "shardtrain/backend/rope.h"
 #include "shardtrain/core/device.h"
 #include "shardtrain/core/error.h"
+#include "shardtrain/core/files.h"
 #include "shardtrain/core/suggest.h"
 #include "shardtrain/core/units.h"
 #include "shardtrain/nn/llama.h"
@@ -1339,6 +1340,8 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
     throw ConfigError("config file '" + path + "' does not exist (try configs/tiny.yaml)");
   if (fs::is_directory(path, ec))
     throw ConfigError("config file '" + path + "' is a directory; give a .yaml file");
+  // A FIFO would block the open, a device would be read for ever.
+  check_regular_file(path, "config file");
   std::ifstream in(path);
   if (!in) throw ConfigError("cannot open config file '" + path + "' for reading");
   std::stringstream text;
@@ -1353,7 +1356,11 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
   Parsed parsed = parse_tree(text.str(), overrides, path);
   if (!parsed.keys_given.count("train.out_dir"))
     parsed.config.train.out_dir = "runs/" + fs::path(path).stem().string();
-  resolve_model_from_hf(parsed.config.model, parsed.keys_given);
+  // lora.base_model has become model.from_hf by now: errors name the key the user set.
+  const bool base_model =
+      !parsed.config.lora.base_model.empty() && !parsed.keys_given.count("model.from_hf");
+  resolve_model_from_hf(parsed.config.model, parsed.keys_given,
+                        base_model ? "lora.base_model" : "model.from_hf");
   return parsed.config;
 }
 

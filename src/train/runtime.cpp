@@ -136,19 +136,26 @@ std::vector<std::string> disagreements_with_hf(const ModelConfig& m, const nn::L
 }  // namespace
 
 std::optional<nn::LlamaConfig> resolve_model_from_hf(ModelConfig& m,
-                                                     const std::set<std::string>& keys_given) {
+                                                     const std::set<std::string>& keys_given,
+                                                     const std::string& given_as) {
   if (m.from_hf.empty()) return std::nullopt;
   namespace fs = std::filesystem;
   std::error_code ec;
+  const std::string alternative =
+      given_as == "model.from_hf"     ? ", or remove model.from_hf to build the model from the "
+                                        "model keys"
+      : given_as == "lora.base_model" ? ", or remove lora.base_model to train the adapters on a "
+                                        "base built from the model keys"
+                                      : "";
   if (!fs::is_directory(m.from_hf, ec))
-    throw ConfigError("model.from_hf '" + m.from_hf +
+    throw ConfigError(given_as + " '" + m.from_hf +
                       (fs::exists(m.from_hf, ec) ? "' is not a directory" : "' does not exist") +
                       ": give the directory of a Hugging Face model (config.json and "
-                      "*.safetensors), or remove model.from_hf to build the model from the model "
-                      "keys");
+                      "*.safetensors)" +
+                      alternative);
   const std::string file = m.from_hf + "/config.json";
   if (!fs::exists(file, ec))
-    throw ConfigError("model.from_hf '" + m.from_hf +
+    throw ConfigError(given_as + " '" + m.from_hf +
                       "' has no config.json: give the directory of a Hugging Face model "
                       "(config.json and *.safetensors), such as a run's export/ directory");
   const nn::LlamaConfig hf = nn::LlamaConfig::from_hf_json(file);

@@ -111,8 +111,21 @@ void check_host_memory(const Config& config, int world) {
   const std::string ranks = ranks_here > 1 ? " x " + std::to_string(ranks_here) +
                                                  " ranks on this node = " + format_bytes(needed)
                                            : "";
+  // What the model itself holds on this host at every step, whatever the batch: past the whole
+  // memory, the batch keys are no answer.
+  const int64_t model_states =
+      (on_host ? p.model_state_bytes() + p.frozen_bytes : 0) + p.host_optimizer_bytes;
   const std::string fix =
-      data_bytes > capacity.bytes / 2
+      model_states * ranks_here > capacity.bytes
+          ? concat("the model alone (", p.total_parameters,
+                   " parameters: ", format_bytes(model_states),
+                   " of weights, gradients and optimizer state a rank) does not fit: choose a "
+                   "smaller model (model.vocab_size, model.hidden_size, "
+                   "model.intermediate_size, model.num_layers)",
+                   on_host ? ", shard it over more nodes (dist.sharding=full_shard), or train "
+                             "on GPUs"
+                           : ", or keep the optimizer state on the GPU (optim.offload=none)")
+      : data_bytes > capacity.bytes / 2
           ? "convert " + data +
                 " to a token dataset, which is memory-mapped instead (`shardtrain "
                 "prepare-data --input " +
@@ -192,8 +205,18 @@ TrainSummary run_training(const Config& given) {
                                      "(`shardtrain plan` lists them with their settings)"))
         : capacity > 0 ? out_of_memory_advice(config, capacity, dist::job_world_size())
                        : "";
-    if (advice.empty()) throw;
-    throw OutOfMemoryError(std::string(e.what()) + "\n" + advice, e.requested_bytes());
+    // A cap the run config set is the first thing to look at.
+    const std::string cap =
+        config.train.device_memory_bytes() > 0
+            ? "The capacity of " + format_bytes(config.train.device_memory_bytes()) +
+                  " a rank is train.device_memory's: raise it, or remove it " +
+                  (training_device(config).is_cuda() ? "to use the GPU's whole memory."
+                                                     : "(the cpu device then has no cap).")
+            : "";
+    if (advice.empty() && cap.empty()) throw;
+    throw OutOfMemoryError(
+        std::string(e.what()) + "\n" + advice + (advice.empty() || cap.empty() ? "" : " ") + cap,
+        e.requested_bytes());
   }
 }
 

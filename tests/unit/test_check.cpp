@@ -144,6 +144,25 @@ TEST_F(Check, ShapesAndHyperParametersMustFitTheReferenceStep) {
       empty, {{"input_ids", zeros({0, 8}, DType::I64)}, {"targets", zeros({0, 8}, DType::I64)}});
   expect_error<FormatError>([&] { run(Reference::golden(), empty); },
                             {"the batch is empty", "at least one sequence"});
+
+  // Token ids outside the model's vocabulary name the file, the tensor and the position.
+  SafetensorsFile golden_batch = SafetensorsFile::open(kGolden + "/batch.safetensors");
+  auto batch_with = [&](const std::string& name, const char* tensor, int64_t value) {
+    Tensor ids = golden_batch.load("input_ids", Device::cpu(), DType::I64);
+    Tensor targets = golden_batch.load("targets", Device::cpu(), DType::I64);
+    Tensor& changed = std::string(tensor) == "input_ids" ? ids : targets;
+    static_cast<int64_t*>(changed.data_ptr())[1] = value;
+    const std::string path = tmp_ / name;
+    save_safetensors(path, {{"input_ids", ids}, {"targets", targets}});
+    return path;
+  };
+  const std::string too_large = batch_with("oov.safetensors", "input_ids", 1 << 20);
+  expect_error<FormatError>([&] { run(Reference::golden(), too_large); },
+                            {"'" + too_large + "': input_ids[0, 1] = 1048576 is not a token id"});
+  const std::string negative = batch_with("neg.safetensors", "targets", -1);
+  expect_error<FormatError>([&] { run(Reference::golden(), negative); },
+                            {"'" + negative + "': targets[0, 1] = -1 is not a token id",
+                             "-100 marks a position without a target"});
 }
 
 }  // namespace

@@ -1382,3 +1382,53 @@ TEST(CheckpointCrash, ASaveKilledPartWayLeavesThePreviousCheckpointIntactAndChos
   }
   FAIL() << "three saves finished before SIGKILL landed; the window was never hit";
 }
+
+// A resumed run keeps the metrics records up to its checkpoint's step. Lines it cannot place (not
+// JSON, or a step or event of the wrong type or out of range, as an edit or another program may
+// leave) are dropped, not fatal, and never kept past the checkpoint.
+TEST(CheckpointMetrics, ResumingDropsRecordsThatAreDamagedOrPastTheCheckpoint) {
+  TempDir tmp;
+  const std::string path = tmp / "metrics.jsonl";
+  {
+    std::ofstream out(path);
+    out << R"({"event":"step","step":1,"loss":5.0})"
+        << "\n"
+        << "not json\n"
+        << R"({"event":"step","step":"2","loss":4.0})"
+        << "\n"
+        << R"({"event":"step","step":null})"
+        << "\n"
+        << R"({"event":"eval","step":"2"})"
+        << "\n"
+        << R"({"event":7,"step":2})"
+        << "\n"
+        << R"({"step":2})"
+        << "\n"
+        << R"({"event":"step","step":18446744073709551615})"
+        << "\n"
+        << R"({"event":"step","step":1e300})"
+        << "\n"
+        << R"({"event":"step","step":-1})"
+        << "\n"
+        << R"({"event":"step","step":2,"loss":3.0})"
+        << "\n"
+        << R"({"event":"eval","step":2,"eval_loss":3.5})"
+        << "\n"
+        << R"({"event":"step","step":3,"loss":2.0})"
+        << "\n";
+  }
+  std::ofstream metrics;
+  ASSERT_NO_THROW(train::open_metrics(metrics, path, /*resumed_step=*/2,
+                                      /*reevaluates_resumed_step=*/false));
+  metrics << R"({"event":"step","step":3,"loss":2.5})"
+          << "\n";
+  metrics.close();
+  EXPECT_EQ(file_bytes(path), R"({"event":"step","step":1,"loss":5.0})"
+                              "\n"
+                              R"({"event":"step","step":2,"loss":3.0})"
+                              "\n"
+                              R"({"event":"eval","step":2,"eval_loss":3.5})"
+                              "\n"
+                              R"({"event":"step","step":3,"loss":2.5})"
+                              "\n");
+}

@@ -368,6 +368,15 @@ TEST(Cli, QuantizeWritesABaseAQloraRunReads) {
   r = run({"quantize", "--model", golden, "--output", out, "--dtype", "int8"});
   EXPECT_EQ(r.code, 2);
   EXPECT_CONTAINS(r.err, "--dtype must be bf16, fp16 or fp32, got 'int8'");
+  // An output that cannot be created fails before any projection is quantized.
+  const std::string blocked = (tmp.path / "a-file").string();
+  std::ofstream(blocked) << "x";
+  ::testing::internal::CaptureStderr();
+  r = run({"quantize", "--model", golden, "--output", blocked + "/nf4"});
+  r.err += ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(r.code, 1);
+  EXPECT_CONTAINS(r.err, "cannot create the output directory '" + blocked + "/nf4'");
+  EXPECT_EQ(r.err.find("NF4 projections"), std::string::npos) << r.err;
 }
 
 TEST(Cli, ConfigCommandPrintsTheResolvedConfig) {

@@ -1,6 +1,7 @@
 // The run config: schema validation (with the exact wording users see), --set overrides, YAML
 // round trips, activation.layers parsing and the shipped configs/.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include "temp_dir.h"
 
@@ -13,8 +14,8 @@
 #include <string>
 
 #include "shardtrain/core/error.h"
-#include "shardtrain/core/units.h"
 #include "shardtrain/core/suggest.h"
+#include "shardtrain/core/units.h"
 #include "shardtrain/train/config.h"
 
 using shardtrain::ConfigError;
@@ -311,6 +312,15 @@ TEST(Config, BadEnumListsChoicesAndSuggests) {
   EXPECT_CONTAINS(parse_error("train:\n  device: host\n"), "expected auto, cpu, cuda or cuda:N");
   EXPECT_CONTAINS(parse_error("train:\n  device_memory: 24 parsecs\n"),
                   "train.device_memory = '24 parsecs' is not valid");
+  // A fraction of a byte is refused, not rounded away; a fraction of a larger unit is a size.
+  for (const std::string fraction : {"0.5", "0.1B", "1024.5"}) {
+    EXPECT_CONTAINS(parse_error("activation:\n  offload_min_bytes: " + fraction + "\n"),
+                    "expected a whole number of bytes");
+    EXPECT_CONTAINS(parse_error("", {"activation.offload_min_bytes=" + fraction}),
+                    "expected a whole number of bytes");
+  }
+  EXPECT_EQ(Config::parse("train:\n  device_memory: 1.5GiB\n").train.device_memory_bytes(),
+            int64_t{3} << 29);
 }
 
 TEST(Config, SetOverridesApplyBeforeValidation) {
@@ -430,6 +440,20 @@ TEST(Config, LoraBaseModelLoadsTheBaseWeights) {
     EXPECT_NE(std::string(e.what()).find("name different base models"), std::string::npos)
         << e.what();
   }
+  // A base directory that is missing or holds no model is named by the key the user set.
+  TempDir dir;
+  const std::string config = dir.write("run.yaml", "train:\n  steps: 2\n");
+  const std::string missing = dir.str("missing");
+  EXPECT_CONTAINS(error_of([&] {
+                    load_config(config, {"lora.enabled=true", "lora.base_model=" + missing});
+                  }),
+                  "lora.base_model '" + missing + "' does not exist");
+  EXPECT_CONTAINS(error_of([&] {
+                    load_config(config, {"lora.enabled=true", "lora.base_model=" + dir.str()});
+                  }),
+                  "lora.base_model '" + dir.str() + "' has no config.json");
+  EXPECT_CONTAINS(error_of([&] { load_config(config, {"model.from_hf=" + missing}); }),
+                  "model.from_hf '" + missing + "' does not exist");
   try {
     Config::parse("", {"lora.base_model=/a"});
     ADD_FAILURE() << "a LoRA base without LoRA accepted";
@@ -634,6 +658,12 @@ TEST(Config, LoadConfigDerivesOutDirFromTheFileName) {
     EXPECT_CONTAINS(error_of([&] { load_config(empty); }),
                     "config file '" + empty + "' holds no settings (it is empty or only comments)");
   }
+  // A FIFO or a device is no config file: opening or reading it would never end.
+  const std::string fifo = dir.str("fifo.yaml");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  for (const std::string& special : {fifo, std::string("/dev/zero")})
+    EXPECT_CONTAINS(error_of([&] { load_config(special); }),
+                    "config file '" + special + "' is not a regular file");
   // A bad key in a file names the file.
   std::string path = dir.write("bad.yaml", "model:\n  hiden_size: 8\n");
   EXPECT_CONTAINS(error_of([&] { load_config(path); }),

@@ -597,6 +597,7 @@ TEST(Sampler, RestoreAndSkipContinueIdentically) {
   EXPECT_EQ(starts_of(c, 80, 4), expected);
 
   expect_error<ConfigError>([&] { b.restore({5, 0, 249}); }, {"position 249", "[0, 249)"});
+  expect_error<ConfigError>([&] { b.restore({5, -3, 6}); }, {"epoch -3", "the epoch is negative"});
 }
 
 // The checksum covers every token: one token changed anywhere changes it; the same tokens read
@@ -780,6 +781,10 @@ TEST_F(DataTest, DataPathIsTakenByContentAndItsNameMustAgree) {
                                  "' is not an HDF5 token dataset: give a text file the "
                                  ".txt extension",
                              "shardtrain prepare-data --input " + path("corpus.md")});
+  // Binary data under another name: neither renaming nor converting it would help.
+  std::ofstream(path("array.bin"), std::ios::binary) << std::string("ab\0\1cd", 6);
+  expect_error<ConfigError>([&] { load_token_source(path("array.bin")); },
+                            {"is neither an HDF5 token dataset nor text (a NUL byte at offset 2"});
   // A binary file named .txt.
   std::ofstream(path("array.txt"), std::ios::binary) << std::string("ab\0\1cd", 6);
   expect_error<ConfigError>([&] { load_token_source(path("array.txt")); },

@@ -599,6 +599,17 @@ TEST(Peft, LoadErrorsNameTheFileAndTensor) {
                             {"dora/adapter_config.json", "use_dora"});
   expect_error<ConfigError>([&] { io::read_peft_config(dir.str("nowhere")); },
                             {"nowhere/adapter_config.json"});
+  // A base model name that is no string is a damaged config, not "no base recorded".
+  {
+    std::ifstream in(dir.str("adapter/adapter_config.json"));
+    nlohmann::json config = nlohmann::json::parse(in);
+    config["base_model_name_or_path"] = 5;
+    fs::create_directories(dir.str("base-number"));
+    std::ofstream(dir.str("base-number/adapter_config.json")) << config.dump();
+  }
+  expect_error<FormatError>([&] { io::read_peft_config(dir.str("base-number")); },
+                            {"base-number/adapter_config.json", "base_model_name_or_path",
+                             "must be a string or null, got 5"});
 
   // Integer adapter tensors, and NaN in one: refused by name, with the model left as it was.
   auto rewritten = [&](const std::string& name, auto&& change) {

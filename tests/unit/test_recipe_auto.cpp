@@ -173,6 +173,25 @@ TEST(RecipeAuto, ALayerSubsetIsRefused) {
   std::filesystem::remove_all(out);
 }
 
+// A capacity the run config set is named in the out-of-memory error, as the first thing to change.
+TEST(RecipeManual, AnOutOfMemoryErrorUnderACapNamesTrainDeviceMemory) {
+  const std::string out = out_dir("cap");
+  train::Config c = tiny(out, "1KiB");
+  c.recipe = "manual";
+  try {
+    train::run_training(c);
+    ADD_FAILURE() << "the tiny model trained in 1 KiB";
+  } catch (const OutOfMemoryError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("a capacity of 1.00 KiB"), std::string::npos) << m;
+    EXPECT_NE(m.find("The capacity of 1.00 KiB a rank is train.device_memory's: raise it, or "
+                     "remove it (the cpu device then has no cap)."),
+              std::string::npos)
+        << m;
+  }
+  std::filesystem::remove_all(out);
+}
+
 // A run the memory model says cannot fit in the machine's memory fails before building anything,
 // with the figures, instead of being killed by the kernel part-way through a step.
 TEST(HostMemory, APredictionPastTheMachinesMemoryFailsBeforeTheFirstStep) {
@@ -203,10 +222,34 @@ TEST(HostMemory, APredictionPastTheMachinesMemoryFailsBeforeTheFirstStep) {
         format_bytes(p.peak + cached) + " of host memory per rank (a peak of " +
         format_bytes(p.peak) + " on the cpu device at " + p.peak_moment + " + up to " +
         format_bytes(cached) + " of freed blocks kept for reuse), more than the " +
-        format_bytes(host.bytes) + " of " + host.source + ": lower train.micro_batch";
+        format_bytes(host.bytes) + " of " + host.source + ": the model alone (" +
+        std::to_string(p.total_parameters) +
+        " parameters: " + format_bytes(p.model_state_bytes() + p.frozen_bytes) +
+        " of weights, gradients and optimizer state a rank) does not fit: choose a smaller model";
     EXPECT_NE(std::string(e.what()).find(expected), std::string::npos)
         << e.what() << "\nexpected: " << expected;
     EXPECT_EQ(e.requested_bytes(), p.peak + cached);
+  }
+  // A model that fits, with a batch that does not: the batch is what to change.
+  {
+    train::Config batch = train::load_config(
+        std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/tiny.yaml",
+        {"train.micro_batch=" + std::to_string(std::max<int64_t>(16, host.bytes >> 20)),
+         "train.device=cpu", "train.progress=none", "train.out_dir=" + out});
+    const train::MemoryPrediction b =
+        train::predict_memory(train::MemoryModelInput::from_config(batch, 1));
+    ASSERT_GT(b.peak, host.bytes);
+    ASSERT_LT(b.model_state_bytes(), host.bytes);
+    try {
+      train::run_training(batch);
+      ADD_FAILURE() << "a " << format_bytes(b.peak) << " run started on "
+                    << format_bytes(host.bytes);
+    } catch (const OutOfMemoryError& e) {
+      EXPECT_NE(std::string(e.what()).find(": lower train.micro_batch or train.seq_len"),
+                std::string::npos)
+          << e.what();
+      EXPECT_EQ(std::string(e.what()).find("the model alone"), std::string::npos) << e.what();
+    }
   }
   EXPECT_FALSE(std::filesystem::exists(out)) << "the check came after the run began";
   // With a device capacity set, the device's advice (the recipe, optimizer offload, which moves

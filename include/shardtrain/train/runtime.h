@@ -49,9 +49,12 @@ Device training_device(const Config& config);
 // that `shardtrain config`, the run's config.yaml and a checkpoint's saved config show the model
 // that trains; max_seq_len (a limit on train.seq_len, not part of the weights) becomes the longer
 // of the two and init_std (loaded weights are not initialised) is left. Returns config.json's
-// model. Without model.from_hf, nothing changes and the result is empty.
+// model. Without model.from_hf, nothing changes and the result is empty. `given_as` names where
+// the user gave the directory ("model.from_hf", "lora.base_model", "check --model"), for the
+// errors about a directory that is missing or is no model.
 std::optional<nn::LlamaConfig> resolve_model_from_hf(ModelConfig& model,
-                                                     const std::set<std::string>& keys_given = {});
+                                                     const std::set<std::string>& keys_given = {},
+                                                     const std::string& given_as = "model.from_hf");
 
 // Throws ConfigError when lora.enabled is set in a job of several ranks: QLoRA quantizes whole
 // base weights on one device. Checked before a run creates anything (Runtime checks it too).
