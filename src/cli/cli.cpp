@@ -161,8 +161,11 @@ int run(const std::vector<std::string>& args) {
     std::cout.flush();
     return code;
   } catch (const UsageError& e) {
-    // Every rank of a job has the same command line: rank 0 speaks for them.
-    if (dist::job_rank() != 0) return 2;
+    // Every rank of a job usually has the same command line: rank 0 speaks for them. A rank
+    // whose line alone is wrong (a wrapper script that adds flags to some ranks) says so itself
+    // once rank 0, failing alike, would have ended the job (end_job).
+    if (dist::job_rank() != 0 && dist::job_world_size() > 1)
+      end_job(std::string("error: ") + e.what() + " (" + hint + ")", 2);
     std::cerr << "error: " << e.what() << "\n" << hint << "\n";
     return 2;
   } catch (const Error& e) {

@@ -870,7 +870,12 @@ std::vector<std::string> draw_plots(const BenchReport& report, const fs::path& d
   for (const char* name : {"frontier", "memory"}) {
     std::string command = "cd " + quoted(dir.string()) + " && " + quoted(gnuplot) + " " + name +
                           ".gp > " + name + ".log 2>&1";
-    if (std::system(command.c_str()) != 0) continue;
+    const int status = std::system(command.c_str());
+    // gnuplot's own output is kept only when it has something to say (a failed plot's reason).
+    const fs::path log = dir / (std::string(name) + ".log");
+    std::error_code ec;
+    if (fs::exists(log, ec) && fs::file_size(log, ec) == 0) fs::remove(log, ec);
+    if (status != 0) continue;
     for (const char* ext : {".png", ".svg"}) {
       fs::path image = dir / (std::string(name) + ext);
       if (fs::exists(image) && fs::file_size(image) > 0) written.push_back(image.string());

@@ -1,13 +1,16 @@
 #include "shardtrain/train/check.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <algorithm>
+#include <bit>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
 
 #include "shardtrain/autograd/grad_mode.h"
 #include "shardtrain/autograd/node.h"
+#include "shardtrain/core/word_hash.h"
 #include "shardtrain/dist/env.h"
 #include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/io/safetensors.h"
@@ -188,6 +191,38 @@ CheckReport run_check(Config config, const CheckOptions& options) {
 
   Runtime rt(config);
   const int rank = rt.dist().rank(), world = rt.dist().world_size();
+  if (world > 1) {
+    // Runtime compared the ranks' configs; the files and tolerances are check's own: a rank given
+    // others would compute another verdict than the one rank 0 prints.
+    WordHash batch_hash, reference_hash;
+    for (const Tensor* t : {&full.input_ids, &full.targets})
+      for (int64_t id : t->to_int_vector()) batch_hash.update_value(id);
+    for (const std::string& name : expected.names()) {
+      const TensorInfo& info = expected.info(name);
+      reference_hash.update(name.data(), name.size());
+      reference_hash.update_value(static_cast<int>(info.dtype));
+      for (int64_t d : info.shape) reference_hash.update_value(d);
+    }
+    for (const auto& [key, value] : meta) {
+      reference_hash.update(key.data(), key.size());
+      reference_hash.update(value.data(), value.size());
+    }
+    if (expected.contains("loss"))
+      for (float v : expected.load("loss", Device::cpu(), DType::F32).to_float_vector())
+        reference_hash.update_value(v);
+    const std::vector<bool> differs = rt.dist().world().differs_between_ranks(
+        {batch_hash.digest(), reference_hash.digest(), std::bit_cast<uint64_t>(options.rtol),
+         std::bit_cast<uint64_t>(options.atol)});
+    std::vector<std::string> differing;
+    const char* flags[] = {"--batch", "--expected", "--rtol", "--atol"};
+    for (size_t i = 0; i < differs.size(); ++i)
+      if (differs[i]) differing.push_back(flags[i]);
+    if (!differing.empty())
+      throw ConfigError(fmt::format(
+          "check: the ranks were given different {} (here, on rank {}: --batch '{}', --expected "
+          "'{}'): give every rank the same command line",
+          fmt::join(differing, ", "), rank, options.batch_file, options.expected_file));
+  }
   // Under mpirun every rank takes an equal share of the sequences; ranks past the end get
   // padding sequences whose targets are all ignored (they still run every collective).
   int64_t per_rank = (b + world - 1) / world;

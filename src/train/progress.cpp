@@ -13,7 +13,8 @@ Progress::Progress(std::string mode, int64_t total_steps, std::string label)
     bar_ = isatty(STDERR_FILENO) != 0;
   else
     bar_ = mode == "bar";
-  quiet_ = mode == "none";
+  silent_ = mode == "silent";
+  quiet_ = mode == "none" || silent_;
 }
 
 void Progress::start_at(int64_t step) {
@@ -53,6 +54,7 @@ void Progress::update(int64_t step, const std::string& text) {
 }
 
 void Progress::message(const std::string& text) {
+  if (silent_) return;
   auto begins = [&](const char* prefix) { return text.rfind(prefix, 0) == 0; };
   if (quiet_ && !begins("note: ") && !begins("warning: ") && !begins("refusing ")) return;
   if (open_line_) std::fputs(eval_line_ ? "\r\033[K" : "\n", stderr);

@@ -157,6 +157,42 @@ void check_same_data_on_every_rank(const TokenDataset& data, const std::string& 
               "system every rank shares, or give every node the same copy");
 }
 
+// Every rank writes its part of a checkpoint into the checkpoint directory and rank 0 reads them
+// all: a path that is not one directory for every rank (node-local storage) would fail the first
+// save, losing the steps before it. Rank 0 makes a file there that every rank must see.
+void check_checkpoint_dir_shared(const std::string& dir, const std::string& key,
+                                 dist::ProcessGroup& world) {
+  if (world.size() == 1) return;
+  const std::string probe = dir + "/.shardtrain-shared-check";
+  // A token no earlier run left: rank 0's pid and clock, the same on every rank after the max.
+  const int64_t mine = world.rank() != 0
+                           ? 0
+                           : (static_cast<int64_t>(::getpid()) << 32) ^
+                                 std::chrono::steady_clock::now().time_since_epoch().count();
+  const int64_t token = world.all_reduce_host(mine, dist::ReduceOp::Max);
+  if (world.rank() == 0) std::ofstream(probe, std::ios::trunc) << token << "\n";
+  world.all_reduce_host(int64_t{0}, dist::ReduceOp::Max);  // written before anyone reads
+  // A network file system may show a new file to other clients a moment late: a few tries.
+  int64_t seen = -1;
+  for (int attempt = 0; attempt < 20 && seen != token; ++attempt) {
+    if (attempt > 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::ifstream(probe) >> seen;
+  }
+  // The lowest rank that does not see it, or the world size when every rank does.
+  const int64_t first_blind = -world.all_reduce_host(
+      -(seen == token ? static_cast<int64_t>(world.size()) : world.rank()), dist::ReduceOp::Max);
+  if (world.rank() == 0) {
+    std::error_code ec;
+    std::filesystem::remove(probe, ec);
+  }
+  ST_CHECK_AS(ConfigError, first_blind == world.size(), key, " '", dir,
+              "' is not the same directory on every rank: rank ", first_blind,
+              " does not see the file rank 0 made in it (node-local storage, or a relative path "
+              "from different working directories); every rank writes its part of each "
+              "checkpoint there, so put it on a file system every rank shares (an absolute "
+              "path)");
+}
+
 Config resolve_recipe(const Config& requested) {
   if (requested.recipe != "auto") return requested;
   const int64_t device_bytes = planning_capacity(requested);
@@ -265,13 +301,15 @@ TrainSummary train_with(const Config& config) {
   // Only rank 0 takes back what the run created and left empty: the ranks share the directories.
   // The other ranks give rank 0 a moment to create them: one that got there first would make
   // rank 0 take them for an earlier run's and leave them behind when the run is refused.
+  // One wait for both directories: on storage the ranks do not share they never appear, and the
+  // check after start-up (check_checkpoint_dir_shared) says so.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   auto prepare = [&](DirectoriesOfThisRun& created, const std::string& dir,
                      const std::string& key) {
     if (leader) {
       created.prepare(dir, key);
       return;
     }
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     std::error_code ec;
     while (!std::filesystem::exists(dir, ec) && std::chrono::steady_clock::now() < deadline)
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -402,6 +440,11 @@ TrainSummary train_with(const Config& config) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
   const int rank = rt.dist().rank();
   check_same_data_on_every_rank(data, config.data.path, rt.dist().world());
+  check_checkpoint_dir_shared(checkpoint_dir,
+                              config.checkpoint.dir.empty()
+                                  ? "checkpoint.dir (default: <train.out_dir>/checkpoints)"
+                                  : "checkpoint.dir",
+                              rt.dist().world());
   ST_CHECK(rt.dist().world_size() == world, "the launcher reported ", world,
            " ranks but MPI started ", rt.dist().world_size());
   optim::LrSchedule schedule = lr_schedule(config);
@@ -436,7 +479,7 @@ TrainSummary train_with(const Config& config) {
   summary.metrics_path = t.out_dir + "/metrics.jsonl";
   std::ofstream metrics;
   metrics.precision(17);
-  Progress progress(leader ? t.progress : "none", t.steps, "train");
+  Progress progress(leader ? t.progress : "silent", t.steps, "train");
   // Sharded parameter slots are empty outside a forward: count from the configuration. A LoRA
   // model's frozen base is partly stored as NF4 codes, not parameters: count it from the
   // configuration too, plus the adapters, which are all that trains.

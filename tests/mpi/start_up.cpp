@@ -12,6 +12,7 @@
 #include "shardtrain/dist/env.h"
 #include "shardtrain/io/hf_model.h"
 #include "shardtrain/train/bench.h"
+#include "shardtrain/train/check.h"
 #include "shardtrain/train/runtime.h"
 #include "shardtrain/train/trainer.h"
 #include "tiny_run.h"
@@ -92,6 +93,8 @@ TEST(StartUp, RanksReadingDifferentDataStop) {
     if (rank == dist::job_world_size() - 1) text[1000] = '#';  // one byte differs
     std::ofstream(here / "corpus.txt") << text;
   }
+  // Made on every rank beforehand, so that no rank waits for rank 0 to create them.
+  std::filesystem::create_directories(here / "run/checkpoints");
   std::filesystem::current_path(here);
   train::Config config = train::Config::parse(
       shardtrain::testing::kTinyRunYaml,
@@ -107,6 +110,52 @@ TEST(StartUp, RanksReadingDifferentDataStop) {
   }
   std::filesystem::current_path(original);
   std::filesystem::remove_all(here);
+}
+
+// A checkpoint directory that is a different directory on each rank (node-local storage, a
+// relative path from different working directories): every rank stops at start, naming the
+// first rank that does not see rank 0's file, instead of failing the first save.
+TEST(StartUp, ACheckpointDirectoryTheRanksDoNotShareStopsAtStart) {
+  if (dist::job_world_size() < 2) GTEST_SKIP() << "needs several ranks";
+  const int rank = dist::job_rank();
+  const std::filesystem::path original = std::filesystem::current_path();
+  const std::filesystem::path here = rank_directory("checkpoints");
+  // Made on every rank beforehand, so that no rank waits for rank 0 to create them.
+  std::filesystem::create_directories(here / "run/checkpoints");
+  std::filesystem::current_path(here);
+  train::Config config = train::Config::parse(
+      shardtrain::testing::kTinyRunYaml, {"train.steps=1", "train.out_dir=run"}, "start-up test");
+  try {
+    train::run_training(config);
+    ADD_FAILURE() << "rank " << rank << " trained although the ranks' directories differ";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("'run/checkpoints' is not the same directory on every "
+                                         "rank: rank 1 does not see the file rank 0 made in it"),
+              std::string::npos)
+        << e.what();
+  }
+  std::filesystem::current_path(original);
+  std::filesystem::remove_all(here);
+}
+
+// check under mpirun: a rank given other tolerances would reach its own verdict while rank 0
+// prints another; every rank stops at start, naming the flag.
+TEST(StartUp, CheckRanksWithDifferentTolerancesStop) {
+  if (dist::job_world_size() < 2) GTEST_SKIP() << "needs several ranks";
+  const std::string golden = std::string(SHARDTRAIN_TEST_DATA) + "/golden/llama-tiny-gqa";
+  train::CheckOptions options;
+  options.model_dir = golden;
+  options.batch_file = golden + "/batch.safetensors";
+  options.expected_file = golden + "/expected.safetensors";
+  options.rtol = dist::job_rank() == dist::job_world_size() - 1 ? 1e-9 : 1e-4;
+  try {
+    train::run_check(train::Config::parse("{}", {"train.device=cpu"}, "check"), options);
+    ADD_FAILURE() << "rank " << dist::job_rank() << " checked with other tolerances";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("check: the ranks were given different --rtol"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // Weights with a NaN, loaded into shards: the rank whose shard holds it and the ranks whose

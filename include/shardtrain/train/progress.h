@@ -8,7 +8,8 @@ namespace shardtrain::train {
 
 class Progress {
  public:
-  // mode: auto (bar when stderr is a terminal) | bar | lines | none
+  // mode: auto (bar when stderr is a terminal) | bar | lines | none | silent (nothing at all:
+  // the ranks other than rank 0 of a job, which would repeat rank 0's every line)
   Progress(std::string mode, int64_t total_steps, std::string label);
   // The step training starts from (a resumed run's checkpoint step), from now: the time left is
   // estimated from the steps this process has run, not from the run's whole step count.
@@ -30,7 +31,7 @@ class Progress {
   static constexpr std::chrono::seconds kEvalLineAfter{2}, kEvalLineEvery{30};
 
  private:
-  bool bar_ = false, quiet_ = false, open_line_ = false;
+  bool bar_ = false, quiet_ = false, silent_ = false, open_line_ = false;
   bool eval_line_ = false;  // the open line is an evaluation's, to be replaced, not kept
   int64_t total_, first_step_ = 0;
   std::string label_;

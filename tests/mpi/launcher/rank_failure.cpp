@@ -80,6 +80,31 @@ TEST_P(RankFailure, ARankThatNeverJoinsEndsTheJobAfterTheTimeout) {
   }
 }
 
+// A command line that only one rank has wrong (a wrapper script adding flags to some ranks): that
+// rank says what is wrong itself, since rank 0, which speaks for a job's usage errors, has none.
+TEST(RankFailureCommandLine, AUsageErrorOnOneRankIsPrintedByThatRank) {
+  const std::string binary = SHARDTRAIN_BINARY;
+  const std::string config = std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/tiny.yaml";
+  const std::string script = "if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then exec " + binary +
+                             " config --config " + config + " --no-such-flag; else exec " + binary +
+                             " config --config " + config + " >/dev/null; fi";
+  std::string command = std::string("timeout -k 5 60 ") + SHARDTRAIN_MPIEXEC +
+                        " --oversubscribe -np 2 sh -c '" + script + "' 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::string output;
+  std::array<char, 4096> buf{};
+  size_t got = 0;
+  while ((got = fread(buf.data(), 1, buf.size(), pipe)) > 0) output.append(buf.data(), got);
+  const int status = pclose(pipe);
+  ASSERT_TRUE(WIFEXITED(status)) << output;
+  EXPECT_NE(WEXITSTATUS(status), 0) << output;
+  EXPECT_NE(WEXITSTATUS(status), 124) << output;
+  EXPECT_NE(output.find("rank 1: error: unknown flag '--no-such-flag' for 'shardtrain config'"),
+            std::string::npos)
+      << output;
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, RankFailure, ::testing::Values(2, 4),
                          [](const auto& info) { return "np" + std::to_string(info.param); });
 
