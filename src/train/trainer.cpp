@@ -262,6 +262,12 @@ namespace {
 void export_model(const Config& config, Runtime& rt, const std::string& dir, Progress& progress) {
   const DType dtype = dtype_from_name(config.train.export_dtype);
   constexpr int64_t kMaxShardBytes = int64_t{5} << 30;  // as Hugging Face's save_pretrained
+  // A refused export (a weight past fp16's range, a full disk) leaves no empty directory.
+  DirectoriesOfThisRun created;
+  if (rt.dist().rank() == 0) {
+    created.prepare(dir, "train.export (to <train.out_dir>/export)");
+    created.take_back_at_end();
+  }
   if (config.lora.enabled) {
     io::save_merged_hf_model(rt.model(), dir, dtype, kMaxShardBytes);
   } else if (rt.sharded() == nullptr) {

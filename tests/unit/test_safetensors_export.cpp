@@ -21,7 +21,10 @@
 #include "shardtrain/fsdp/fsdp.h"
 #include "shardtrain/io/hf_model.h"
 #include "shardtrain/io/safetensors.h"
+#include "shardtrain/train/config.h"
+#include "shardtrain/train/trainer.h"
 #include "temp_dir.h"
+#include "tiny_run.h"
 #include "uneven_llama.h"
 
 namespace shardtrain::fsdp {
@@ -319,6 +322,28 @@ TEST(HfWeights, AnExportInBf16OrFp16HoldsTheRoundedWeightsAndSaysSo) {
             ASSERT_EQ(have[i], f16_to_float(float_to_f16(want[i]))) << name << "[" << i << "]";
         }
     }
+}
+
+// A run whose fp16 export is refused (weights past fp16's range) leaves no empty export
+// directory; its checkpoint keeps the weights.
+TEST(TrainExport, ARefusedFp16ExportLeavesNoExportDirectory) {
+  shardtrain::testing::TempDir tmp("refused-export");
+  const train::Config config =
+      train::Config::parse(shardtrain::testing::kTinyRunYaml,
+                           {"train.steps=1", "model.init_std=100000", "train.export_dtype=fp16",
+                            "checkpoint.every_steps=1", "train.out_dir=" + (tmp / "run")},
+                           "refused export");
+  try {
+    train::run_training(config);
+    ADD_FAILURE() << "an fp16 export of weights past its range went ahead";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("beyond fp16's range (65504)"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("The trained weights are in"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(fs::exists(tmp / "run/export"));
+  EXPECT_TRUE(fs::exists(tmp / "run/checkpoints/step-00000001.h5"));
 }
 
 }  // namespace
