@@ -334,9 +334,10 @@ TrainSummary train_with(const Config& config) {
   // Every run may save: a stop signal does, whatever checkpoint.every_* say. The checkpoint
   // directory has its own lock, default or not: another run may name it as its checkpoint.dir.
   const std::string checkpoint_dir = config.effective_checkpoint_dir();
-  prepare(created_checkpoint_dirs, checkpoint_dir,
-          config.checkpoint.dir.empty() ? "checkpoint.dir (default: under train.out_dir)"
-                                        : "checkpoint.dir");
+  const std::string checkpoint_key = config.checkpoint.dir.empty()
+                                         ? "checkpoint.dir (default: under train.out_dir)"
+                                         : "checkpoint.dir";
+  prepare(created_checkpoint_dirs, checkpoint_dir, checkpoint_key);
   if (leader) {
     // A checkpoint.dir that is train.out_dir itself is locked already: a second flock from this
     // process would refuse the run as "in use".
@@ -446,11 +447,7 @@ TrainSummary train_with(const Config& config) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
   const int rank = rt.dist().rank();
   check_same_data_on_every_rank(data, config.data.path, rt.dist().world());
-  check_checkpoint_dir_shared(checkpoint_dir,
-                              config.checkpoint.dir.empty()
-                                  ? "checkpoint.dir (default: <train.out_dir>/checkpoints)"
-                                  : "checkpoint.dir",
-                              rt.dist().world());
+  check_checkpoint_dir_shared(checkpoint_dir, checkpoint_key, rt.dist().world());
   ST_CHECK(rt.dist().world_size() == world, "the launcher reported ", world,
            " ranks but MPI started ", rt.dist().world_size());
   optim::LrSchedule schedule = lr_schedule(config);
