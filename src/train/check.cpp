@@ -169,24 +169,27 @@ CheckReport run_check(Config config, const CheckOptions& options) {
               "): a reference case needs at least one sequence");
   full.num_target_tokens = count_target_tokens(full.targets);
   int64_t b = full.batch_size();
+  // The batch's tokens on the host, read once: checked, hashed across ranks and split below.
+  const std::vector<int64_t> ids = full.input_ids.to_int_vector(),
+                             tgt = full.targets.to_int_vector();
   {
     // Ids the model has no row for would stop the forward pass with a message that names no
     // file: say which tensor of which file, and where.
     const int64_t vocab = config.model.vocab_size;
-    auto check_ids = [&](const Tensor& t, const char* name, bool ignore_allowed) {
-      const std::vector<int64_t> ids = t.to_int_vector();
-      for (size_t i = 0; i < ids.size(); ++i) {
-        const int64_t id = ids[i];
+    const int64_t s = full.seq_len();
+    auto check_ids = [&](const std::vector<int64_t>& values, const char* name,
+                         bool ignore_allowed) {
+      for (size_t i = 0; i < values.size(); ++i) {
+        const int64_t id = values[i];
         if ((id >= 0 && id < vocab) || (ignore_allowed && id == -100)) continue;
-        const int64_t s = t.size(1);
         throw FormatError(detail::concat(
             "'", options.batch_file, "': ", name, "[", i / s, ", ", i % s, "] = ", id,
             " is not a token id of the model's vocabulary of ", vocab, " (", options.model_dir,
             "/config.json)", ignore_allowed ? "; -100 marks a position without a target" : ""));
       }
     };
-    check_ids(full.input_ids, "input_ids", false);
-    check_ids(full.targets, "targets", true);
+    check_ids(ids, "input_ids", false);
+    check_ids(tgt, "targets", true);
   }
 
   Runtime rt(config);
@@ -195,8 +198,8 @@ CheckReport run_check(Config config, const CheckOptions& options) {
     // Runtime compared the ranks' configs; the files and tolerances are check's own: a rank given
     // others would compute another verdict than the one rank 0 prints.
     WordHash batch_hash, reference_hash;
-    for (const Tensor* t : {&full.input_ids, &full.targets})
-      for (int64_t id : t->to_int_vector()) batch_hash.update_value(id);
+    for (const std::vector<int64_t>* values : {&ids, &tgt})
+      for (int64_t id : *values) batch_hash.update_value(id);
     for (const std::string& name : expected.names()) {
       const TensorInfo& info = expected.info(name);
       reference_hash.update(name.data(), name.size());
@@ -232,7 +235,6 @@ CheckReport run_check(Config config, const CheckOptions& options) {
               " ranks gets");
   Batch mine;
   {
-    std::vector<int64_t> ids = full.input_ids.to_int_vector(), tgt = full.targets.to_int_vector();
     int64_t s = full.seq_len();
     std::vector<int64_t> my_ids(static_cast<size_t>(per_rank * s), 0),
         my_tgt(static_cast<size_t>(per_rank * s), -100);
