@@ -7,14 +7,10 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
-#include <iterator>
-#include <nlohmann/json.hpp>
 
 #include "shardtrain/cli/command.h"
 #include "shardtrain/core/dtype.h"
-#include "shardtrain/core/json_input.h"
 #include "shardtrain/core/units.h"
 #include "shardtrain/io/bnb.h"
 #include "shardtrain/io/hf_model.h"
@@ -37,13 +33,12 @@ Command quantize_command() {
       Flag("model", "DIR", "Hugging Face model directory (config.json + safetensors)").mandatory(),
       Flag("output", "DIR", "directory to write (created; its files replaced atomically)")
           .mandatory(),
-      Flag("dtype", "bf16|fp16|fp32", "dtype of the dense weights (default: the source's)"),
+      Flag("dtype", "bf16|fp16|fp32",
+           "dtype of the dense weights (default: the one the source's embeddings are stored in)"),
   };
   c.run = [](const Args& args) {
     namespace fs = std::filesystem;
     const std::string model_dir = args.get("model"), output = args.get("output");
-    // The source's dtype unless told otherwise (config.json's torch_dtype, or Transformers 5's
-    // dtype): its embeddings, norms and head are then stored as they were.
     std::string dtype_flag = args.has("dtype") ? args.get("dtype") : "";
     if (!dtype_flag.empty() && dtype_flag != "bf16" && dtype_flag != "fp16" && dtype_flag != "fp32")
       throw UsageError("--dtype must be bf16, fp16 or fp32, got '" + dtype_flag + "'");
@@ -54,22 +49,13 @@ Command quantize_command() {
     const nn::LlamaConfig config =
         nn::LlamaConfig::from_hf_json((fs::path(model_dir) / "config.json").string());
     if (dtype_flag.empty()) {
-      // A regular file that from_hf_json has read: the dtype is all that is left to learn.
-      std::ifstream in(fs::path(model_dir) / "config.json");
-      const std::string text((std::istreambuf_iterator<char>(in)),
-                             std::istreambuf_iterator<char>());
-      nlohmann::json source = nlohmann::json::object();
-      try {
-        source = parse_json_input(text);
-      } catch (const std::exception&) {
-      }
-      if (!source.is_object()) source = nlohmann::json::object();
-      auto named = [&](const char* key) {
-        const auto it = source.find(key);
-        return it != source.end() && it->is_string() ? it->get<std::string>() : std::string();
-      };
-      const std::string stored = !named("dtype").empty() ? named("dtype") : named("torch_dtype");
-      dtype_flag = stored == "float32" ? "fp32" : stored == "float16" ? "fp16" : "bf16";
+      // The source's dtype unless told otherwise: the one its embeddings are stored in (what
+      // config.json's torch_dtype says is only a label, and may be missing or wrong), so that its
+      // embeddings, norms and head are stored as they were. Without them the load below says so.
+      const SafetensorsCheckpoint source = SafetensorsCheckpoint::open(model_dir);
+      const std::string embed = "model.embed_tokens.weight";
+      const DType stored = source.contains(embed) ? source.info(embed).dtype : DType::BF16;
+      dtype_flag = stored == DType::F32 ? "fp32" : stored == DType::F16 ? "fp16" : "bf16";
     }
     // Before minutes of quantizing: an output that cannot be written fails now.
     create_output_dir(output);

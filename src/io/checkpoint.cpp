@@ -17,6 +17,7 @@
 #include <optional>
 #include <regex>
 
+#include "shardtrain/core/child_process.h"
 #include "shardtrain/core/files.h"
 #include "shardtrain/core/hdf5.h"
 #include "shardtrain/core/json_input.h"
@@ -200,11 +201,34 @@ std::vector<T> read_attr(const Node& obj, const std::string& name) {
   return out;
 }
 
+// HDF5 converts a negative or fractional stored value to an unsigned one by clamping it (to 0):
+// only unsigned integers, and signed ones of at least 0, are taken as they are.
 uint64_t read_u64_attr(const Node& obj, const std::string& name) {
-  std::vector<uint64_t> v = read_attr<uint64_t>(obj, name);
-  if (v.size() != 1)
-    throw FormatError(concat(obj.where(), ": attribute '", name, "' must hold one value"));
-  return v[0];
+  if (!obj.has_attribute(name))
+    throw FormatError(concat(obj.where(), ": missing attribute '", name, "'"));
+  const std::string what = concat(obj.where(), ": attribute '", name, "'");
+  H5T_class_t type_class = H5T_NO_CLASS;
+  H5T_sign_t sign = H5T_SGN_ERROR;
+  {
+    h5::Handle attr(checked<FormatError>(H5Aopen(obj.id(), name.c_str(), H5P_DEFAULT), what),
+                    H5Aclose);
+    h5::Handle type(checked<FormatError>(H5Aget_type(attr.get()), what), H5Tclose);
+    type_class = H5Tget_class(type.get());
+    if (type_class == H5T_INTEGER) sign = H5Tget_sign(type.get());
+  }
+  if (type_class != H5T_INTEGER) throw FormatError(concat(what, " is not an integer (damaged?)"));
+  uint64_t value = 0;
+  if (sign == H5T_SGN_NONE) {
+    std::vector<uint64_t> v = read_attr<uint64_t>(obj, name);
+    if (v.size() != 1) throw FormatError(concat(what, " must hold one value"));
+    value = v[0];
+  } else {
+    std::vector<int64_t> v = read_attr<int64_t>(obj, name);
+    if (v.size() != 1) throw FormatError(concat(what, " must hold one value"));
+    if (v[0] < 0) throw FormatError(concat(what, " is ", v[0], " (damaged: at least 0 expected)"));
+    value = static_cast<uint64_t>(v[0]);
+  }
+  return value;
 }
 
 void write_u64_attr(const Node& obj, const std::string& name, uint64_t value) {
@@ -402,12 +426,37 @@ std::string dir_of(const std::string& path) {
   return parent.empty() ? std::string(".") : parent.string();
 }
 
+// Set in the child process of read_in_child_first.
+bool in_reading_child = false;
+
+// A main file without a checksum trailer (format version 1) has nothing that proves its global
+// heap intact before HDF5 parses it, and a damaged byte there can crash the library. So a child
+// process reads everything a CheckpointReader reads first: if the child dies of a signal, the
+// file is reported as damaged instead of taking the run down (and train.resume=auto falls back
+// to an earlier checkpoint). A child that cannot start or ends otherwise leaves the reading to
+// this process, as before the trailer existed.
+void read_in_child_first(const std::string& path) {
+  if (in_reading_child) return;
+  const ChildOutcome outcome = run_in_child_process(
+      [&] {
+        in_reading_child = true;
+        CheckpointReader reader(path);
+      },
+      std::chrono::seconds(60));
+  if (outcome.crashed())
+    throw FormatError(concat("'", path, "' is damaged: reading its HDF5 metadata crashed a ",
+                             "separate process (", strsignal(outcome.code),
+                             "); it has no whole-file checksum that would have caught the "
+                             "damage first (format version 1, or its trailer was cut off)"));
+}
+
 // A checkpoint's main file, its checksum trailer checked before HDF5 reads a byte of it. Without
-// a trailer it must say it predates them (format version 1).
+// a trailer it must say it predates them (format version 1), and is read in a child process first.
 Node open_main_file(const std::string& path) {
   std::error_code ec;
   if (!fs::exists(path, ec)) throw FormatError(concat("checkpoint file '", path, "' is missing"));
   const Trailer trailer = check_checksum_trailer(path);
+  if (trailer == Trailer::Absent) read_in_child_first(path);
   Node file = open_file(path);
   if (trailer == Trailer::Absent && file.has_attribute("format_version") &&
       file.read_int64_attribute("format_version") >= 2)
@@ -771,6 +820,20 @@ std::string save_checkpoint(dist::ProcessGroup& group, const SaveRequest& reques
 
 struct CheckpointReader::File {
   Node file;
+  std::string dir;  // where the rank files are
+  struct Tensor {
+    Shape shape;
+    std::vector<CheckpointPiece> pieces;  // in element order, tiling the tensor
+  };
+  std::map<std::string, Tensor> tensors;
+  mutable std::map<int, Node> rank_files;  // opened on first read
+
+  const Tensor& tensor(const std::string& path, const std::string& name) const {
+    auto it = tensors.find(name);
+    if (it == tensors.end())
+      throw FormatError(concat(path, ": the checkpoint has no tensor '", name, "'"));
+    return it->second;
+  }
 };
 
 namespace {
@@ -797,6 +860,75 @@ void collect_datasets(const Node& file, const std::string& group_path,
   if (status < 0) fail<FormatError>(concat(group.where(), ": cannot list the group"));
   for (const auto& d : visit.datasets) out.push_back(group_path + "/" + d);
   for (const auto& g : visit.groups) collect_datasets(file, group_path + "/" + g, out);
+}
+
+// Values a saving run cannot have written: FormatError naming the file and the value, so that
+// train.resume=auto falls back to an earlier checkpoint instead of failing on it later.
+void check_state_values(const std::string& path, const TrainingState& s) {
+  auto damaged = [&](const std::string& what) {
+    throw FormatError(concat("'", path, "' is damaged: ", what));
+  };
+  // A main file found by its name (train.resume=auto) must hold the step the name says: a renamed
+  // one would be resumed in place of the checkpoint of that step.
+  static const std::regex named(R"(step-(\d+)\.h5)");
+  std::smatch m;
+  const std::string name = fs::path(path).filename().string();
+  if (std::regex_match(name, m, named)) {
+    int64_t step = -1;
+    const std::string digits = m[1].str();
+    const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), step);
+    if (ec != std::errc() || end != digits.data() + digits.size() || step != s.step)
+      damaged(concat("its name says step ", digits, " but it records step ", s.step,
+                     " (renamed?); its rank files are those of step ", s.step));
+  }
+  if (s.sharding != "none" && s.sharding != "full_shard" && s.sharding != "grad_op_shard" &&
+      s.sharding != "no_shard" && s.sharding != "hybrid_shard")
+    damaged(concat("sharding is '", s.sharding,
+                   "' (none, full_shard, grad_op_shard, no_shard or hybrid_shard expected)"));
+  if (s.scaler.growth_tracker < 0 || s.scaler.skipped_steps < 0 || s.scaler.skipped_steps > s.step)
+    damaged(concat("/amp/grad_scaler growth_tracker ", s.scaler.growth_tracker, ", skipped_steps ",
+                   s.scaler.skipped_steps, " at step ", s.step,
+                   " (counts of at least 0, skipped steps at most the step expected)"));
+  if (s.sampler.epoch < 0 || s.sampler.position < 0)
+    damaged(concat("/data/train_sampler epoch ", s.sampler.epoch, ", position ", s.sampler.position,
+                   " (at least 0 expected)"));
+}
+
+// The pieces of one tensor as its main-file dataset records them; FormatError unless they tile
+// the tensor, in order, from ranks that wrote rank files.
+std::vector<CheckpointPiece> read_pieces(const Node& ds, const Shape& shape,
+                                         const std::vector<int64_t>& writers) {
+  const std::vector<int64_t> ranks = read_attr<int64_t>(ds, "piece_rank");
+  const std::vector<int64_t> begins = read_attr<int64_t>(ds, "piece_begin");
+  const std::vector<int64_t> lengths = read_attr<int64_t>(ds, "piece_length");
+  const std::vector<uint64_t> sums = read_attr<uint64_t>(ds, "piece_checksum");
+  if (begins.size() != ranks.size() || lengths.size() != ranks.size() ||
+      sums.size() != ranks.size())
+    throw FormatError(concat(ds.where(), ": inconsistent piece attributes (", ranks.size(),
+                             " ranks, ", begins.size(), " begins, ", lengths.size(), " lengths, ",
+                             sums.size(), " checksums)"));
+  std::vector<CheckpointPiece> pieces(ranks.size());
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (std::find(writers.begin(), writers.end(), ranks[i]) == writers.end())
+      throw FormatError(concat(ds.where(), ": piece ", i, " is recorded on rank ", ranks[i],
+                               ", which wrote no rank file (writer_ranks)"));
+    pieces[i] = {static_cast<int>(ranks[i]), begins[i], lengths[i], sums[i]};
+  }
+  std::sort(pieces.begin(), pieces.end(),
+            [](const CheckpointPiece& a, const CheckpointPiece& b) { return a.begin < b.begin; });
+  int64_t next = 0;
+  for (const CheckpointPiece& p : pieces) {
+    if (p.begin != next || p.length < 1 || p.length > numel(shape) - p.begin)
+      throw FormatError(concat(ds.where(), ": its pieces do not tile the ", numel(shape),
+                               " elements of the tensor (a piece of ", p.length,
+                               " elements at element ", p.begin, " where element ", next,
+                               " was next)"));
+    next = p.begin + p.length;
+  }
+  if (next != numel(shape))
+    throw FormatError(concat(ds.where(), ": its pieces cover ", next, " of the tensor's ",
+                             numel(shape), " elements"));
+  return pieces;
 }
 
 }  // namespace
@@ -842,7 +974,12 @@ CheckpointReader::CheckpointReader(const std::string& path)
   s.lr = optim.read_double_attribute("lr");
   Node scaler = open_group(f, "amp/grad_scaler");
   s.scaler_enabled = scaler.read_int64_attribute("enabled") != 0;
-  s.scaler.scale = static_cast<float>(scaler.read_double_attribute("scale"));
+  const double scale = scaler.read_double_attribute("scale");
+  // A loss scale is a positive float32 (a double that rounds to 0 or infinity is not one).
+  if (!(scale >= std::numeric_limits<float>::min() && scale <= std::numeric_limits<float>::max()))
+    throw FormatError(concat("'", path, "' is damaged: /amp/grad_scaler scale is ", scale,
+                             " (a positive finite float32 expected)"));
+  s.scaler.scale = static_cast<float>(scale);
   s.scaler.growth_tracker = scaler.read_int64_attribute("growth_tracker");
   s.scaler.skipped_steps = scaler.read_int64_attribute("skipped_steps");
   Node sampler = open_group(f, "data/train_sampler");
@@ -873,9 +1010,19 @@ CheckpointReader::CheckpointReader(const std::string& path)
     Node layout = open_group(f, "fsdp");
     s.layout_json = layout.read_string_attribute("flat_param_layout");
   }
+  check_state_values(path, s);
   collect_datasets(f, "model", names_);
   collect_datasets(f, "optim", names_);
   std::sort(names_.begin(), names_.end());
+  file_->dir = dir_of(path);
+  const std::vector<int64_t> writers = read_attr<int64_t>(f, "writer_ranks");
+  for (const std::string& name : names_) {
+    Node ds = open_dataset(f, name);
+    const std::vector<hsize_t> dims = dataset_dims(ds);
+    File::Tensor& t = file_->tensors[name];
+    t.shape.assign(dims.begin(), dims.end());
+    t.pieces = read_pieces(ds, t.shape, writers);
+  }
 }
 
 CheckpointReader::~CheckpointReader() = default;
@@ -885,9 +1032,11 @@ bool CheckpointReader::has(const std::string& name) const {
 }
 
 Shape CheckpointReader::shape(const std::string& name) const {
-  if (!has(name)) throw FormatError(concat(path_, ": the checkpoint has no tensor '", name, "'"));
-  std::vector<hsize_t> dims = dataset_dims(open_dataset(file_->file, name));
-  return Shape(dims.begin(), dims.end());
+  return file_->tensor(path_, name).shape;
+}
+
+const std::vector<CheckpointPiece>& CheckpointReader::pieces(const std::string& name) const {
+  return file_->tensor(path_, name).pieces;
 }
 
 Tensor CheckpointReader::read(const std::string& name) const {
@@ -898,32 +1047,41 @@ Tensor CheckpointReader::read(const std::string& name) const {
 }
 
 void CheckpointReader::read_range(const std::string& name, int64_t begin, Tensor& out) const {
-  Shape s = shape(name);
+  const File::Tensor& t = file_->tensor(path_, name);
   const int64_t length = out.numel();
-  ST_CHECK_SHAPE(begin >= 0 && begin + length <= numel(s), path_, ": cannot read elements [", begin,
-                 ", ", begin + length, ") of '", name, "' of shape ", shape_str(s));
+  ST_CHECK_SHAPE(begin >= 0 && begin + length <= numel(t.shape), path_, ": cannot read elements [",
+                 begin, ", ", begin + length, ") of '", name, "' of shape ", shape_str(t.shape));
   if (length == 0) return;
-  Node ds = open_dataset(file_->file, name);
-  const std::string what =
-      concat(ds.where(), ": cannot read elements [", begin, ", ", begin + length, ")");
-  h5::Handle fspace = h5::dataspace(checked<FormatError>(H5Dget_space(ds.id()), what));
-  bool first = true;
-  for (const Block& b : range_blocks(s, begin, length)) {
-    checked_status<FormatError>(
-        H5Sselect_hyperslab(fspace.get(), first ? H5S_SELECT_SET : H5S_SELECT_OR, b.start.data(),
-                            nullptr, b.count.data(), nullptr),
-        what);
-    first = false;
-  }
-  hsize_t n = static_cast<hsize_t>(length);
-  h5::Handle mspace = h5::dataspace(checked<FormatError>(H5Screate_simple(1, &n, nullptr), what));
   CategoryScope scope(MemoryCategory::Workspace);
   const bool direct = out.dtype() == DType::F32 && out.device().cpu_addressable();
   Tensor host = direct ? out : empty({length}, DType::F32, Device::host());
-  // A union of hyperslabs is read in row-major order: exactly the flat range.
-  checked_status<FormatError>(H5Dread(ds.id(), H5T_NATIVE_FLOAT, mspace.get(), fspace.get(),
-                                      H5P_DEFAULT, host.data<float>()),
-                              what);
+  const int64_t end = begin + length;
+  for (const CheckpointPiece& p : t.pieces) {
+    const int64_t from = std::max(begin, p.begin), to = std::min(end, p.begin + p.length);
+    if (from >= to) continue;
+    auto it = file_->rank_files.find(p.rank);
+    if (it == file_->rank_files.end()) {
+      const std::string rank_path =
+          (fs::path(file_->dir) / rank_file_name(state_.step, p.rank)).string();
+      it = file_->rank_files.emplace(p.rank, open_file(rank_path)).first;
+    }
+    Node ds = open_dataset(it->second, name);
+    const std::vector<hsize_t> dims = dataset_dims(ds);
+    if (dims.size() != 1 || dims[0] != static_cast<hsize_t>(p.length))
+      throw FormatError(concat(ds.where(), ": holds ", dims.size() == 1 ? dims[0] : 0,
+                               " elements where the main file records ", p.length));
+    const std::string what =
+        concat(ds.where(), ": cannot read elements [", from - p.begin, ", ", to - p.begin, ")");
+    hsize_t start = static_cast<hsize_t>(from - p.begin), count = static_cast<hsize_t>(to - from);
+    h5::Handle fspace = h5::dataspace(checked<FormatError>(H5Dget_space(ds.id()), what));
+    checked_status<FormatError>(
+        H5Sselect_hyperslab(fspace.get(), H5S_SELECT_SET, &start, nullptr, &count, nullptr), what);
+    h5::Handle mspace =
+        h5::dataspace(checked<FormatError>(H5Screate_simple(1, &count, nullptr), what));
+    checked_status<FormatError>(H5Dread(ds.id(), H5T_NATIVE_FLOAT, mspace.get(), fspace.get(),
+                                        H5P_DEFAULT, host.data<float>() + (from - begin)),
+                                what);
+  }
   if (!direct) out.copy_from(host);
 }
 
@@ -957,21 +1115,13 @@ std::string verify_checkpoint(dist::ProcessGroup& group, const std::string& path
                                  rf.read_int64_attribute("step"), ", not ", step));
     }
     for (const std::string& name : reader.tensor_names()) {
-      Node ds = open_dataset(f, name);
-      std::vector<int64_t> ranks = read_attr<int64_t>(ds, "piece_rank");
-      std::vector<int64_t> begins = read_attr<int64_t>(ds, "piece_begin");
-      std::vector<int64_t> lengths = read_attr<int64_t>(ds, "piece_length");
-      std::vector<uint64_t> sums = read_attr<uint64_t>(ds, "piece_checksum");
-      if (begins.size() != ranks.size() || lengths.size() != ranks.size() ||
-          sums.size() != ranks.size())
-        throw FormatError(concat(ds.where(), ": inconsistent piece attributes"));
-      for (size_t i = 0; i < ranks.size(); ++i) {
+      for (const CheckpointPiece& p : reader.pieces(name)) {
         RangeRecord r;
         r.tensor = name;
-        r.begin = begins[i];
-        r.length = lengths[i];
-        r.checksum = sums[i];
-        r.rank = static_cast<int>(ranks[i]);
+        r.begin = p.begin;
+        r.length = p.length;
+        r.checksum = p.checksum;
+        r.rank = p.rank;
         pieces.push_back({name, r});
       }
     }

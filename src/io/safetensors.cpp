@@ -693,7 +693,7 @@ SafetensorsCheckpoint SafetensorsCheckpoint::open(const std::string& dir_or_file
   } else if (fs::exists(root / kSingleCheckpointFile, ec)) {
     ck.files_.push_back(SafetensorsFile::open((root / kSingleCheckpointFile).string()));
   } else {
-    throw ConfigError(concat("checkpoint directory '", dir_or_file, "' holds neither ",
+    throw ConfigError(concat("model directory '", dir_or_file, "' holds neither ",
                              kSingleCheckpointFile, " nor ", kCheckpointIndexFile));
   }
 

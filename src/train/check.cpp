@@ -158,6 +158,13 @@ CheckReport run_check(Config config, const CheckOptions& options) {
   double rtol = options.rtol >= 0 ? options.rtol : std::max(rtol_of(compute), rtol_of(reduce));
 
   Batch full;
+  // Token ids stored as floats would be truncated (or undefined, past int64) by the conversion.
+  for (const char* name : {"input_ids", "targets"}) {
+    const DType stored = batch.info(name).dtype;
+    ST_CHECK_AS(FormatError, !is_floating(stored), "'", options.batch_file, "': ", name,
+                " is stored as ", dtype_name(stored),
+                "; token ids must be integers (I64, as the reference cases store them)");
+  }
   full.input_ids = batch.load("input_ids", Device::cpu(), DType::I64);
   full.targets = batch.load("targets", Device::cpu(), DType::I64);
   ST_CHECK_AS(FormatError,

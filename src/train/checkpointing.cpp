@@ -434,7 +434,8 @@ std::vector<std::string> resume_notes(const io::TrainingState& state, const Conf
 
 }  // namespace
 
-io::TrainingState load_checkpoint(Runtime& rt, const std::string& path) {
+io::TrainingState load_checkpoint(Runtime& rt, const std::string& path,
+                                  std::vector<std::string>* notes) {
   const Config& config = rt.config();
   io::CheckpointReader reader(path);
   const io::TrainingState& state = reader.state();
@@ -542,10 +543,21 @@ io::TrainingState load_checkpoint(Runtime& rt, const std::string& path) {
   if (state.world_size == rt.dist().world_size()) {
     std::map<std::string, io::GeneratorState> saved;
     for (const io::GeneratorState& g : state.rng[static_cast<size_t>(rank)]) saved[g.name] = g;
+    std::vector<std::string> missing;
     for (const auto& [name, gen] : reachable_generators(rt.model())) {
       auto it = saved.find(name);
-      if (it != saved.end()) gen->set_state(it->second.seed, it->second.offset);
+      if (it != saved.end())
+        gen->set_state(it->second.seed, it->second.offset);
+      else
+        missing.push_back(name);
     }
+    // Written by a run that did not draw from them (dropout turned on since), or lost.
+    if (notes != nullptr && !missing.empty())
+      notes->push_back(fmt::format(
+          "note: checkpoint '{}' holds no state for {} random generator(s) the model draws from "
+          "({}{}): they start from their seeds, so their draws (dropout masks) are not those an "
+          "uninterrupted run would have made",
+          path, missing.size(), missing.front(), missing.size() > 1 ? ", ..." : ""));
   }
   return state;
 }
@@ -581,9 +593,11 @@ std::optional<ResumePoint> Checkpointing::resume() {
     return std::nullopt;
   }
   auto load = [&](const std::string& path) {
-    io::TrainingState state = load_checkpoint(runtime_, path);
+    std::vector<std::string> load_notes;
+    io::TrainingState state = load_checkpoint(runtime_, path, &load_notes);
     log_(concat("resumed from ", path, " (step ", state.step, ", saved by ", state.world_size,
                 " rank(s), sharding ", state.sharding, ")"));
+    for (const std::string& note : load_notes) log_(note);
     last_saved_ = path;  // that step needs no second save (a stop before the next step)
     last_saved_step_ = state.step;
     for (const std::string& note : resume_notes(state, config_, world.size())) log_(note);

@@ -163,6 +163,17 @@ TEST_F(Check, ShapesAndHyperParametersMustFitTheReferenceStep) {
   expect_error<FormatError>([&] { run(Reference::golden(), negative); },
                             {"'" + negative + "': targets[0, 1] = -1 is not a token id",
                              "-100 marks a position without a target"});
+  // Token ids stored as floats (3.7 would be truncated to 3, NaN undefined) are refused as such.
+  {
+    Tensor ids = golden_batch.load("input_ids", Device::cpu(), DType::F32);
+    Tensor targets = golden_batch.load("targets", Device::cpu(), DType::I64);
+    static_cast<float*>(ids.data_ptr())[0] = 3.7f;
+    const std::string floats = tmp_ / "float-ids.safetensors";
+    save_safetensors(floats, {{"input_ids", ids}, {"targets", targets}});
+    expect_error<FormatError>(
+        [&] { run(Reference::golden(), floats); },
+        {"'" + floats + "': input_ids is stored as f32; token ids must be integers"});
+  }
 }
 
 }  // namespace

@@ -19,8 +19,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -52,6 +54,22 @@ using shardtrain::testing::TempDir;
 
 // The shared tiny run with 4 sequences per step (one micro-batch) and a cosine schedule. Built
 // for the emulated GPU (tests/simt), SHARDTRAIN_TEST_DEVICE moves every run onto it.
+// Writes an int64 attribute of the object at `object` ("/", "amp/grad_scaler") of an HDF5 file.
+// HDF5 ends the file at its own end when it closes it: a checkpoint's checksum trailer goes.
+void set_int_attribute(const std::string& path, const std::string& object, const std::string& name,
+                       int64_t value) {
+  hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  ASSERT_GE(f, 0) << path;
+  hid_t o = H5Oopen(f, object.c_str(), H5P_DEFAULT);
+  ASSERT_GE(o, 0) << object;
+  hid_t a = H5Aopen(o, name.c_str(), H5P_DEFAULT);
+  ASSERT_GE(a, 0) << name;
+  EXPECT_GE(H5Awrite(a, H5T_NATIVE_INT64, &value), 0);
+  H5Aclose(a);
+  H5Oclose(o);
+  H5Fclose(f);
+}
+
 train::Config tiny_config(const std::string& out_dir, std::vector<std::string> overrides = {}) {
   overrides.insert(overrides.begin(), {"train.micro_batch=4", "train.global_batch=4",
                                        "optim.schedule=cosine", "train.out_dir=" + out_dir});
@@ -206,12 +224,8 @@ TEST(CheckpointFormat, HoldsEveryTensorAtFullShapeAndTheTrainingState) {
   EXPECT_EQ(s.sharding, "none");
   EXPECT_FALSE(s.scaler_enabled);
   EXPECT_EQ(train::Config::parse(s.config_yaml), config);
-  optim::LrSchedule schedule;
-  schedule.peak = 3e-3f;
-  schedule.min_lr = 3e-4f;
-  schedule.warmup_steps = 5;
-  schedule.total_steps = 3;
-  EXPECT_FLOAT_EQ(static_cast<float>(s.lr), schedule.at(2));
+  // Step 3 (0-based 2) of 5 warm-up steps to optim.lr 3e-3: 3e-3 * 3 / 5.
+  EXPECT_FLOAT_EQ(static_cast<float>(s.lr), 1.8e-3f);
 
   // The weights are the final weights of the run (its export, rounded to bf16), at full shape
   // and in fp32; the moments too.
@@ -492,19 +506,22 @@ TEST(CheckpointResume, AutoRefusesDamagedCheckpointsAndFallsBackToAnIntactOne) {
   ASSERT_EQ(losses.size(), 3u);
   EXPECT_EQ(losses.at(3), first_losses.at(3));
 
-  // A main file of format version 1 (before the trailer) still verifies.
+  // A main file renamed to another step is refused: its rank files are its own step's.
   fs::copy_file(main_file(2), main_file(20));
-  fs::copy_file(rank_file(2), rank_file(20));
-  {
-    hid_t f = H5Fopen(main_file(20).c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
-    ASSERT_GE(f, 0);
-    hid_t a = H5Aopen(f, "format_version", H5P_DEFAULT);
-    const int64_t one = 1;
-    ASSERT_GE(H5Awrite(a, H5T_NATIVE_INT64, &one), 0);
-    H5Aclose(a);
-    H5Fclose(f);
-  }
-  EXPECT_EQ(io::verify_checkpoint(local, main_file(20)), "");
+  EXPECT_EQ(io::verify_checkpoint(local, main_file(20)),
+            "'" + main_file(20) +
+                "' is damaged: its name says step 00000020 but it records step 2 (renamed?); its "
+                "rank files are those of step 2");
+  fs::remove(main_file(20));
+
+  // A main file of format version 1 (before the trailer) still verifies.
+  const fs::path old_dir = tmp / "version1";
+  fs::create_directories(old_dir);
+  const std::string old_main = (old_dir / io::checkpoint_file_name(2)).string();
+  fs::copy_file(main_file(2), old_main);
+  fs::copy_file(rank_file(2), old_dir / io::rank_file_name(2, 0));
+  set_int_attribute(old_main, "/", "format_version", 1);
+  EXPECT_EQ(io::verify_checkpoint(local, old_main), "");
 }
 
 // A rank file that is a FIFO (whose open would block until a writer came, a hang no stop signal
@@ -539,6 +556,76 @@ TEST(CheckpointResume, ARankFileThatIsAFifoOrADirectoryIsRefusedWithoutBlocking)
     EXPECT_NE(log.find("refusing checkpoint " + main_file), std::string::npos) << log;
     EXPECT_NE(log.find(refusal), std::string::npos) << log;
   }
+}
+
+// Replaces an attribute of the object at `object` of an HDF5 file with a scalar of another type.
+void replace_attribute(const std::string& path, const std::string& object, const std::string& name,
+                       hid_t type, const void* value) {
+  hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  ASSERT_GE(f, 0) << path;
+  hid_t o = H5Oopen(f, object.c_str(), H5P_DEFAULT);
+  ASSERT_GE(o, 0) << object;
+  ASSERT_GE(H5Adelete(o, name.c_str()), 0) << name;
+  hid_t space = H5Screate(H5S_SCALAR);
+  hid_t a = H5Acreate2(o, name.c_str(), type, space, H5P_DEFAULT, H5P_DEFAULT);
+  EXPECT_GE(H5Awrite(a, type, value), 0);
+  H5Aclose(a);
+  H5Sclose(space);
+  H5Oclose(o);
+  H5Fclose(f);
+}
+
+// State no run could have saved is refused when the checkpoint is verified, naming the file and
+// the value, so that train.resume=auto falls back to an earlier checkpoint instead of stopping
+// on it later (or, for a negative seed that HDF5 would read as 0, going on with another shuffle).
+TEST(CheckpointResume, ImpossibleStateValuesAreRefusedAtVerification) {
+  TempDir tmp;
+  const std::string dir = tmp / "run/checkpoints";
+  train::TrainSummary first = train::run_training(tiny_config(
+      tmp / "run", {"train.steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=0"}));
+  const std::string main4 = dir + "/" + io::checkpoint_file_name(4);
+  const std::string pristine = tmp / "pristine.h5";
+  fs::copy_file(main4, pristine);
+  dist::LocalProcessGroup local;
+  struct Damage {
+    std::string object, name;
+    hid_t type;
+    double f64;
+    int64_t i64;
+    std::string expected;
+  };
+  const double nan = std::nan("");
+  const std::vector<Damage> damages = {
+      {"amp/grad_scaler", "scale", H5T_NATIVE_DOUBLE, nan, 0, "/amp/grad_scaler scale is nan"},
+      {"amp/grad_scaler", "scale", H5T_NATIVE_DOUBLE, 1e-300, 0, "scale is 1e-300"},
+      {"amp/grad_scaler", "scale", H5T_NATIVE_DOUBLE, -1, 0, "scale is -1"},
+      {"amp/grad_scaler", "skipped_steps", H5T_NATIVE_INT64, 0, 5, "skipped_steps 5 at step 4"},
+      {"data/train_sampler", "position", H5T_NATIVE_INT64, 0, -1, "position -1"},
+      {"data/train_sampler", "epoch", H5T_NATIVE_INT64, 0, -2, "epoch -2"},
+      {"data/train_sampler", "seed", H5T_NATIVE_INT64, 0, -7, "'seed' is -7"},
+      {"data/train_sampler", "seed", H5T_NATIVE_DOUBLE, 0.5, 0, "'seed' is not an integer"},
+      {"model/model.norm.weight", "piece_begin", H5T_NATIVE_INT64, 0, -1,
+       "its pieces do not tile the"},
+  };
+  for (const Damage& d : damages) {
+    SCOPED_TRACE(d.object + " " + d.name);
+    fs::copy_file(pristine, main4, fs::copy_options::overwrite_existing);
+    replace_attribute(main4, d.object, d.name, d.type,
+                      d.type == H5T_NATIVE_DOUBLE ? static_cast<const void*>(&d.f64) : &d.i64);
+    io::reseal_checkpoint_file(main4);
+    const std::string problem = io::verify_checkpoint(local, main4);
+    EXPECT_NE(problem.find(main4), std::string::npos) << problem;
+    EXPECT_NE(problem.find(d.expected), std::string::npos) << problem;
+  }
+  // auto falls back to step 2 and goes on to the run's own losses.
+  ::testing::internal::CaptureStderr();
+  train::TrainSummary resumed = train::run_training(
+      tiny_config(tmp / "run", {"train.steps=4", "train.resume=auto", "train.progress=lines"}));
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(log.find("refusing checkpoint " + main4), std::string::npos) << log;
+  EXPECT_NE(log.find("resumed from " + dir + "/" + io::checkpoint_file_name(2)), std::string::npos)
+      << log;
+  EXPECT_EQ(step_losses(resumed.metrics_path).at(4), step_losses(first.metrics_path).at(4));
 }
 
 TEST(CheckpointResume, ACheckpointOfAnotherModelIsAClearError) {

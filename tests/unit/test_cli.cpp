@@ -365,6 +365,21 @@ TEST(Cli, QuantizeWritesABaseAQloraRunReads) {
   r = run({"quantize", "--model", copy, "--output", copy + "/."});
   EXPECT_EQ(r.code, 2);
   EXPECT_CONTAINS(r.err, "is --model's directory");
+  // "The source's dtype" is the one its weights are stored in, not config.json's label.
+  {
+    std::string text = shardtrain::testing::read_file_bytes(copy + "/config.json");
+    const std::string label = "\"torch_dtype\": \"float32\"";
+    ASSERT_NE(text.find(label), std::string::npos);
+    text.replace(text.find(label), label.size(), "\"torch_dtype\": \"bfloat16\"");
+    std::ofstream(copy + "/config.json") << text;
+  }
+  const std::string relabelled = (tmp.path / "nf4-relabelled").string();
+  ::testing::internal::CaptureStderr();
+  r = run({"quantize", "--model", copy, "--output", relabelled});
+  r.err += ::testing::internal::GetCapturedStderr();
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(shardtrain::testing::read_file_bytes(relabelled + "/config.json"),
+                  "\"torch_dtype\": \"float32\"");
   r = run({"quantize", "--model", golden, "--output", out, "--dtype", "int8"});
   EXPECT_EQ(r.code, 2);
   EXPECT_CONTAINS(r.err, "--dtype must be bf16, fp16 or fp32, got 'int8'");

@@ -1,17 +1,21 @@
 // Output files are written whole or not at all, and input files must be regular files.
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "expect_error.h"
 #include "files.h"
+#include "shardtrain/core/child_process.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/core/files.h"
 #include "temp_dir.h"
@@ -129,6 +133,41 @@ TEST(CheckRegularFile, RefusesAFifoAndADirectoryButNotAFileOrAMissingPath) {
                             {"is not a regular file"});
   EXPECT_NO_THROW(check_regular_file(dir.write("file", "x"), "data.path"));
   EXPECT_NO_THROW(check_regular_file(dir / "missing", "data.path"));
+}
+
+// Work that may crash its process (HDF5 parsing unchecked metadata) runs in a child: the parent
+// learns how it ended, and nothing the child does reaches the parent.
+TEST(ChildProcess, ACrashIsReportedAndTheParentGoesOn) {
+  using Ended = ChildOutcome::Ended;
+  int touched = 0;
+  ChildOutcome crash = run_in_child_process(
+      [&] {
+        touched = 1;
+        raise(SIGSEGV);
+      },
+      std::chrono::seconds(30));
+  EXPECT_TRUE(crash.crashed());
+  EXPECT_EQ(crash.ended, Ended::Signalled);
+  EXPECT_EQ(crash.code, SIGSEGV);
+  EXPECT_EQ(touched, 0);  // the child's memory is its own
+
+  ChildOutcome fine = run_in_child_process([] {}, std::chrono::seconds(30));
+  EXPECT_EQ(fine.ended, Ended::Exited);
+  EXPECT_EQ(fine.code, 0);
+  EXPECT_FALSE(fine.crashed());
+
+  ChildOutcome threw =
+      run_in_child_process([] { throw FormatError("damaged"); }, std::chrono::seconds(30));
+  EXPECT_EQ(threw.ended, Ended::Exited);
+  EXPECT_EQ(threw.code, 1);
+
+  const auto start = std::chrono::steady_clock::now();
+  ChildOutcome stuck =
+      run_in_child_process([] { std::this_thread::sleep_for(std::chrono::seconds(60)); },
+                           std::chrono::milliseconds(200));
+  EXPECT_EQ(stuck.ended, Ended::TimedOut);
+  EXPECT_FALSE(stuck.crashed());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
 }
 
 }  // namespace

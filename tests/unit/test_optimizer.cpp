@@ -83,5 +83,34 @@ TEST(WeightDecay, AdamWDecaysTheChosenParametersApartFromTheGradient) {
   }
 }
 
+// The schedule against numbers worked by hand: peak 1, min_lr 0.1, 4 warm-up steps of 12. Warm-up
+// reaches the peak at its last step (step + 1 of 4); the decay runs over the 8 steps after it, a
+// quarter of the way at step 6 and half-way at step 8, and stays at min_lr from step 12 on.
+TEST(LrSchedule, FollowsWarmupThenDecaysToMinLrAndStaysThere) {
+  using Kind = optim::LrSchedule::Kind;
+  for (const Kind kind : {Kind::Cosine, Kind::Linear, Kind::Constant}) {
+    SCOPED_TRACE(static_cast<int>(kind));
+    optim::LrSchedule s;
+    s.kind = kind;
+    s.peak = 1.0f;
+    s.min_lr = 0.1f;
+    s.warmup_steps = 4;
+    s.total_steps = 12;
+    EXPECT_FLOAT_EQ(s.at(0), 0.25f);
+    EXPECT_FLOAT_EQ(s.at(1), 0.5f);
+    EXPECT_FLOAT_EQ(s.at(3), 1.0f);
+    EXPECT_FLOAT_EQ(s.at(4), 1.0f);  // the first decay step is at the peak
+    if (kind == Kind::Constant) {
+      for (int64_t step : {5, 8, 12, 40}) EXPECT_FLOAT_EQ(s.at(step), 1.0f);
+      continue;
+    }
+    // A quarter of the way: cosine 0.1 + 0.9 * (1 + cos(pi/4)) / 2, linear 0.1 + 0.9 * 0.75.
+    EXPECT_FLOAT_EQ(s.at(6), kind == Kind::Cosine ? 0.86819805f : 0.775f);
+    EXPECT_FLOAT_EQ(s.at(8), 0.55f);  // half-way: cosine and linear agree there
+    EXPECT_FLOAT_EQ(s.at(12), 0.1f);
+    EXPECT_FLOAT_EQ(s.at(20), 0.1f);  // past the end: min_lr, never below
+  }
+}
+
 }  // namespace
 }  // namespace shardtrain

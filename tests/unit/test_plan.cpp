@@ -162,6 +162,24 @@ TEST(Plan, Llama125mShapeWithAShortSequenceMatchesTheRuntime) {
               1e-4 * 16.0 * static_cast<double>(fp32.predicted.trainable_parameters));
 }
 
+// SGD keeps one fp32 state tensor per parameter with momentum, none without (AdamW two): the
+// prediction counts that, and matches a measured step of each.
+TEST(MemoryModel, SgdStateMatchesAMeasuredStep) {
+  for (const std::string momentum : {"0.9", "0"}) {
+    SCOPED_TRACE("momentum " + momentum);
+    const train::Config c = small_config({"optim.name=sgd", "optim.momentum=" + momentum});
+    const train::MemoryPrediction p =
+        train::predict_memory(train::MemoryModelInput::from_config(c, 1));
+    EXPECT_EQ(p.optimizer_bytes, momentum == "0" ? 0 : p.master_bytes);
+    const train::BenchRow measured = train::measure_config(c, 1, 1);
+    ASSERT_EQ(measured.status, train::BenchStatus::Ok) << measured.message;
+    expect_within(p.peak, measured.peak_bytes, 0.03, "sgd, momentum " + momentum);
+  }
+  const train::MemoryPrediction adamw =
+      train::predict_memory(train::MemoryModelInput::from_config(small_config({}), 1));
+  EXPECT_EQ(adamw.optimizer_bytes, 2 * adamw.master_bytes);
+}
+
 TEST(Plan, QloraTinyRowsMatchTheRuntime) {
   // NF4 bases, rank-8 adapters with dropout (each adapter keeps its own input and mask).
   train::Config c =

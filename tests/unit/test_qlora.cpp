@@ -390,6 +390,39 @@ TEST(Lora, AdapterGradientsPassGradcheck) {
   }
 }
 
+// Inverted dropout: a kept input is scaled by 1 / (1 - p), so the adapter's input keeps its
+// expected value. With a zero base and identity adapters (r = alpha = n: scale 1), the output of
+// an input of ones is the dropout itself.
+TEST(Lora, DropoutKeepsTheExpectedValueOfItsInput) {
+  const int64_t n = 16, rows = 6250;  // 100 000 draws
+  const float p = 0.3f;
+  auto base = std::make_unique<nn::Linear>(n, n, Device::cpu());
+  base->weight.copy_from(zeros({n, n}, DType::F32));
+  autograd::set_requires_grad(base->weight, false);
+  nn::LoraLinear lora(std::move(base), n, static_cast<float>(n), p, 5, Device::cpu());
+  std::vector<float> eye(static_cast<size_t>(n * n), 0.0f);
+  for (int64_t i = 0; i < n; ++i) eye[static_cast<size_t>(i * n + i)] = 1.0f;
+  {
+    autograd::NoGrad no_grad;
+    lora.lora_A.copy_from(from_floats(eye, {n, n}));
+    lora.lora_B.copy_from(from_floats(eye, {n, n}));
+  }
+  ASSERT_TRUE(lora.is_training());
+  const std::vector<float> out =
+      lora.forward(from_floats(std::vector<float>(static_cast<size_t>(rows * n), 1.0f), {rows, n}))
+          .to_float_vector();
+  int64_t dropped = 0;
+  double sum = 0;
+  for (float v : out) {
+    ASSERT_TRUE(v == 0.0f || std::abs(v - 1.0f / (1.0f - p)) < 1e-6f) << v;
+    dropped += v == 0.0f ? 1 : 0;
+    sum += v;
+  }
+  const double count = static_cast<double>(out.size());
+  EXPECT_NEAR(static_cast<double>(dropped) / count, p, 0.01);
+  EXPECT_NEAR(sum / count, 1.0, 0.01);
+}
+
 TEST(Lora, OnlyAdaptersReceiveGradients) {
   auto m = tiny_model();
   nn::LoraSummary s = nn::apply_lora(*m, options(nn::BaseQuantization::Nf4, 4, 8));

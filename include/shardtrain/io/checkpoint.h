@@ -8,8 +8,9 @@
 //   step-0000000N.rank-R.h5  the contiguous ranges of tensors that rank R held (1-D datasets)
 //
 // Serial HDF5 cannot have several processes write one file, so each rank writes its own file and
-// rank 0 then writes the main file, whose datasets only map onto the rank files. Readers open the
-// main file alone and see whole tensors (h5py, h5dump and this reader alike).
+// rank 0 then writes the main file, whose datasets only map onto the rank files. Other readers
+// open the main file alone and see whole tensors (h5py, h5dump); CheckpointReader reads the
+// ranges from the rank files, as the main file's piece records name them.
 //
 // Saving is atomic: every file is written under a ".tmp" name, closed and fsynced; after every
 // rank has finished, rank 0 renames the rank files and then the main file, whose last write before
@@ -139,11 +140,23 @@ std::vector<CheckpointEntry> list_checkpoints(const std::string& dir);
 void prune_checkpoints(const std::string& dir, int64_t keep_last, int64_t saved_step,
                        const std::set<int64_t>& refused = {});
 
-// Reads a checkpoint's main file (tensors through its virtual datasets).
+// One contiguous range of a tensor as the main file records it: the rank file that holds it, the
+// flat elements [begin, begin + length) it covers, and their checksum.
+struct CheckpointPiece {
+  int rank = 0;
+  int64_t begin = 0, length = 0;
+  uint64_t checksum = 0;
+};
+
+// Reads a checkpoint: its training state and tensor list from the main file, each tensor's data
+// from the rank files the main file records for it, the files verify_checkpoint checks (not
+// through the virtual datasets, whose mappings nothing checks against those records).
 class CheckpointReader {
  public:
   // Throws FormatError naming the file when it is not an HDF5 file, cannot be opened (e.g.
-  // truncated), is not a shardtrain checkpoint or lacks its `complete` attribute.
+  // truncated), is not a shardtrain checkpoint, lacks its `complete` attribute, or records state
+  // no run could have saved (a negative position, a loss scale that is not a positive float,
+  // pieces that do not tile a tensor). Reads no tensor data.
   explicit CheckpointReader(const std::string& path);
   ~CheckpointReader();
   CheckpointReader(const CheckpointReader&) = delete;
@@ -156,6 +169,8 @@ class CheckpointReader {
   bool has(const std::string& name) const;
   // Throws FormatError naming the file when the tensor is missing.
   Shape shape(const std::string& name) const;
+  // The pieces of a tensor, in element order; together they cover it exactly once.
+  const std::vector<CheckpointPiece>& pieces(const std::string& name) const;
   // The whole tensor, fp32 on the CPU device.
   Tensor read(const std::string& name) const;
   // Elements [begin, begin + out.numel()) of the flattened tensor into `out` (any float dtype,

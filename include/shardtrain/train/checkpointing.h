@@ -61,7 +61,10 @@ io::SaveRequest make_save_request(Runtime& runtime, const std::string& dir, int6
 // ranks and any sharding read any checkpoint: each rank reads the ranges it holds, one unit at a
 // time. Collective. Throws FormatError naming the file and tensor when the checkpoint does not
 // fit the model or optimizer. Returns the checkpoint's training state (step, sampler, ...).
-io::TrainingState load_checkpoint(Runtime& runtime, const std::string& path);
+// `notes` (when given) receives what a user should know about the load: generators the model
+// draws from that the checkpoint holds no state for (they start from their seeds).
+io::TrainingState load_checkpoint(Runtime& runtime, const std::string& path,
+                                  std::vector<std::string>* notes = nullptr);
 
 // ---- the training loop's checkpointing --------------------------------------------------------
 
