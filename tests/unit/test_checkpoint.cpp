@@ -628,6 +628,37 @@ TEST(CheckpointResume, ImpossibleStateValuesAreRefusedAtVerification) {
   EXPECT_EQ(step_losses(resumed.metrics_path).at(4), step_losses(first.metrics_path).at(4));
 }
 
+// A generator the model draws from that the checkpoint holds no state for (a run that drew none,
+// or a lost dataset) starts from its seed, and the resume says so: its draws are not those of an
+// uninterrupted run.
+TEST(CheckpointResume, AGeneratorTheCheckpointLacksIsNoted) {
+  TempDir tmp;
+  const std::vector<std::string> lora = {"lora.enabled=true", "lora.r=4", "lora.alpha=8",
+                                         "lora.dropout=0.2", "checkpoint.every_steps=2"};
+  std::vector<std::string> first = lora;
+  first.push_back("train.steps=2");
+  train::run_training(tiny_config(tmp / "run", first));
+  const std::string main2 = tmp / ("run/checkpoints/" + io::checkpoint_file_name(2));
+  const std::string lost = "rng/model.layers.0.mlp.down_proj.lora_dropout";
+  {
+    hid_t f = H5Fopen(main2.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    ASSERT_GE(f, 0);
+    ASSERT_GE(H5Ldelete(f, lost.c_str(), H5P_DEFAULT), 0) << lost;
+    H5Fclose(f);
+  }
+  io::reseal_checkpoint_file(main2);
+  std::vector<std::string> resumed = lora;
+  resumed.insert(resumed.end(), {"train.steps=3", "train.resume=auto", "train.progress=lines"});
+  ::testing::internal::CaptureStderr();
+  train::run_training(tiny_config(tmp / "run", resumed));
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(log.find("resumed from " + main2), std::string::npos) << log;
+  EXPECT_NE(log.find("holds no state for 1 random generator(s) the model draws from "
+                     "(model.layers.0.mlp.down_proj.lora_dropout)"),
+            std::string::npos)
+      << log;
+}
+
 TEST(CheckpointResume, ACheckpointOfAnotherModelIsAClearError) {
   TempDir tmp;
   train::run_training(tiny_config(tmp / "run", {"train.steps=1", "checkpoint.every_steps=1"}));
