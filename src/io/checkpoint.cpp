@@ -1015,13 +1015,13 @@ CheckpointReader::CheckpointReader(const std::string& path)
   collect_datasets(f, "optim", names_);
   std::sort(names_.begin(), names_.end());
   file_->dir = dir_of(path);
-  const std::vector<int64_t> writers = read_attr<int64_t>(f, "writer_ranks");
+  writer_ranks_ = read_attr<int64_t>(f, "writer_ranks");
   for (const std::string& name : names_) {
     Node ds = open_dataset(f, name);
     const std::vector<hsize_t> dims = dataset_dims(ds);
     File::Tensor& t = file_->tensors[name];
     t.shape.assign(dims.begin(), dims.end());
-    t.pieces = read_pieces(ds, t.shape, writers);
+    t.pieces = read_pieces(ds, t.shape, writer_ranks_);
   }
 }
 
@@ -1099,8 +1099,7 @@ std::string verify_checkpoint(dist::ProcessGroup& group, const std::string& path
   try {
     CheckpointReader reader(path);
     step = reader.state().step;
-    Node f = open_file(path);  // the reader has checked its checksum trailer
-    for (int64_t r : read_attr<int64_t>(f, "writer_ranks")) {
+    for (int64_t r : reader.writer_ranks()) {
       const std::string rank_path =
           (fs::path(dir) / rank_file_name(step, static_cast<int>(r))).string();
       std::error_code ec;

@@ -169,6 +169,8 @@ class CheckpointReader {
   bool has(const std::string& name) const;
   // Throws FormatError naming the file when the tensor is missing.
   Shape shape(const std::string& name) const;
+  // The ranks that wrote a rank file (attribute writer_ranks); every piece is on one of them.
+  const std::vector<int64_t>& writer_ranks() const { return writer_ranks_; }
   // The pieces of a tensor, in element order; together they cover it exactly once.
   const std::vector<CheckpointPiece>& pieces(const std::string& name) const;
   // The whole tensor, fp32 on the CPU device.
@@ -183,6 +185,7 @@ class CheckpointReader {
   std::unique_ptr<File> file_;
   TrainingState state_;
   std::vector<std::string> names_;
+  std::vector<int64_t> writer_ranks_;
 };
 
 }  // namespace shardtrain::io
